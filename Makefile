@@ -1,0 +1,37 @@
+# Two commands set everything up from a fresh clone: `make demo` and `make test`.
+# Both create .venv in the checkout, install torch==2.13.0 (a CPU wheel) and this package into it.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.stamp-install
+# pytest options, e.g. `make test PYTEST_ARGS="-k moe -x"`
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint install clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# torch first and pinned, so the package's range (torch>=2.11,<2.14) is already satisfied and
+# nothing pulls a CUDA build. --no-build-isolation keeps the build from asking for torch again.
+$(STAMP): pyproject.toml CMakeLists.txt | $(PY)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q "scikit-build-core>=0.10" ninja
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dynn demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m pip install -q ruff
+	$(VENV)/bin/ruff check dynn_runtime models tests build_tools
+
+clean:
+	rm -rf $(VENV) build dist .pytest_cache

@@ -1,0 +1,35 @@
+"""dynn-runtime: training large dynamic neural networks on limited GPU memory.
+
+Parts: the zoo of dynamic networks (:mod:`dynn_runtime.models`), the idiom tool
+(:mod:`dynn_runtime.idioms`), the trace recorder (:mod:`dynn_runtime.trace`), memory accounting
+(:mod:`dynn_runtime.memory`), and the native (patched PyTorch) hooks (:mod:`dynn_runtime.native`).
+"""
+
+from ._version import __version__
+from .errors import (
+    BudgetError,
+    ConfigError,
+    DynnError,
+    HostMemoryError,
+    NativeError,
+    PilotError,
+    PolicyError,
+    TraceError,
+    WorkloadError,
+)
+from .workload import load_workload, train
+
+__all__ = [
+    "__version__",
+    "DynnError",
+    "WorkloadError",
+    "ConfigError",
+    "TraceError",
+    "BudgetError",
+    "PolicyError",
+    "PilotError",
+    "NativeError",
+    "HostMemoryError",
+    "load_workload",
+    "train",
+]

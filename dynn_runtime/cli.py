@@ -1,0 +1,136 @@
+"""The ``dynn`` command line.
+
+Each subsystem owns its subcommands: a module listed in ``_SUBSYSTEM_CLIS`` defines
+``add_commands(subparsers)``, which adds parsers whose ``func(args) -> int`` runs the command.
+Library code never prints; the CLI does, and turns :class:`DynnError` into a one-line message
+and exit status 2 (no traceback from deep inside torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+
+from .errors import DynnError
+
+# Subsystems that contribute subcommands (module path, each with add_commands(subparsers)).
+_SUBSYSTEM_CLIS = (
+    "dynn_runtime.demo",
+    "dynn_runtime.idioms.cli",
+    "dynn_runtime.trace.cli",
+    "dynn_runtime.native.cli",
+)
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from . import models
+
+    rows = [(f.name, ", ".join(f.presets), f.size_knob, f.description) for f in models.FAMILIES.values()]
+    w = [max(len(r[i]) for r in rows + [("family", "presets", "size knob", "")]) for i in range(3)]
+    print(f"{'family':<{w[0]}}  {'presets':<{w[1]}}  {'size knob':<{w[2]}}  description")
+    for r in rows:
+        print(f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]}")
+    if args.verbose:
+        print()
+        for f in models.FAMILIES.values():
+            print(f"{f.name}: stands for {f.stands_for}; dynamic: {f.dynamic}")
+    return 0
+
+
+def _parse_overrides(items: Sequence[str]) -> dict:
+    import ast
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise DynnError(f"cli: --set expects FIELD=VALUE, got {item!r}.")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .memory import format_bytes
+    from .workload import load_workload, train
+
+    wl = load_workload(args.workload, preset=args.preset, seed=args.seed, **_parse_overrides(args.set))
+    bar = tqdm(total=args.steps, desc=f"train {args.workload}", unit="step", disable=args.quiet, leave=False)
+
+    def on_step(step: int, loss: float, peak: int) -> None:
+        bar.update(1)
+        bar.write(f"step {step:4d}  loss {loss:.6f}  peak {format_bytes(peak)}")
+
+    res = train(wl, args.steps, device=args.device, seed=args.seed, on_step=on_step)
+    bar.close()
+    print(f"done: {args.steps} steps on {res.device}; final loss {res.losses[-1]:.6f}; "
+          f"max peak {format_bytes(max(res.peak_bytes))} (bytes allocated above the step's start)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dynn",
+        description="dynn-runtime: train large dynamic neural networks on limited GPU memory.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("models", help="list the zoo of dynamic networks",
+                       description="List the zoo families with their presets and size knob.")
+    p.add_argument("-v", "--verbose", action="store_true", help="also say what is dynamic in each")
+    p.set_defaults(func=_cmd_models)
+
+    p = sub.add_parser(
+        "train", help="train a workload and print per-step loss and peak memory",
+        description=(
+            "Train a workload: a zoo name (see `dynn models`) or path/to/file.py:function, where "
+            "function(preset) returns an object with .model, .make_batch(step) and .loss(model, batch)."
+        ),
+    )
+    add_workload_args(p)
+    p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device (default cpu)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_train)
+
+    for modname in _SUBSYSTEM_CLIS:
+        if importlib.util.find_spec(modname.rpartition(".")[0]) is None:
+            continue  # subsystem not built yet
+        if importlib.util.find_spec(modname) is None:
+            continue
+        importlib.import_module(modname).add_commands(sub)
+    return parser
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The arguments every command that names a workload takes."""
+    p.add_argument("workload", help="zoo family name, or path/to/file.py:function")
+    p.add_argument("--preset", default="tiny", help="preset: tiny, small or large (default tiny)")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a config field of a zoo family, e.g. --set batch=4 (repeatable)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DynnError as exc:
+        print(f"dynn: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dynn: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

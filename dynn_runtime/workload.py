@@ -1,0 +1,257 @@
+"""Workloads: what dynn-runtime trains, records and simulates.
+
+A workload is any object with
+
+* ``model``: a ``torch.nn.Module``;
+* ``make_batch(step) -> batch``: a seeded, dynamic batch for that step (the same
+  step gives the same batch every time; tensors may be on the CPU, the trainer
+  moves them);
+* ``loss(model, batch) -> Tensor``: a scalar loss;
+* optionally ``optimizer(params) -> torch.optim.Optimizer`` (default: Adam, lr 1e-3);
+* optionally ``step_facts() -> dict``: what the last step did that varies from
+  step to step (experts used, blocks run, samples exited...), for reports.
+
+Workloads are named either by a zoo name (``moe``, ``skipnet``, ...; see
+``dynn models``) or by ``path/to/file.py:function``, where ``function(preset)``
+returns such an object. Example of a user's own workload file::
+
+    import torch
+    from torch import nn
+
+    class MyWorkload:
+        def __init__(self, preset):
+            width = {"tiny": 16, "small": 256}[preset]
+            torch.manual_seed(0)
+            self.model = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 1))
+
+        def make_batch(self, step):
+            g = torch.Generator().manual_seed(step)
+            n = int(torch.randint(4, 64, (1,), generator=g))   # dynamic batch size
+            x = torch.randn(n, 8, generator=g)
+            return x, x.sum(dim=1, keepdim=True)
+
+        def loss(self, model, batch):
+            x, y = batch
+            return nn.functional.mse_loss(model(x), y)
+
+    def build(preset):
+        return MyWorkload(preset)
+
+and then ``dynn train my_workload.py:build --preset tiny``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from .errors import WorkloadError
+
+__all__ = [
+    "Workload",
+    "load_workload",
+    "to_device",
+    "make_optimizer",
+    "TrainResult",
+    "train",
+    "workload_name",
+]
+
+
+@runtime_checkable
+class Workload(Protocol):
+    """What a workload provides (see the module docstring)."""
+
+    model: nn.Module
+
+    def make_batch(self, step: int) -> Any: ...
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor: ...
+
+
+def _load_from_file(spec: str, preset: str, **kwargs: Any) -> Any:
+    path_str, _, func_name = spec.rpartition(":")
+    path = Path(path_str)
+    if not path.is_file():
+        raise WorkloadError(
+            f"workload: file {str(path)!r} (from {spec!r}) does not exist. "
+            "Give an existing Python file as path/to/file.py:function."
+        )
+    mod_name = f"_dynn_user_workload_{abs(hash(str(path.resolve())))}"
+    mspec = importlib.util.spec_from_file_location(mod_name, path)
+    if mspec is None or mspec.loader is None:
+        raise WorkloadError(f"workload: cannot import {str(path)!r} as a Python module.")
+    module = importlib.util.module_from_spec(mspec)
+    sys.modules[mod_name] = module
+    try:
+        mspec.loader.exec_module(module)
+    except Exception as exc:  # the user's module failed at import: say where
+        raise WorkloadError(f"workload: importing {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
+    fn = getattr(module, func_name, None)
+    if fn is None or not callable(fn):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise WorkloadError(
+            f"workload: {str(path)!r} has no function {func_name!r}. Callables defined there: {public}."
+        )
+    try:
+        wl = fn(preset, **kwargs) if kwargs else fn(preset)
+    except Exception as exc:
+        raise WorkloadError(
+            f"workload: {spec}({preset!r}) raised {type(exc).__name__}: {exc}"
+        ) from exc
+    _check_workload(wl, spec)
+    return wl
+
+
+def _check_workload(wl: Any, spec: str) -> None:
+    missing = []
+    if not isinstance(getattr(wl, "model", None), nn.Module):
+        missing.append("`.model` (an nn.Module)")
+    for name in ("make_batch", "loss"):
+        if not callable(getattr(wl, name, None)):
+            missing.append(f"`.{name}(...)`")
+    if missing:
+        raise WorkloadError(
+            f"workload: {spec} returned a {type(wl).__name__}, which lacks {', '.join(missing)}. "
+            "A workload needs .model, .make_batch(step) and .loss(model, batch); see `dynn train --help`."
+        )
+
+
+def load_workload(spec: str, preset: str = "tiny", seed: int = 0, **overrides: Any) -> Any:
+    """Build a workload from a zoo name or ``path/to/file.py:function``.
+
+    ``overrides`` set fields of a zoo family's config (for example ``batch=8``);
+    they are not passed to user functions unless given.
+    """
+    if ".py:" in spec:
+        return _load_from_file(spec, preset, **overrides)
+    from . import models
+
+    return models.build(spec, preset=preset, seed=seed, **overrides)
+
+
+def workload_name(spec: str) -> str:
+    """A short, file-name-safe name for a workload spec."""
+    if ".py:" in spec:
+        path, _, fn = spec.rpartition(":")
+        return f"{Path(path).stem}.{fn}"
+    return spec
+
+
+def to_device(obj: Any, device: torch.device | str) -> Any:
+    """Move every tensor inside a batch (dicts, lists, tuples, dataclasses) to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(to_device(v, device) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+def make_optimizer(wl: Any, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The workload's optimizer if it names one, else Adam with lr 1e-3."""
+    factory: Callable[..., torch.optim.Optimizer] | None = getattr(wl, "optimizer", None)
+    if callable(factory):
+        return factory(params)
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """Per-step record of a training run."""
+
+    losses: list[float]
+    peak_bytes: list[int]
+    step_seconds: list[float]
+    facts: list[dict]
+    device: str
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise WorkloadError(
+            "train: --device cuda was asked for but torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}). Use --device cpu, or install a CUDA build of torch."
+        )
+    return dev
+
+
+def train(
+    wl: Any,
+    steps: int,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    on_step: Callable[[int, float, int], None] | None = None,
+    step_context: Callable[[], Any] | None = None,
+) -> TrainResult:
+    """Train ``wl`` for ``steps`` steps; the reference loop every other tool is compared against.
+
+    Peak memory per step is ``torch.cuda.max_memory_allocated`` on CUDA and, on the CPU, the
+    peak of live tensor storage bytes tracked by :class:`dynn_runtime.memory.LiveBytes`.
+    ``step_context`` (a context-manager factory) wraps each step, e.g. a memory manager's ``step()``.
+    """
+    from .memory import LiveBytes
+
+    dev = _resolve_device(device)
+    if steps < 1:
+        raise WorkloadError(f"train: steps must be at least 1, got {steps}.")
+    torch.manual_seed(seed)
+    model = wl.model.to(dev)
+    opt = make_optimizer(wl, model.parameters())
+    res = TrainResult([], [], [], [], str(dev))
+    for step in range(steps):
+        batch = to_device(wl.make_batch(step), dev)
+        t0 = time.perf_counter()
+        with LiveBytes(dev) as mem:
+            if step_context is not None:
+                with step_context():
+                    loss = _one_step(wl, model, opt, batch)
+            else:
+                loss = _one_step(wl, model, opt, batch)
+        res.step_seconds.append(time.perf_counter() - t0)
+        if not math.isfinite(loss):
+            raise WorkloadError(
+                f"train: loss became {loss} at step {step}. Lower the learning rate or check the workload's loss."
+            )
+        res.losses.append(loss)
+        res.peak_bytes.append(mem.peak_bytes)
+        facts_fn = getattr(wl, "step_facts", None)
+        res.facts.append(facts_fn() if callable(facts_fn) else {})
+        if on_step is not None:
+            on_step(step, loss, mem.peak_bytes)
+    return res
+
+
+def _one_step(wl: Any, model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> float:
+    loss = wl.loss(model, batch)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise WorkloadError(
+            f"train: the workload's loss() must return a scalar tensor, got {type(loss).__name__}"
+            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+            + "."
+        )
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in {"1", "true", "yes"}
