@@ -130,6 +130,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dynn: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `dynn idioms | head`: the reader went away; not an error of ours
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
