@@ -1,0 +1,1 @@
+"""Tooling that builds the patched PyTorch wheel (see patches/README.md)."""

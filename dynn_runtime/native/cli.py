@@ -1,0 +1,83 @@
+"""``dynn doctor``: which hook path (native or stock) is active, and why."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+from . import NativeFeatures, Preference, active_path, pinned_release, probe
+
+__all__ = ["add_commands", "doctor_report"]
+
+
+def doctor_report(
+    device: str = "cuda",
+    *,
+    prefer: Preference = Preference.AUTO,
+    probe_fn: Callable[[], NativeFeatures] = probe,
+    cuda_available: bool | None = None,
+) -> dict:
+    """Everything `dynn doctor` prints, as data (tests call this with a fake probe)."""
+    import torch
+
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    feats, choice = active_path(device, prefer=prefer, probe_fn=probe_fn, cuda_available=cuda_available)
+    pin = pinned_release()
+    return {
+        "torch": torch.__version__,
+        "torch_git": getattr(torch.version, "git_version", None),
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": cuda_available,
+        "device_name": torch.cuda.get_device_name(0) if cuda_available else None,
+        "patched": feats.available,
+        "series": feats.series,
+        "features": sorted(feats.features),
+        "probe": feats.reason,
+        "device": device,
+        "path": choice.path.value,
+        "why": choice.reason,
+        "pinned_release": pin,
+        "matches_pin": bool(pin) and torch.__version__.split("+")[0] == pin.get("version"),
+    }
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    prefer = Preference.REQUIRE_NATIVE if args.require_native else Preference.AUTO
+    report = doctor_report(args.device, prefer=prefer)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    pin = report["pinned_release"]
+    rows = [
+        ("torch", f"{report['torch']} (git {report['torch_git']}, CUDA {report['torch_cuda']})"),
+        ("CUDA available", "yes" if report["cuda_available"] else "no"),
+        ("device", report["device_name"] or "-"),
+        ("patched torch", f"yes, series {report['series']}" if report["patched"] else "no"),
+        ("probe", report["probe"]),
+        ("hook path", f"{report['path']} (for {report['device']})"),
+        ("why", report["why"]),
+        ("pinned release", f"{pin['version']} ({pin['tag']} @ {pin['commit'][:12]})" if pin else "unknown "
+                           "(not a source checkout)"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{w}}  {v}")
+    if not report["patched"]:
+        print("\nTo use the native hooks, build the patched wheel: python build_tools/build_wheel.py "
+              "(docs/artifact-evaluation.md).")
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "doctor", help="say whether the native (patched PyTorch) hooks are active, and why",
+        description="Probe torch for the DyNN-Offload patch series and report which hook path the "
+                    "runtime uses (native or stock) and why.",
+    )
+    p.add_argument("--device", default="cuda", help="device the runtime would run on (default cuda)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--require-native", action="store_true",
+                   help="fail (exit 2) unless the native path can be used")
+    p.set_defaults(func=_cmd_doctor)
