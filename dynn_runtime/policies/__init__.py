@@ -1,0 +1,18 @@
+"""Memory policies, one interface for the simulator and the live runtime (see :mod:`.base`).
+
+Registered: ``none``, ``lru``, ``save_on_cpu``, ``uvm``, ``checkpoint``, ``dtr``, ``replay``,
+``oracle``. The ``pilot`` policy registers itself when the pilot model is available.
+
+>>> from dynn_runtime.policies import POLICIES, make_policy
+>>> sorted(POLICIES)
+['checkpoint', 'dtr', 'lru', 'none', 'oracle', 'replay', 'save_on_cpu', 'uvm']
+>>> make_policy("oracle", provides=("history",))
+Traceback (most recent call last):
+...
+dynn_runtime.errors.PolicyError: policies: oracle needs future, which this caller does not provide (e.g. 'future' is only known to the simulator replaying a recorded trace; 'pilot' needs trained weights).
+"""
+
+from . import basic, nextuse, recompute  # noqa: F401  (registration)
+from .base import POLICIES, Action, MemoryView, Policy, make_policy, policy_names, register
+
+__all__ = ["POLICIES", "Action", "MemoryView", "Policy", "make_policy", "policy_names", "register"]

@@ -1,0 +1,93 @@
+"""Policies that need no knowledge beyond the present: none, lru, save_on_cpu, uvm."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import ClassVar
+
+from .base import Action, Policy, register
+
+
+@register
+class NonePolicy(Policy):
+    """PyTorch alone: everything stays resident; over budget is out-of-memory."""
+
+    name = "none"
+    description = "PyTorch alone: everything resident"
+
+
+@register
+class LRUPolicy(Policy):
+    """Evict the least recently used resident storage on pressure; fetch on demand (no prefetch)."""
+
+    name = "lru"
+    description = "evict least recently used on pressure, fetch on demand"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def on_alloc(self, sid: int, position: int) -> None:
+        self._order[sid] = None
+        self._order.move_to_end(sid)
+
+    def on_access(self, sid: int, position: int) -> None:
+        self._order[sid] = None
+        self._order.move_to_end(sid)
+
+    def on_free(self, sid: int) -> None:
+        self._order.pop(sid, None)
+
+    def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
+        view = self.view
+        for sid in self._order:  # evictions do not reorder it: safe to walk lazily
+            if sid not in exclude and view.status(sid) == "resident":
+                yield sid
+
+
+@register
+class SaveOnCPUPolicy(Policy):
+    """Like ``torch.autograd.graph.save_on_cpu``: every saved activation goes to the host when the
+    forward pass is done with it, copied on the compute stream; the backward pass copies it back,
+    synchronously, when it unpacks it. Nothing else is ever moved, and there is no prefetch."""
+
+    name = "save_on_cpu"
+    description = "offload every saved activation, fetch on use (torch save_on_cpu)"
+    sync_copies: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._saved: set[int] = set()
+
+    def on_alloc(self, sid: int, position: int) -> None:
+        if self.view.saved(sid) and self.view.kind(sid) in ("activation", "input", "temp"):
+            self._saved.add(sid)
+
+    def on_free(self, sid: int) -> None:
+        self._saved.discard(sid)
+
+    def after_op(self, position: int) -> list[Action]:
+        view = self.view
+        if view.phase != "forward":
+            return []
+        done = [sid for sid in self._saved if view.status(sid) == "resident" and view.forward_done(sid)]
+        for sid in done:
+            self._saved.discard(sid)
+        return [Action("evict", sid) for sid in done]
+
+
+@register
+class UVMPolicy(LRUPolicy):
+    """CUDA unified memory when oversubscribed: page-granular (64 KiB pages) demand migration.
+
+    Faults are served in 2 MiB batches, each costing the profile's ``uvm_fault_s`` plus the
+    migration at ``uvm_bytes_per_s``; the driver evicts least-recently-used pages, writing them back
+    in the fault path (``sync_copies``). There is no prefetch (``cudaMemPrefetchAsync`` is not used
+    by PyTorch).
+    """
+
+    name = "uvm"
+    description = "unified memory: page-granular demand migration with fault cost"
+    sync_copies: ClassVar[bool] = True
+    page_bytes: ClassVar[int | None] = 64 << 10

@@ -1,0 +1,109 @@
+"""Policies that free activations and recompute them: checkpoint and DTR."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Literal
+
+from .base import Action, Policy, register
+
+_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def block_of(module: str) -> str:
+    """The repeated block a module path belongs to: the prefix up to the first numbered child
+    (``blocks.3.attn.qkv`` -> ``blocks.3``), else the top-level child (``head.fc`` -> ``head``)."""
+    m = _BLOCK.match(module)
+    if m:
+        return m.group(1)
+    return module.split(".", 1)[0]
+
+
+@register
+class CheckpointPolicy(Policy):
+    """Like ``torch.utils.checkpoint`` around every repeated block (``layers.N``, ``blocks.N``, ...).
+
+    When the forward pass leaves a block, the activations the block produced for backward are
+    freed, except what leaves the block (its outputs, still used by later forward operators). The
+    first time backward needs any of them, the block's whole forward is re-run and all of them come
+    back. Networks without numbered blocks are checkpointed per top-level child. Nothing else moves:
+    over budget after that is out-of-memory.
+    """
+
+    name = "checkpoint"
+    description = "recompute activations per block (torch.utils.checkpoint)"
+
+    def begin_iteration(self, index: int, context: dict | None = None) -> None:
+        sim = (context or {}).get("sim")
+        self._block_ops: dict[str, list[int]] = {}
+        self._block_of_op: list[str] = []
+        self._last_fwd: dict[str, int] = {}
+        if sim is None:
+            return
+        for j, op in enumerate(sim.ops):
+            b = block_of(op.module) if op.phase == "forward" and op.module else ""
+            self._block_of_op.append(b)
+            if b:
+                self._block_ops.setdefault(b, []).append(j)
+                self._last_fwd[b] = j
+        self._ends = {j: b for b, j in self._last_fwd.items()}
+        self._produced: dict[str, list[int]] = {}
+        for b, positions in self._block_ops.items():
+            self._produced[b] = [sid for j in positions for sid in sim.ops[j].allocs]
+        self._sid_block = {sid: b for b, sids in self._produced.items() for sid in sids}
+
+    def evict_mode(self, sid: int) -> Literal["offload", "drop"]:
+        return "drop"
+
+    def after_op(self, position: int) -> list[Action]:
+        b = self._ends.get(position)
+        if not b:
+            return []
+        view = self.view
+        return [Action("evict", sid) for sid in self._produced[b]
+                if view.status(sid) == "resident" and view.saved(sid) and view.forward_done(sid)]
+
+    def recompute_group(self, sid: int) -> list[int]:
+        b = self._sid_block.get(sid)
+        return list(self._block_ops[b]) if b else [self.view.producer_of(sid)]
+
+
+@register
+class DTRPolicy(Policy):
+    """Dynamic Tensor Rematerialization (Kirisame et al., ICLR 2021), h_DTR heuristic.
+
+    On pressure, evict (free) the resident recomputable storage with the smallest
+    ``h(t) = c(t) / (m(t) * s(t))``: ``c`` the time to rematerialize it *including* its evicted
+    neighbourhood (every dropped or freed ancestor the recompute would have to rebuild first),
+    ``m`` its size, ``s`` its staleness (time since last access). Accessing an evicted storage
+    recomputes its producer, recursively. Candidates are sampled (every ``n // sqrt(n)``-th of the
+    n candidates, deterministic) when there are more than ``sample_above``, as the prototype does.
+    Parameters, gradients and optimizer state are never evicted (they cannot be recomputed).
+    """
+
+    name = "dtr"
+    description = "rematerialization with h = c/(m*s) including evicted neighbourhood cost"
+    sample_above = 256
+
+    def evict_mode(self, sid: int) -> Literal["offload", "drop"]:
+        return "drop"
+
+    def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
+        view = self.view
+        while True:
+            cands = [sid for sid in view.resident()
+                     if sid not in exclude and view.nbytes(sid) > 0 and view.recomputable(sid)]
+            if not cands:
+                return
+            if len(cands) > self.sample_above:
+                step = max(1, int(len(cands) ** 0.5))
+                cands = cands[::step]
+            now = view.now()
+            best, best_h = None, float("inf")
+            for sid in cands:
+                staleness = max(now - view.last_access_time(sid), 1e-9)
+                h = view.recompute_cost(sid) / (view.nbytes(sid) * staleness)
+                if h < best_h:
+                    best, best_h = sid, h
+            yield best

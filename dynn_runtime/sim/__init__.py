@@ -1,0 +1,7 @@
+"""Trace-driven simulator: replay a recorded iteration against a policy, a budget and a device profile."""
+
+from .engine import SimResult, Simulator, Status, simulate, unmanaged_peak
+from .profiles import PROFILES, DeviceProfile, get_profile, op_time
+
+__all__ = ["simulate", "unmanaged_peak", "Simulator", "SimResult", "Status", "PROFILES", "DeviceProfile",
+           "get_profile", "op_time"]

@@ -1,0 +1,585 @@
+"""Trace-driven simulation of a memory policy on a device under a memory budget.
+
+Rules the engine keeps (numbered so tests and docs can point at them):
+
+1. Every storage is in one :class:`Status`; transitions go through :meth:`Simulator._set`, which
+   rejects any transition not in ``_TRANSITIONS``.
+2. Device bytes held = RESIDENT + OFFLOADING (the device copy lives until the copy ends) +
+   FETCHING (space is reserved when the copy starts). It never exceeds the budget: when room is
+   needed the engine asks the policy for victims, and if they are not enough it reports
+   out-of-memory for that operator instead of going over.
+3. Before an operator runs, everything it reads or writes is resident: an in-flight prefetch is
+   waited for (stall), an offloaded storage is fetched on demand (stall, a prefetch miss), a
+   dropped one is recomputed (its producer re-run, recursively; charged as recompute time).
+4. Copies run on two copy engines, one per direction, each serial, overlapping compute and each
+   other (``sync_copies`` policies put them on the compute stream instead, as
+   ``torch.autograd.graph.save_on_cpu`` and unified-memory faults do).
+5. An eviction of a storage whose host copy is still valid (fetched and not written since) costs
+   no copy.
+6. A storage can be dropped for recompute only if it is an activation or temporary produced in
+   this iteration, outside the optimizer step, and not written in place since.
+7. The manager engages only when the iteration does not fit: if the unmanaged peak is within the
+   budget, every policy behaves like ``none`` (nothing moves, nothing is recomputed).
+
+Time: ``compute`` is the sum of operator times (measured on the profile's GPU, or the roofline of
+:func:`~dynn_runtime.sim.profiles.op_time` for traces recorded elsewhere); the iteration time is the
+compute stream's clock at the end: compute + stalls + recompute.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import BudgetError, ConfigError, TraceError, _internal_assert
+from ..policies.base import Policy, make_policy
+from ..trace.format import Trace
+from .profiles import DeviceProfile, get_profile, op_time
+
+__all__ = ["Status", "SimResult", "Simulator", "simulate", "unmanaged_peak"]
+
+
+class Status(enum.Enum):
+    ABSENT = "absent"          # not allocated yet, or freed by the program
+    RESIDENT = "resident"
+    OFFLOADING = "offloading"  # device-to-host copy in flight; device copy still valid
+    HOST = "host"              # only on the host
+    FETCHING = "fetching"      # host-to-device copy in flight; device space reserved
+    DROPPED = "dropped"        # freed for recompute
+
+
+S = Status
+_TRANSITIONS: dict[Status, frozenset[Status]] = {
+    S.ABSENT: frozenset({S.RESIDENT}),
+    S.RESIDENT: frozenset({S.OFFLOADING, S.HOST, S.DROPPED, S.ABSENT}),
+    S.OFFLOADING: frozenset({S.HOST, S.RESIDENT, S.ABSENT}),
+    S.HOST: frozenset({S.FETCHING, S.RESIDENT, S.ABSENT}),
+    S.FETCHING: frozenset({S.RESIDENT, S.ABSENT}),
+    S.DROPPED: frozenset({S.RESIDENT, S.ABSENT}),
+}
+_HOLDS_DEVICE = frozenset({S.RESIDENT, S.OFFLOADING, S.FETCHING})
+_RECOMPUTABLE_KINDS = frozenset({"activation", "temp"})
+
+
+@dataclass
+class SimResult:
+    """Outcome of simulating one iteration."""
+
+    policy: str
+    budget_bytes: int
+    profile: str
+    feasible: bool
+    reason: str
+    iter_time_s: float
+    compute_time_s: float
+    stall_time_s: float
+    recompute_time_s: float
+    bytes_offloaded: int
+    bytes_fetched: int
+    peak_bytes: int
+    unmanaged_peak_bytes: int
+    decisions: int
+    evictions: int
+    recomputed_ops: int
+    prefetch_hits: int
+    prefetch_misses: int
+    ops: int
+    managed: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _St:
+    nbytes: int
+    kind: str
+    saved: bool
+    status: Status = S.ABSENT
+    host_valid: bool = False
+    ready_at: float = 0.0
+    last_access: int = -1
+    last_access_t: float = 0.0
+    count: int = 0
+    chain_temp: bool = False
+
+
+class _OOM(Exception):
+    pass
+
+
+def unmanaged_peak(trace: Trace, iteration: int = -1) -> int:
+    """Peak device bytes of one iteration with everything resident (PyTorch alone)."""
+    return Simulator(trace, "none", budget_bytes=None, iteration=iteration).run().peak_bytes
+
+
+class Simulator:
+    """Replays one iteration of ``trace`` against ``policy`` under ``budget_bytes`` on ``profile``."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        policy: str | Policy,
+        budget_bytes: int | None,
+        profile: str | DeviceProfile = "h100",
+        iteration: int = -1,
+        policy_options: dict | None = None,
+    ) -> None:
+        if not trace.iterations:
+            raise TraceError("sim: the trace has no iterations.")
+        n = len(trace.iterations)
+        idx = iteration if iteration >= 0 else n + iteration
+        if not 0 <= idx < n:
+            raise ConfigError(f"sim: iteration {iteration} is out of range; the trace has {n} iteration(s).")
+        if budget_bytes is not None and budget_bytes <= 0:
+            raise BudgetError(f"sim: the budget must be a positive number of bytes, got {budget_bytes}.")
+        self.trace = trace
+        self.profile = get_profile(profile)
+        self.policy = make_policy(policy, provides=("history", "future"), **(policy_options or {}))
+        self.it = trace.iterations[idx]
+        self.history = trace.iterations[:idx]
+        self.budget = budget_bytes if budget_bytes is not None else 1 << 62
+        self.ops = self.it.ops
+        self.position = 0
+        self.phase = "forward"
+        self._prepare()
+
+    # ---- static analysis of the iteration ---------------------------------------------------
+    def _prepare(self) -> None:
+        tr, it = self.trace, self.it
+        page = self.policy.page_bytes
+        self.st: dict[int, _St] = {}
+        self.true_nbytes: dict[int, int] = {}
+        for s in tr.storages.values():
+            b = s.nbytes if not page else max(page, math.ceil(s.nbytes / page) * page)
+            self.st[s.sid] = _St(nbytes=b, kind=s.kind, saved=s.saved)
+            self.true_nbytes[s.sid] = s.nbytes
+        self.accesses: dict[int, list[int]] = {}
+        self.producer: dict[int, int] = {}
+        self.first_write: dict[int, int] = {}
+        measured = self._measured_durations()
+        self.op_time: list[float] = []
+        for j, op in enumerate(self.ops):
+            for sid in set(op.inputs) | set(op.outputs) | set(op.writes):
+                self.accesses.setdefault(sid, []).append(j)
+            for sid in op.allocs:
+                self.producer[sid] = j
+            for sid in op.writes:
+                if sid not in op.allocs:
+                    self.first_write.setdefault(sid, j)
+            if measured:
+                self.op_time.append(max(op.duration_s, self.profile.op_overhead_s * 0.2))
+            else:
+                dt = tr.storages[op.outputs[0]].dtype if op.outputs else "float32"
+                self.op_time.append(op_time(op.flops, op.nbytes, dt, self.profile))
+        self.forward_last_use: dict[int, int] = {}
+        bwd = it.phase_starts.get("backward", len(self.ops))
+        for sid, acc in self.accesses.items():
+            k = bisect.bisect_left(acc, bwd)
+            if k:
+                self.forward_last_use[sid] = acc[k - 1]
+        # storages alive when the iteration starts (parameters, optimizer state, the batch)
+        idx = it.index
+        self.initial: list[int] = []
+        for s in tr.storages.values():
+            if s.alloc_at is None:
+                continue
+            born_before = s.alloc_at[0] < idx or (s.alloc_at[0] == idx and s.preexisting)
+            alive = s.free_at is None or s.free_at[0] > idx or (s.free_at[0] == idx and s.alloc_at[0] == idx)
+            if s.alloc_at[0] < idx and s.free_at is not None and s.free_at[0] < idx:
+                alive = False
+            if born_before and alive and not (s.free_at is not None and s.free_at[0] == idx - 1 and s.alloc_at[0] < idx):
+                self.initial.append(s.sid)
+        self.frees = it.frees
+
+    def _measured_durations(self) -> bool:
+        h = self.trace.header
+        dev = str(h.get("device", ""))
+        return dev.startswith("cuda") and self.profile.name in str(h.get("device_name", "")).lower()
+
+    # ---- MemoryView (what policies read) ----------------------------------------------------
+    def nbytes(self, sid: int) -> int:
+        return self.st[sid].nbytes
+
+    def kind(self, sid: int) -> str:
+        return self.st[sid].kind
+
+    def saved(self, sid: int) -> bool:
+        return self.st[sid].saved
+
+    def status(self, sid: int) -> str:
+        return self.st[sid].status.value
+
+    def resident(self) -> Iterable[int]:
+        return (sid for sid, s in self.st.items() if s.status is S.RESIDENT)
+
+    def offloaded(self) -> Iterable[int]:
+        return (sid for sid, s in self.st.items() if s.status in (S.HOST, S.DROPPED))
+
+    def last_access(self, sid: int) -> int:
+        return self.st[sid].last_access
+
+    def last_access_time(self, sid: int) -> float:
+        return self.st[sid].last_access_t
+
+    def access_count(self, sid: int) -> int:
+        return self.st[sid].count
+
+    def free_bytes(self) -> int:
+        return self.budget - self.used
+
+    def now(self) -> float:
+        return self.t
+
+    def forward_done(self, sid: int) -> bool:
+        """The forward pass will not touch ``sid`` again (its Python references are gone)."""
+        return self.phase == "forward" and self.forward_last_use.get(sid, -1) <= self.position
+
+    def module_of(self, position: int) -> str:
+        return self.ops[position].module
+
+    def phase_of(self, position: int) -> str:
+        return self.ops[position].phase
+
+    def producer_of(self, sid: int) -> int | None:
+        return self.producer.get(sid)
+
+    def recomputable(self, sid: int) -> bool:
+        s = self.st[sid]
+        j = self.producer.get(sid)
+        if j is None or s.kind not in _RECOMPUTABLE_KINDS or self.ops[j].phase == "optimizer":
+            return False
+        w = self.first_write.get(sid)
+        return w is None or w > self.position
+
+    def recompute_cost(self, sid: int) -> float:
+        """Time to rematerialize ``sid``: its producer plus every dropped or freed ancestor (DTR's e*)."""
+        seen: set[int] = set()
+        total = 0.0
+        stack = [sid]
+        while stack:
+            x = stack.pop()
+            j = self.producer.get(x)
+            if j is None or j in seen:
+                continue
+            seen.add(j)
+            total += self.op_time[j]
+            for inp in self.ops[j].inputs:
+                if self.st[inp].status in (S.DROPPED, S.ABSENT) and inp in self.producer:
+                    stack.append(inp)
+        return total
+
+    def next_use(self, sid: int) -> int | None:
+        """Next access after the current position; persistent storages wrap to the next iteration."""
+        acc = self.accesses.get(sid)
+        if not acc:
+            return None
+        k = bisect.bisect_right(acc, self.position)
+        if k < len(acc):
+            return acc[k]
+        if self.st[sid].kind in ("param", "buffer", "opt_state"):
+            return len(self.ops) + acc[0]
+        return None
+
+    # ---- state transitions ------------------------------------------------------------------
+    def _set(self, sid: int, new: Status) -> None:
+        s = self.st[sid]
+        _internal_assert(new in _TRANSITIONS[s.status], f"sim: illegal transition {s.status.value} -> {new.value} "
+                         f"for storage {sid}")
+        held_before = s.status in _HOLDS_DEVICE
+        held_after = new in _HOLDS_DEVICE
+        if held_after and not held_before:
+            self.used += s.nbytes
+        elif held_before and not held_after:
+            self.used -= s.nbytes
+        if s.status is S.OFFLOADING:
+            self.pending -= s.nbytes
+            self._offloading.discard(sid)
+        elif s.status is S.FETCHING:
+            self._fetching.discard(sid)
+        if new is S.OFFLOADING:
+            self.pending += s.nbytes
+            self._offloading.add(sid)
+        elif new is S.FETCHING:
+            self._fetching.add(sid)
+        s.status = new
+        if self.used > self.peak:
+            self.peak = self.used
+
+    def _stall_until(self, t: float) -> None:
+        if t > self.t:
+            self.stall += t - self.t
+            self.t = t
+
+    def _reap(self) -> None:
+        """Copies that have landed by now: offloads release their device bytes, prefetches become
+        resident (and so evictable again)."""
+        for sid in [x for x in self._offloading if self.st[x].ready_at <= self.t]:
+            self._set(sid, S.HOST)
+        for sid in [x for x in self._fetching if self.st[x].ready_at <= self.t]:
+            self._set(sid, S.RESIDENT)
+
+    def _copy_d2h(self, nbytes: int) -> float:
+        p = self.profile
+        dur = p.copy_latency_s + nbytes / p.d2h_bytes_per_s
+        if self.policy.sync_copies:
+            self._stall_until(self.t + dur)
+            return self.t
+        start = max(self.t, self.d2h_free)
+        self.d2h_free = start + dur
+        return self.d2h_free
+
+    def _copy_h2d(self, nbytes: int) -> float:
+        p = self.profile
+        if self.policy.page_bytes:  # unified memory: fault batches per 2 MiB chunk plus migration
+            chunks = math.ceil(nbytes / (2 << 20))
+            dur = chunks * p.uvm_fault_s + nbytes / (p.uvm_bytes_per_s or p.h2d_bytes_per_s)
+            self._stall_until(self.t + dur)
+            return self.t
+        dur = p.copy_latency_s + nbytes / p.h2d_bytes_per_s
+        if self.policy.sync_copies:
+            self._stall_until(self.t + dur)
+            return self.t
+        start = max(self.t, self.h2d_free)
+        self.h2d_free = start + dur
+        return self.h2d_free
+
+    def _evict(self, sid: int) -> bool:
+        s = self.st[sid]
+        if s.status is not S.RESIDENT:
+            return False
+        mode = self.policy.evict_mode(sid)
+        if mode == "drop":
+            if not self.recomputable(sid):
+                return False
+            self._set(sid, S.DROPPED)
+        elif s.host_valid:
+            self._set(sid, S.HOST)  # rule 5: clean copy on the host already
+        else:
+            s.ready_at = self._copy_d2h(s.nbytes)
+            self.bytes_offloaded += s.nbytes
+            s.host_valid = True
+            self._set(sid, S.OFFLOADING)
+            if s.ready_at <= self.t:
+                self._set(sid, S.HOST)
+        self.evictions += 1
+        return True
+
+    def _make_room(self, need: int, exclude: set[int]) -> None:
+        if self.used + need <= self.budget:
+            return
+        self._reap()
+        while self.used - self.pending + need > self.budget:
+            for sid in self.policy.victims(self.used - self.pending + need - self.budget, exclude):
+                if sid in exclude or sid not in self.st:
+                    continue
+                if self._evict(sid):
+                    self.decisions += 1
+                    if self.used - self.pending + need <= self.budget:
+                        break
+            if self.used - self.pending + need <= self.budget:
+                break
+            if not self._fetching:
+                raise _OOM(need)
+            # prefetches in flight hold space: let the earliest land, then it may be evicted
+            self._stall_until(min(self.st[x].ready_at for x in self._fetching))
+            self._reap()
+        while self.used + need > self.budget:  # wait for offloads to land, earliest first
+            self._stall_until(min(self.st[x].ready_at for x in self._offloading))
+            self._reap()
+
+    def _ensure(self, sid: int, exclude: set[int], depth: int = 0) -> None:
+        s = self.st[sid]
+        if s.status is S.RESIDENT:
+            return
+        if s.status is S.OFFLOADING:  # still on the device: cancel the eviction
+            self._set(sid, S.RESIDENT)
+            return
+        if s.status is S.FETCHING:
+            if s.ready_at > self.t:
+                self.prefetch_late += 1
+            self._stall_until(s.ready_at)
+            self.prefetch_hits += 1
+            self._set(sid, S.RESIDENT)
+            return
+        if s.status is S.HOST:
+            self._make_room(s.nbytes, exclude)
+            self.prefetch_misses += 1
+            self.bytes_fetched += s.nbytes
+            self._stall_until(self._copy_h2d(s.nbytes))
+            self._set(sid, S.FETCHING)
+            self._set(sid, S.RESIDENT)
+            return
+        # DROPPED, or ABSENT but needed to rebuild a dropped descendant
+        _internal_assert(sid in self.producer, f"sim: storage {sid} ({s.status.value}) is needed but cannot be rebuilt")
+        _internal_assert(depth < 10_000, "sim: recompute chain too deep")
+        self._recompute(sid, exclude, depth)
+
+    def _recompute(self, sid: int, exclude: set[int], depth: int) -> None:
+        group = getattr(self.policy, "recompute_group", None)
+        positions = group(sid) if callable(group) else [self.producer[sid]]
+        produced = {x for j in positions for x in self.ops[j].allocs}
+        keep = set(exclude) | {sid}
+        for j in positions:
+            op = self.ops[j]
+            for inp in op.inputs:
+                if inp in produced:
+                    continue
+                keep.add(inp)
+                if self.st[inp].status is S.ABSENT:
+                    self.st[inp].chain_temp = True
+                self._ensure(inp, keep, depth + 1)
+        rebuilt = [x for x in produced if self.st[x].status in (S.DROPPED,) or x == sid
+                   or (self.st[x].chain_temp and self.st[x].status is S.ABSENT)]
+        self._make_room(sum(self.st[x].nbytes for x in rebuilt if self.st[x].status not in _HOLDS_DEVICE), keep)
+        cost = sum(self.op_time[j] for j in positions)
+        self.t += cost
+        self.recompute_t += cost
+        self.recomputed_ops += len(positions)
+        for x in rebuilt:
+            if self.st[x].status not in _HOLDS_DEVICE:
+                self._set(x, S.RESIDENT)
+        if depth == 0:  # chain temporaries the program had freed go again once the chain is done
+            for x, s in self.st.items():
+                if s.chain_temp:
+                    s.chain_temp = False
+                    if s.status in _HOLDS_DEVICE and x != sid:
+                        self._set(x, S.ABSENT)
+
+    def _free(self, sid: int) -> None:
+        s = self.st[sid]
+        if s.status is not S.ABSENT:
+            self._set(sid, S.ABSENT)
+        s.host_valid = False
+        self.policy.on_free(sid)
+
+    def _apply(self, actions: Iterable[Any]) -> None:
+        for a in actions:
+            s = self.st.get(a.sid)
+            if s is None:
+                continue
+            if a.kind == "evict":
+                if self._evict(a.sid):
+                    self.decisions += 1
+            elif a.kind == "prefetch" and s.status is S.HOST and self.used + s.nbytes <= self.budget:
+                s.ready_at = self._copy_h2d(s.nbytes)
+                self.bytes_fetched += s.nbytes
+                self._set(a.sid, S.FETCHING)
+                self.decisions += 1
+
+    # ---- the run ----------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        self.t = self.stall = self.recompute_t = 0.0
+        self.d2h_free = self.h2d_free = 0.0
+        self.used = self.pending = self.peak = 0
+        self._offloading: set[int] = set()
+        self._fetching: set[int] = set()
+        self.bytes_offloaded = self.bytes_fetched = 0
+        self.decisions = self.evictions = self.recomputed_ops = 0
+        self.prefetch_hits = self.prefetch_misses = self.prefetch_late = 0
+        compute = sum(self.op_time)
+        peak_none = self._unmanaged_peak()
+        managed = peak_none > self.budget and self.policy.name != "none"
+        policy = self.policy if managed else make_policy("none")
+        if not managed:  # page rounding belongs to the policy that is not in force
+            for sid, b in self.true_nbytes.items():
+                self.st[sid].nbytes = b
+        saved_policy, self.policy = self.policy, policy
+        try:
+            policy.attach(self)
+            policy.begin_iteration(self.it.index, {"history": self.history, "trace": self.trace, "sim": self})
+            reason = ""
+            feasible = True
+            try:
+                self._run_ops()
+            except _OOM as exc:
+                feasible = False
+                j = self.position
+                op = self.ops[j] if j < len(self.ops) else None
+                where = f"{op.name} in {op.module or '<top>'} ({op.phase})" if op else "the iteration start"
+                reason = (
+                    f"out of memory at op {j} ({where}): needs {exc.args[0]} more bytes with "
+                    f"{self.used} of {self.budget} in use and nothing left that {policy.name} may evict"
+                )
+        finally:
+            self.policy = saved_policy
+        return SimResult(
+            policy=saved_policy.name, budget_bytes=self.budget, profile=self.profile.name, feasible=feasible,
+            reason=reason, iter_time_s=self.t if feasible else math.inf, compute_time_s=compute,
+            stall_time_s=self.stall, recompute_time_s=self.recompute_t, bytes_offloaded=self.bytes_offloaded,
+            bytes_fetched=self.bytes_fetched, peak_bytes=self.peak, unmanaged_peak_bytes=peak_none,
+            decisions=self.decisions, evictions=self.evictions, recomputed_ops=self.recomputed_ops,
+            prefetch_hits=self.prefetch_hits, prefetch_misses=self.prefetch_misses, ops=len(self.ops),
+            managed=managed,
+        )
+
+    def _unmanaged_peak(self) -> int:
+        nb = self.true_nbytes
+        live = sum(nb[s] for s in self.initial)
+        peak = live
+        for j, op in enumerate(self.ops):
+            for sid in self.frees.get(j, ()):
+                live -= nb[sid]
+            live += sum(nb[s] for s in op.allocs)
+            peak = max(peak, live)
+        return peak
+
+    def _run_ops(self) -> None:
+        pol = self.policy
+        self.position = 0
+        for sid in self.initial:
+            self._make_room(self.st[sid].nbytes, set())
+            self._set(sid, S.RESIDENT)
+            self.st[sid].host_valid = self.st[sid].kind in ("param", "buffer")
+            pol.on_alloc(sid, 0)
+        for j, op in enumerate(self.ops):
+            self.position = j
+            self.phase = op.phase
+            for sid in self.frees.get(j, ()):
+                self._free(sid)
+            allocs = op.allocs
+            need = set(op.inputs) | set(op.writes) | (set(op.outputs) - set(allocs))
+            for sid in need:
+                self._ensure(sid, need)
+            self._make_room(sum(self.st[s].nbytes for s in allocs), need)
+            for sid in allocs:
+                self._set(sid, S.RESIDENT)
+                pol.on_alloc(sid, j)
+            self.t += self.op_time[j]
+            for sid in need.union(allocs):
+                s = self.st[sid]
+                s.last_access = j
+                s.last_access_t = self.t
+                s.count += 1
+                pol.on_access(sid, j)
+            for sid in op.writes:
+                self.st[sid].host_valid = False
+            self._apply(pol.after_op(j))
+        self.position = len(self.ops)
+        for sid in self.frees.get(len(self.ops), ()):
+            self._free(sid)
+
+
+def simulate(
+    trace: Trace,
+    policy: str | Policy,
+    budget: int | float,
+    profile: str | DeviceProfile = "h100",
+    iteration: int = -1,
+    policy_options: dict | None = None,
+) -> SimResult:
+    """Simulate ``policy`` on one iteration of ``trace``.
+
+    ``budget`` is bytes (int) or a fraction in (0, 1] of the iteration's unmanaged peak (float).
+    """
+    if isinstance(budget, float):
+        if not 0 < budget <= 1:
+            raise BudgetError(f"sim: a fractional budget must be in (0, 1], got {budget}.")
+        budget = max(1, int(unmanaged_peak(trace, iteration) * budget))
+    elif isinstance(budget, int) and budget <= 0:
+        raise BudgetError(f"sim: the budget must be a positive number of bytes, got {budget}.")
+    return Simulator(trace, policy, budget, profile, iteration, policy_options).run()
