@@ -9,8 +9,9 @@ time it is; the policy sees that through a :class:`MemoryView` and answers three
    Returning nothing means "I have nothing to give": the mechanism reports out-of-memory.
 2. ``after_op(position)``: at a decision point, anything to move proactively? A list of
    :class:`Action` (evict now, prefetch now).
-3. ``evict_mode(sid)``: leave by ``"offload"`` (copy to host, fetch back later) or ``"drop"`` (free,
-   recompute on access).
+3. ``evict_mode(sid)``: leave by ``"offload"`` (copy to host, fetch back later), ``"drop"`` (free,
+   recompute on access) or ``"discard"`` (free, never needed again: only for policies that see the
+   future; the mechanism verifies it).
 
 Plus notifications (``on_access``, ``on_alloc``, ``on_free``) for policies that keep their own
 statistics, and ``begin_iteration`` where a policy that plans (replay, oracle) does so.
@@ -94,7 +95,7 @@ class Policy:
     def after_op(self, position: int) -> list[Action]:
         return []
 
-    def evict_mode(self, sid: int) -> Literal["offload", "drop"]:
+    def evict_mode(self, sid: int) -> Literal["offload", "drop", "discard"]:
         return "offload"
 
     # -- notifications -----------------------------------------------------------------------

@@ -4,9 +4,8 @@ One mechanism, :class:`NextUsePolicy`, with one question left to subclasses: *wh
 storage be used next?* (:meth:`NextUsePolicy.predict`). From the answer it
 
 * evicts the resident storage predicted to be needed furthest in the future (Belady's rule), and
-* prefetches offloaded storages soonest-needed first, up to ``lookahead`` operators ahead: into
-  free memory, or in place of a resident storage predicted to be needed *later* than the one coming
-  in (never the other way round, so a prefetch cannot cause the miss it prevents).
+* prefetches offloaded storages soonest-needed first, into free memory, up to ``lookahead``
+  operators ahead.
 
 ``oracle`` answers with the true next use read from the trace (the practical lower bound of a
 swapping policy); ``replay`` answers from the previous iteration, assuming this one repeats it
@@ -29,8 +28,8 @@ class NextUsePolicy(Policy):
 
     #: how far ahead (in operators) prefetch looks. "As early as memory allows" (None) was measured
     #: to thrash: prefetches fill the memory that the allocations before their use need, and every
-    #: allocation then evicts again (oracle 2.33x vs lru 2.55x on moe tiny at 1/8, but 1.88x with 32;
-    #: moe small at 1/8: 2.07x with 32 vs lru 2.84x). 32 operators is the best of 8/32/128 measured.
+    #: allocation then evicts again. 32 operators was the best of 8/32/128 measured on the zoo
+    #: (e.g. oracle on moe small at 1/8: 2.08x vs lru 2.84x on the h100 profile).
     lookahead: int | None = 32
     #: at most this many moves per decision point (keeps one decision cheap)
     max_actions: int = 64
@@ -91,47 +90,29 @@ class NextUsePolicy(Policy):
                 heapq.heappush(self._res, item)
 
     def after_op(self, position: int) -> list[Action]:
+        """Prefetch soonest-needed first, into free memory only, up to ``lookahead`` operators ahead.
+
+        Evicting a resident storage to make room for a prefetch (Belady-consistent swapping) was
+        tried and measured worse: the victim's offload holds its device memory until the copy
+        lands, so the prefetch rarely fits in time and the eviction is wasted bandwidth.
+        """
         view = self.view
         actions: list[Action] = []
         free = view.free_bytes()
-        taken: list[tuple[float, int]] = []
-        taken_back: list[tuple[float, int]] = []
         while self._off and len(actions) < self.max_actions:
             nu, sid = self._off[0]
-            if view.status(sid) not in ("host", "dropped") or nu != self._nu(sid):
-                heapq.heappop(self._off)
-                continue
-            if view.status(sid) == "dropped":  # recompute policies rebuild on access
-                heapq.heappop(self._off)
+            if view.status(sid) != "host" or nu != self._nu(sid):
+                heapq.heappop(self._off)  # stale: fetched, freed, or dropped for recompute
                 continue
             if nu == _INF or (self.lookahead is not None and nu - position > self.lookahead):
                 break
             size = view.nbytes(sid)
-            # make room by evicting residents predicted to be needed later than this one
-            while free < size and self._res:
-                rneg, rsid = self._res[0]
-                rst = view.status(rsid)
-                if rst != "resident" or -rneg != self._nu(rsid):
-                    heapq.heappop(self._res)
-                    if rst == "fetching":
-                        taken_back.append((rneg, rsid))
-                    continue
-                if -rneg <= nu + 1:
-                    break
-                heapq.heappop(self._res)
-                taken.append((rneg, rsid))
-                actions.append(Action("evict", rsid))
-                free += view.nbytes(rsid)
             if free < size:
                 break
             heapq.heappop(self._off)
             actions.append(Action("prefetch", sid))
             free -= size
             heapq.heappush(self._res, (-nu, sid))
-        for rneg, rsid in taken:
-            heapq.heappush(self._off, (-rneg, rsid))
-        for item in taken_back:
-            heapq.heappush(self._res, item)
         return actions
 
 
@@ -145,6 +126,9 @@ class OraclePolicy(NextUsePolicy):
 
     def predict(self, sid: int) -> float | None:
         return self.view.next_use(sid)
+
+    def evict_mode(self, sid: int) -> str:
+        return "discard" if self.view.next_use(sid) is None else "offload"
 
 
 @register

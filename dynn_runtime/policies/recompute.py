@@ -24,11 +24,12 @@ def block_of(module: str) -> str:
 class CheckpointPolicy(Policy):
     """Like ``torch.utils.checkpoint`` around every repeated block (``layers.N``, ``blocks.N``, ...).
 
-    When the forward pass leaves a block, the activations the block produced for backward are
-    freed, except what leaves the block (its outputs, still used by later forward operators). The
-    first time backward needs any of them, the block's whole forward is re-run and all of them come
-    back. Networks without numbered blocks are checkpointed per top-level child. Nothing else moves:
-    over budget after that is out-of-memory.
+    Inside a checkpointed block the forward keeps nothing for backward: each activation the block
+    produces is freed once the block's forward is done with it, except what leaves the block (its
+    outputs, used by later forward operators). The first time backward needs any of them, the
+    block's whole forward is re-run and all of them come back. Networks without numbered blocks
+    are checkpointed per top-level child. Nothing else moves: over budget after that is
+    out-of-memory.
     """
 
     name = "checkpoint"
@@ -37,32 +38,32 @@ class CheckpointPolicy(Policy):
     def begin_iteration(self, index: int, context: dict | None = None) -> None:
         sim = (context or {}).get("sim")
         self._block_ops: dict[str, list[int]] = {}
-        self._block_of_op: list[str] = []
-        self._last_fwd: dict[str, int] = {}
+        self._drop_at: dict[int, list[int]] = {}
+        self._sid_block: dict[int, str] = {}
         if sim is None:
             return
+        block_of_op = []
         for j, op in enumerate(sim.ops):
             b = block_of(op.module) if op.phase == "forward" and op.module else ""
-            self._block_of_op.append(b)
+            block_of_op.append(b)
             if b:
                 self._block_ops.setdefault(b, []).append(j)
-                self._last_fwd[b] = j
-        self._ends = {j: b for b, j in self._last_fwd.items()}
-        self._produced: dict[str, list[int]] = {}
         for b, positions in self._block_ops.items():
-            self._produced[b] = [sid for j in positions for sid in sim.ops[j].allocs]
-        self._sid_block = {sid: b for b, sids in self._produced.items() for sid in sids}
+            for j in positions:
+                for sid in sim.ops[j].allocs:
+                    self._sid_block[sid] = b
+                    if not sim.saved(sid):
+                        continue
+                    fwd = [k for k in sim.accesses.get(sid, ()) if sim.ops[k].phase == "forward"]
+                    if fwd and all(block_of_op[k] == b for k in fwd):
+                        self._drop_at.setdefault(fwd[-1], []).append(sid)
 
     def evict_mode(self, sid: int) -> Literal["offload", "drop"]:
         return "drop"
 
     def after_op(self, position: int) -> list[Action]:
-        b = self._ends.get(position)
-        if not b:
-            return []
         view = self.view
-        return [Action("evict", sid) for sid in self._produced[b]
-                if view.status(sid) == "resident" and view.saved(sid) and view.forward_done(sid)]
+        return [Action("evict", sid) for sid in self._drop_at.get(position, ()) if view.status(sid) == "resident"]
 
     def recompute_group(self, sid: int) -> list[int]:
         b = self._sid_block.get(sid)

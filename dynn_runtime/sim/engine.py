@@ -15,7 +15,8 @@ Rules the engine keeps (numbered so tests and docs can point at them):
    other (``sync_copies`` policies put them on the compute stream instead, as
    ``torch.autograd.graph.save_on_cpu`` and unified-memory faults do).
 5. An eviction of a storage whose host copy is still valid (fetched and not written since) costs
-   no copy.
+   no copy; a policy that sees the future (the oracle) may *discard* a storage that is never read
+   again, also without a copy (the engine checks the future before it honours that).
 6. A storage can be dropped for recompute only if it is an activation or temporary produced in
    this iteration, outside the optimizer step, and not written in place since.
 7. The manager engages only when the iteration does not fit: if the unmanaged peak is within the
@@ -37,7 +38,7 @@ from typing import Any
 
 from ..errors import BudgetError, ConfigError, TraceError, _internal_assert
 from ..policies.base import Policy, make_policy
-from ..trace.format import Trace
+from ..trace.format import SCHEMA_VERSION, Trace
 from .profiles import DeviceProfile, get_profile, op_time
 
 __all__ = ["Status", "SimResult", "Simulator", "simulate", "unmanaged_peak"]
@@ -131,6 +132,10 @@ class Simulator:
     ) -> None:
         if not trace.iterations:
             raise TraceError("sim: the trace has no iterations.")
+        schema = trace.header.get("schema")
+        if not isinstance(schema, int) or schema > SCHEMA_VERSION:
+            raise TraceError(f"sim: trace schema version {schema} is not supported (this dynn-runtime reads up to "
+                             f"{SCHEMA_VERSION}); upgrade dynn-runtime or re-record the trace.")
         n = len(trace.iterations)
         idx = iteration if iteration >= 0 else n + iteration
         if not 0 <= idx < n:
@@ -353,6 +358,14 @@ class Simulator:
         if s.status is not S.RESIDENT:
             return False
         mode = self.policy.evict_mode(sid)
+        if mode == "discard":
+            # only a policy that sees the future may discard, and only what the future never reads
+            if "future" not in self.policy.requires or self.next_use(sid) is not None:
+                mode = "offload"
+            else:
+                self._set(sid, S.DROPPED)
+                self.evictions += 1
+                return True
         if mode == "drop":
             if not self.recomputable(sid):
                 return False
