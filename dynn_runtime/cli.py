@@ -22,6 +22,7 @@ _SUBSYSTEM_CLIS = (
     "dynn_runtime.idioms.cli",
     "dynn_runtime.trace.cli",
     "dynn_runtime.native.cli",
+    "dynn_runtime.bench.cli",
 )
 
 

@@ -1,0 +1,93 @@
+"""``dynn bench``: every policy on every zoo family under shrinking budgets, simulated; plots and tables."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from ..errors import ConfigError
+
+_DESCRIPTION = """Benchmark the memory policies in the simulator.
+
+Records a trace per family (cached in .dynn-cache/traces/), simulates each policy at each budget
+(a fraction of the peak under `none`) on a device profile, and scans each family's size knob upward
+for the largest model each policy trains within the x1 peak at <= 1.5x the unlimited-memory time.
+Writes a JSON results file, a markdown table beside it, and PNG plots into --out; prints the table."""
+
+
+def _budgets(text: str) -> list[float]:
+    out = []
+    for item in text.replace(" ", "").split(","):
+        if not item:
+            continue
+        try:
+            if "/" in item:
+                num, den = item.split("/", 1)
+                out.append(float(num) / float(den))
+            else:
+                out.append(float(item))
+        except (ValueError, ZeroDivisionError):
+            raise argparse.ArgumentTypeError(
+                f"bench: --budgets expects comma-separated fractions like 1,0.5,0.25 or 1,1/2,1/4; got {item!r}"
+            ) from None
+    return out
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="simulate every policy on every family under shrinking budgets",
+                       description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--families", nargs="+", default=[], metavar="FAMILY",
+                   help="zoo families (default: all)")
+    p.add_argument("--policies", nargs="+", default=[], metavar="POLICY",
+                   help="policies (default: every registered policy the simulator can run)")
+    p.add_argument("--budgets", type=_budgets, default=None, metavar="F,F,...",
+                   help="budget fractions of the peak under none (default 1,0.5,0.25,0.125,0.0625; "
+                        "--quick: down to 0.125)")
+    p.add_argument("--device-profile", default="h100", help="device profile: h100, h200, a100, v100 (default h100)")
+    p.add_argument("--preset", default=None, help="preset of the budget grid (default small; --quick: tiny)")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
+    p.add_argument("--steps", type=int, default=2, help="iterations recorded per trace, >= 2 (default 2)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny preset, budgets down to 1/8, max-size scales up to 8 (a few minutes)")
+    p.add_argument("--max-scale", type=int, default=None,
+                   help="largest size-knob multiple of the max-size scan (default 64; --quick: 8; 0 skips it)")
+    p.add_argument("--max-size-preset", default="tiny", help="preset the max-size scan scales (default tiny)")
+    p.add_argument("--json", default=None, metavar="OUT.json",
+                   help="results file (default OUT/bench-<profile>-<preset>-<date>.json)")
+    p.add_argument("--out", default="out/bench", metavar="DIR", help="output directory (default out/bench)")
+    p.add_argument("--cache-dir", default=".dynn-cache/traces", help="trace cache (default .dynn-cache/traces)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .harness import BenchConfig, render_markdown, run_bench, write_outputs
+
+    if args.budgets is not None and not args.budgets:
+        raise ConfigError("bench: --budgets is empty; expected fractions like 1,0.5,0.25.")
+    cfg = BenchConfig(
+        families=list(args.families), policies=list(args.policies), budgets=args.budgets,
+        preset=args.preset, seed=args.seed, steps=args.steps, device_profile=args.device_profile,
+        quick=args.quick, max_scale=args.max_scale, max_size_preset=args.max_size_preset,
+        out_dir=args.out, json_path=args.json, cache_dir=args.cache_dir,
+    )
+    cfg.resolved()  # validate before any work
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("dynn: %(levelname)s: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    log = logging.getLogger("dynn_runtime")
+    log.addHandler(handler)
+    t0 = time.perf_counter()
+    try:
+        report = run_bench(cfg, progress=not args.quiet)
+    finally:
+        log.removeHandler(handler)
+    paths = write_outputs(report)
+    print(render_markdown(report))
+    m = report.meta
+    print(f"wrote {paths['json']}, {paths['markdown']} and {len(paths['plots'])} plot(s) in {report.config.out_dir}")
+    print(f"traces: {m['traces_recorded']} recorded, {m['traces_reused']} from the cache; "
+          f"{time.perf_counter() - t0:.1f} s")
+    return 0

@@ -1,0 +1,500 @@
+"""The benchmark harness: record (cached), simulate every policy under every budget, scan model size.
+
+Two experiments, one report:
+
+* **Budget grid.** For each family, one trace of ``steps`` iterations at ``preset``; for each policy
+  and each budget fraction (of the last iteration's unmanaged peak, i.e. the peak under ``none``),
+  the simulated iteration time of the last iteration. ``overhead`` is that time over the
+  unlimited-memory time (``none`` at budget 1.0 on the same trace).
+* **Max trainable size.** For each family, the size knob of ``max_size_preset``'s config
+  (``batch``, ``residues_max``, ...) is multiplied by 1, 2, 4, ... up to ``max_scale``, one trace per
+  scale. The device capacity is fixed at the unmanaged peak of scale 1. A policy passes a scale when
+  the simulated iteration is feasible within that capacity and at most ``overhead_limit`` times the
+  unlimited-memory time *of that scale*. Each policy's scan stops at its first failing scale: we
+  assume that what does not fit at scale s does not fit at 2s either (memory grows with the knob),
+  which also keeps the number of recorded traces down. ``ratio_vs_none`` is a policy's largest
+  passing scale over ``none``'s (which is 1 by construction, unless memory does not grow with the
+  knob).
+
+Traces are cached under ``cache_dir`` by family, preset, seed, steps and a short hash of the config
+overrides; a cached file that does not read back (:class:`~dynn_runtime.errors.TraceError`) is
+recorded again, with a warning logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._log import logger
+from ..errors import ConfigError, PolicyError, TraceError
+
+__all__ = [
+    "BenchConfig",
+    "BenchReport",
+    "TraceCache",
+    "run_bench",
+    "write_outputs",
+    "render_markdown",
+    "scaled_overrides",
+    "DEFAULT_BUDGETS",
+    "QUICK_BUDGETS",
+]
+
+DEFAULT_BUDGETS: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125, 0.0625)
+QUICK_BUDGETS: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125)
+#: what the simulator can offer a policy: the recorded past and, replaying a trace, the future
+_SIM_PROVIDES = ("history", "future")
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    """What one ``dynn bench`` run measures. ``None`` fields take the default of the mode (quick or full);
+    :meth:`resolved` fills them in, and that resolved config is what the results file stores."""
+
+    families: list[str] = field(default_factory=list)
+    """Zoo families to run; empty means all of ``models.FAMILIES``."""
+    policies: list[str] = field(default_factory=list)
+    """Policies to simulate; empty means every policy registered in ``POLICIES`` at run time that the
+    simulator can serve (one that needs e.g. trained pilot weights that are missing is skipped, logged)."""
+    budgets: list[float] | None = None
+    """Budget fractions of the unmanaged peak, each in (0, 1]; default 1, 1/2, 1/4, 1/8, 1/16
+    (quick: down to 1/8)."""
+    preset: str | None = None
+    """Zoo preset of the budget grid; default ``small`` (quick: ``tiny``)."""
+    seed: int = 0
+    """Seed of weights and data for every recorded trace."""
+    steps: int = 2
+    """Iterations recorded per trace (at least 2, so ``replay`` has a previous iteration); the last one
+    is simulated."""
+    device_profile: str = "h100"
+    """Device profile the traces are projected onto (``sim.PROFILES``)."""
+    quick: bool = False
+    """The quick mode: tiny preset, budgets down to 1/8, max-size scales up to 8 (minutes on a laptop)."""
+    max_scale: int | None = None
+    """Largest size-knob multiplier of the max-size scan (powers of two from 1); default 64 (quick: 8);
+    0 skips the scan."""
+    max_size_preset: str = "tiny"
+    """Preset whose size knob the max-size scan multiplies. Tiny by default: the ratio between policies
+    is what the scan measures, and recording scaled-up small presets on a CPU takes long."""
+    overhead_limit: float = 1.5
+    """A scale counts as trainable when the iteration is at most this many times the unlimited-memory time."""
+    out_dir: str = "out/bench"
+    """Directory of the plots, and of the JSON and markdown files unless ``json_path`` is given."""
+    json_path: str | None = None
+    """Results file; default ``<out_dir>/bench-<profile>-<preset>-<YYYYmmdd-HHMMSS>.json``."""
+    cache_dir: str = ".dynn-cache/traces"
+    """Where recorded traces are cached (relative to the current directory)."""
+
+    def resolved(self) -> BenchConfig:
+        """A copy with every default filled in (families, policies, budgets, preset, max_scale), validated."""
+        from .. import models
+
+        cfg = dataclasses.replace(
+            self,
+            families=list(self.families) or list(models.FAMILIES),
+            policies=list(self.policies) or available_policies()[0],
+            budgets=[float(b) for b in (self.budgets if self.budgets is not None
+                                        else (QUICK_BUDGETS if self.quick else DEFAULT_BUDGETS))],
+            preset=self.preset or ("tiny" if self.quick else "small"),
+            max_scale=self.max_scale if self.max_scale is not None else (8 if self.quick else 64),
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Raise a ConfigError (``bench: ...``) naming what is wrong and the valid choices."""
+        from .. import models
+        from ..policies import POLICIES
+        from ..sim import PROFILES
+
+        bad = [f for f in self.families if f not in models.FAMILIES]
+        if bad:
+            raise ConfigError(f"bench: unknown famil{'y' if len(bad) == 1 else 'ies'} {', '.join(map(repr, bad))}; "
+                              f"choices: {', '.join(models.FAMILIES)}.")
+        bad = [p for p in self.policies if p not in POLICIES]
+        if bad:
+            raise ConfigError(f"bench: unknown polic{'y' if len(bad) == 1 else 'ies'} {', '.join(map(repr, bad))}; "
+                              f"registered: {', '.join(POLICIES)}.")
+        for p in self.policies:
+            try:
+                from ..policies import make_policy
+
+                make_policy(p, provides=_SIM_PROVIDES)
+            except PolicyError as exc:
+                raise ConfigError(f"bench: policy {p!r} cannot run in the simulator ({exc}). "
+                                  "Leave it out of --policies.") from None
+        if self.device_profile.lower() not in PROFILES:
+            raise ConfigError(f"bench: unknown device profile {self.device_profile!r}; "
+                              f"choices: {', '.join(PROFILES)}.")
+        for b in self.budgets or ():
+            if not (isinstance(b, (int, float)) and math.isfinite(b) and 0 < b <= 1):
+                raise ConfigError(f"bench: a budget is a fraction of the unmanaged peak in (0, 1], got {b!r}; "
+                                  "e.g. --budgets 1,0.5,0.25.")
+        if self.budgets is not None and not self.budgets:
+            raise ConfigError("bench: expected at least one budget fraction, got none; e.g. --budgets 1,0.5.")
+        for name in ("preset", "max_size_preset"):
+            value = getattr(self, name)
+            if value is not None and value not in models.PRESETS:
+                raise ConfigError(f"bench: unknown {name.replace('_', ' ')} {value!r}; "
+                                  f"choices: {', '.join(models.PRESETS)}.")
+        if not isinstance(self.steps, int) or self.steps < 2:
+            raise ConfigError(f"bench: steps must be an integer >= 2 (replay plans from the previous "
+                              f"iteration), got {self.steps!r}.")
+        if self.max_scale is not None and (not isinstance(self.max_scale, int) or self.max_scale < 0):
+            raise ConfigError(f"bench: max_scale must be an integer >= 0 (0 skips the max-size scan), "
+                              f"got {self.max_scale!r}.")
+        if not self.overhead_limit >= 1:
+            raise ConfigError(f"bench: overhead_limit must be >= 1 (a time ratio), got {self.overhead_limit!r}.")
+
+    def scales(self) -> list[int]:
+        """The max-size scan's multipliers: 1, 2, 4, ... up to ``max_scale``."""
+        top = self.max_scale if self.max_scale is not None else (8 if self.quick else 64)
+        out, s = [], 1
+        while s <= top:
+            out.append(s)
+            s *= 2
+        return out
+
+
+def available_policies() -> tuple[list[str], dict[str, str]]:
+    """Registered policies the simulator can run, and the others with the reason they cannot."""
+    from ..policies import POLICIES, make_policy
+
+    ok: list[str] = []
+    skipped: dict[str, str] = {}
+    for name in POLICIES:
+        try:
+            make_policy(name, provides=_SIM_PROVIDES)
+        except PolicyError as exc:
+            skipped[name] = str(exc)
+        else:
+            ok.append(name)
+    return ok, skipped
+
+
+def scaled_overrides(family: str, preset: str, scale: int) -> dict[str, int]:
+    """Config overrides that multiply ``family``'s size knob by ``scale`` (``{}`` at scale 1).
+
+    A knob named ``X_max`` whose config also has ``X_min`` (evoformer's ``residues_max``) scales
+    ``X_min`` too, so the sampled range moves up as a whole and ``X_min <= X_max`` holds.
+    """
+    from .. import models
+
+    if scale == 1:
+        return {}
+    fam = models.family(family)
+    base = fam.config(preset)
+    knob = fam.size_knob
+    out = {knob: getattr(base, knob) * scale}
+    if knob.endswith("_max"):
+        low = knob[: -len("_max")] + "_min"
+        if hasattr(base, low):
+            out[low] = getattr(base, low) * scale
+    return out
+
+
+class TraceCache:
+    """Recorded traces on disk, keyed by workload, preset, seed, steps and overrides.
+
+    ``recorded`` and ``reused`` count what :meth:`get` did (tests and the report read them).
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.recorded = 0
+        self.reused = 0
+
+    def path(self, family: str, preset: str, seed: int, steps: int, overrides: dict | None = None) -> Path:
+        from ..trace import SCHEMA_VERSION
+
+        key = "base"
+        if overrides:
+            blob = json.dumps(overrides, sort_keys=True, default=str).encode()
+            key = hashlib.sha1(blob).hexdigest()[:10]
+        return self.root / f"{family}-{preset}-seed{seed}-steps{steps}-{key}-v{SCHEMA_VERSION}.jsonl.gz"
+
+    def get(self, family: str, preset: str, seed: int = 0, steps: int = 2, overrides: dict | None = None):
+        """The trace, read from the cache or recorded into it (atomically: a killed run leaves no half file)."""
+        from ..trace import read_trace, record
+
+        path = self.path(family, preset, seed, steps, overrides)
+        if path.exists():
+            try:
+                trace = read_trace(path)
+                if len(trace.iterations) != steps:
+                    raise TraceError(f"trace: {path} has {len(trace.iterations)} iteration(s), expected {steps}.")
+            except TraceError as exc:
+                logger.warning("bench: cached trace %s does not read back (%s); recording it again.", path, exc)
+            else:
+                self.reused += 1
+                return trace
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name[: -len('.jsonl.gz')]}.tmp{os.getpid()}.jsonl.gz")
+        try:
+            record(family, tmp, steps=steps, preset=preset, seed=seed, overrides=dict(overrides or {}))
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        self.recorded += 1
+        return read_trace(path)
+
+
+@dataclass
+class BenchReport:
+    """What :func:`run_bench` found: the resolved config, the budget grid, the max-size scan, metadata."""
+
+    config: BenchConfig
+    """The resolved config that produced this report."""
+    results: list[dict[str, Any]]
+    """One record per (family, policy, budget fraction)."""
+    max_size: list[dict[str, Any]]
+    """One record per (family, policy): the largest trainable scale and its ratio to ``none``'s."""
+    meta: dict[str, Any]
+    """torch and dynn-runtime versions, date, device profile, wall time, cache counts, skipped policies."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The results file's content: strict JSON (infinities and NaN become null)."""
+        return _strict({
+            "kind": "dynn-bench",
+            "config": dataclasses.asdict(self.config),
+            **self.meta,
+            "results": self.results,
+            "max_size": self.max_size,
+        })
+
+
+def _strict(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    return x
+
+
+def _sim_record(family: str, preset: str, policy: str, fraction: float, res: Any, ref_s: float,
+                trace_path: Path) -> dict[str, Any]:
+    ok = res.feasible
+    return {
+        "family": family, "preset": preset, "policy": policy, "budget_fraction": fraction,
+        "budget_bytes": res.budget_bytes, "unmanaged_peak_bytes": res.unmanaged_peak_bytes,
+        "feasible": ok, "reason": res.reason,
+        "iter_time_s": res.iter_time_s if ok else None,
+        "overhead": res.iter_time_s / ref_s if ok else None,
+        "unlimited_iter_time_s": ref_s,
+        "compute_time_s": res.compute_time_s, "stall_time_s": res.stall_time_s,
+        "recompute_time_s": res.recompute_time_s, "bytes_offloaded": res.bytes_offloaded,
+        "bytes_fetched": res.bytes_fetched, "peak_bytes": res.peak_bytes, "managed": res.managed,
+        "evictions": res.evictions, "recomputed_ops": res.recomputed_ops, "prefetch_hits": res.prefetch_hits,
+        "prefetch_misses": res.prefetch_misses, "ops": res.ops, "trace": trace_path.name,
+    }
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchReport:
+    """Run the budget grid and the max-size scan of ``cfg``; nothing is written but the trace cache."""
+    import torch
+    from tqdm import tqdm
+
+    from .. import __version__
+    from ..sim import get_profile, simulate
+
+    t_start = time.perf_counter()
+    _, skipped = available_policies()
+    explicit_policies = bool(cfg.policies)
+    cfg = cfg.resolved()
+    if explicit_policies:
+        skipped = {}
+    for name, why in skipped.items():
+        logger.warning("bench: skipping policy %s: %s", name, why)
+    profile = get_profile(cfg.device_profile)
+    cache = TraceCache(cfg.cache_dir)
+    scales = cfg.scales()
+    n_grid = len(cfg.families) * len(cfg.policies) * len(cfg.budgets)
+    n_scan = len(cfg.families) * len(cfg.policies) * len(scales)
+    bar = tqdm(total=n_grid + n_scan, desc="bench", unit="sim", disable=not progress, leave=False,
+               dynamic_ncols=True)
+
+    def trace_for(family: str, preset: str, overrides: dict) -> Any:
+        bar.set_postfix_str(f"trace {family} {preset} {overrides or ''}".strip())
+        trace = cache.get(family, preset, cfg.seed, cfg.steps, overrides)
+        return trace, cache.path(family, preset, cfg.seed, cfg.steps, overrides)
+
+    results: list[dict[str, Any]] = []
+    try:
+        for family in cfg.families:
+            trace, tpath = trace_for(family, cfg.preset, {})
+            ref = simulate(trace, "none", 1.0, profile)
+            for policy in cfg.policies:
+                for frac in cfg.budgets:
+                    bar.set_postfix_str(f"{family} {policy} @{_frac_label(frac)}")
+                    res = simulate(trace, policy, float(frac), profile)
+                    results.append(_sim_record(family, cfg.preset, policy, frac, res, ref.iter_time_s, tpath))
+                    bar.update(1)
+        max_size = [rec for family in cfg.families for rec in _scan_family(cfg, family, scales, trace_for, bar)]
+    finally:
+        bar.close()
+
+    now = time.localtime()
+    meta = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S", now),
+        "stamp": time.strftime("%Y%m%d-%H%M%S", now),
+        "torch": torch.__version__,
+        "dynn_runtime": __version__,
+        "profile": dataclasses.asdict(profile),
+        "skipped_policies": skipped,
+        "traces_recorded": cache.recorded,
+        "traces_reused": cache.reused,
+        "wall_s": time.perf_counter() - t_start,
+        "simulated_iteration": -1,
+    }
+    return BenchReport(config=cfg, results=results, max_size=max_size, meta=meta)
+
+
+def _scan_family(cfg: BenchConfig, family: str, scales: list[int], trace_for: Any, bar: Any) -> list[dict]:
+    """The max-size scan of one family (see the module docstring for the rules)."""
+    from .. import models
+    from ..sim import simulate, unmanaged_peak
+
+    if not scales:
+        return []
+    preset = cfg.max_size_preset
+    knob = models.family(family).size_knob
+    base_value = getattr(models.family(family).config(preset), knob)
+    alive = list(cfg.policies)
+    best: dict[str, dict[str, Any]] = {p: {"scale": 0, "iter_time_s": None, "overhead": None} for p in alive}
+    stopped: dict[str, str] = {}
+    capacity = 0
+    for i, scale in enumerate(scales):
+        if not alive:
+            break
+        trace, _ = trace_for(family, preset, scaled_overrides(family, preset, scale))
+        if i == 0:
+            capacity = unmanaged_peak(trace)
+        ref_s = simulate(trace, "none", 1.0, cfg.device_profile).iter_time_s
+        for policy in list(alive):
+            bar.set_postfix_str(f"max-size {family} x{scale} {policy}")
+            res = simulate(trace, policy, int(capacity), cfg.device_profile)
+            overhead = res.iter_time_s / ref_s if res.feasible else math.inf
+            if res.feasible and overhead <= cfg.overhead_limit:
+                best[policy] = {"scale": scale, "iter_time_s": res.iter_time_s, "overhead": overhead}
+                bar.update(1)
+            else:
+                alive.remove(policy)
+                stopped[policy] = (f"x{scale}: {res.reason}" if not res.feasible else
+                                   f"x{scale}: overhead {overhead:.2f}x > {cfg.overhead_limit:g}x")
+                bar.update(len(scales) - i)  # the scales this policy will not try
+    none_scale = best.get("none", {}).get("scale") or None
+    if none_scale is None:  # `none` not among the policies: scan it alone as the reference
+        none_scale = 0
+        for scale in scales:
+            trace, _ = trace_for(family, preset, scaled_overrides(family, preset, scale))
+            if not simulate(trace, "none", int(capacity), cfg.device_profile).feasible:
+                break
+            none_scale = scale
+    out = []
+    for policy in cfg.policies:
+        b = best[policy]
+        out.append({
+            "family": family, "preset": preset, "policy": policy, "knob": knob,
+            "scale": b["scale"], "knob_value": base_value * b["scale"],
+            "ratio_vs_none": b["scale"] / none_scale if none_scale else None,
+            "none_scale": none_scale, "capacity_bytes": capacity,
+            "iter_time_s": b["iter_time_s"], "overhead": b["overhead"],
+            "limited_by": stopped.get(policy, f"scan cap x{scales[-1]}"),
+        })
+    return out
+
+
+# ---- outputs --------------------------------------------------------------------------------------
+
+def _frac_label(f: float) -> str:
+    if f == 1:
+        return "1"
+    inv = 1 / f
+    if abs(inv - round(inv)) < 1e-9:
+        return f"1/{round(inv)}"
+    return f"{f:g}"
+
+
+def render_markdown(report: BenchReport) -> str:
+    """One overhead table per family (policy x budget; ``OOM`` where infeasible), then the max-size table."""
+    cfg = report.config
+    prof = report.meta["profile"]["name"]
+    lines = [
+        f"# dynn bench: {prof}, preset {cfg.preset}, seed {cfg.seed} ({report.meta['date']})",
+        "",
+        "Iteration time over the unlimited-memory time (`none` at budget 1), simulated; budgets are fractions "
+        "of the peak under `none`. `OOM`: the policy cannot run the iteration within the budget.",
+    ]
+    by_key = {(r["family"], r["policy"], r["budget_fraction"]): r for r in report.results}
+    for family in cfg.families:
+        any_rec = next((r for r in report.results if r["family"] == family), None)
+        if any_rec is None:
+            continue
+        lines += ["", f"## {family} ({cfg.preset}): peak {_mib(any_rec['unmanaged_peak_bytes'])}, "
+                      f"unlimited iteration {any_rec['unlimited_iter_time_s'] * 1e3:.3f} ms", ""]
+        lines.append("| policy | " + " | ".join(_frac_label(b) for b in cfg.budgets) + " |")
+        lines.append("|---|" + "---:|" * len(cfg.budgets))
+        for policy in cfg.policies:
+            cells = []
+            for b in cfg.budgets:
+                r = by_key.get((family, policy, b))
+                cells.append("" if r is None else (f"{r['overhead']:.2f}x" if r["feasible"] else "OOM"))
+            lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    if report.max_size:
+        lines += [
+            "", f"## Max trainable size ({cfg.max_size_preset} preset, scales up to x{cfg.max_scale})", "",
+            "Largest multiple of the family's size knob that runs within a device capacity of the unmanaged "
+            f"peak at x1, at most {cfg.overhead_limit:g}x the unlimited-memory time; shown as the ratio to "
+            "`none`'s largest.", "",
+            "| family | knob | capacity | " + " | ".join(cfg.policies) + " |",
+            "|---|---|---:|" + "---:|" * len(cfg.policies),
+        ]
+        ms = {(r["family"], r["policy"]): r for r in report.max_size}
+        for family in cfg.families:
+            recs = [ms.get((family, p)) for p in cfg.policies]
+            first = next((r for r in recs if r), None)
+            if first is None:
+                continue
+            cells = ["" if r is None or r["ratio_vs_none"] is None else f"{r['ratio_vs_none']:g}x" for r in recs]
+            lines.append(f"| {family} | {first['knob']} | {_mib(first['capacity_bytes'])} | "
+                         + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def write_outputs(report: BenchReport, out_dir: str | Path | None = None) -> dict[str, Any]:
+    """Write the JSON results, the markdown beside it, and the PNG plots into ``out_dir``.
+
+    Returns ``{"json": Path, "markdown": Path, "plots": [Path, ...]}``.
+    """
+    from .plots import plot_max_size, plot_overhead
+
+    cfg = report.config
+    out = Path(out_dir if out_dir is not None else cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.json_path:
+        json_path = Path(cfg.json_path)
+    else:
+        json_path = out / f"bench-{report.meta['profile']['name']}-{cfg.preset}-{report.meta['stamp']}.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report.to_json(), indent=1, allow_nan=False) + "\n")
+    md_path = json_path.with_suffix(".md")
+    md_path.write_text(render_markdown(report))
+    plots = [plot_overhead(report, family, out / f"overhead_{family}.png") for family in cfg.families]
+    if report.max_size:
+        plots.append(plot_max_size(report, out / "max_size.png"))
+    return {"json": json_path, "markdown": md_path, "plots": plots}
