@@ -214,7 +214,7 @@ FAMILY = Family(
     presets={
         "tiny": TreeLSTMConfig(),
         "small": TreeLSTMConfig(vocab=2000, embed=128, hidden=256, batch=32, mean_nodes=20, max_nodes=128),
-        "large": TreeLSTMConfig(vocab=30000, embed=512, hidden=2048, batch=256, mean_nodes=24, size_sigma=0.6,
+        "large": TreeLSTMConfig(vocab=30000, embed=512, hidden=2048, batch=2048, mean_nodes=24, size_sigma=0.6,
                                 max_nodes=512, classes=5),
     },
     build_model=lambda cfg: ChildSumTreeLSTM(cfg),
