@@ -91,20 +91,20 @@ class DTRPolicy(Policy):
         return "drop"
 
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
+        # Scored once per pressure event, then taken cheapest first. The prototype re-scores after
+        # every single eviction; within one event that changes the order little and made the
+        # simulation quadratic (2.9 s for one tree_lstm small iteration; well under 1 s this way).
         view = self.view
-        while True:
-            cands = [sid for sid in view.resident()
-                     if sid not in exclude and view.nbytes(sid) > 0 and view.recomputable(sid)]
-            if not cands:
-                return
-            if len(cands) > self.sample_above:
-                step = max(1, int(len(cands) ** 0.5))
-                cands = cands[::step]
-            now = view.now()
-            best, best_h = None, float("inf")
-            for sid in cands:
-                staleness = max(now - view.last_access_time(sid), 1e-9)
-                h = view.recompute_cost(sid) / (view.nbytes(sid) * staleness)
-                if h < best_h:
-                    best, best_h = sid, h
-            yield best
+        cands = [sid for sid in view.resident()
+                 if sid not in exclude and view.nbytes(sid) > 0 and view.recomputable(sid)]
+        if len(cands) > self.sample_above:
+            step = max(1, int(len(cands) ** 0.5))
+            cands = cands[::step]
+        now = view.now()
+        scored = []
+        for sid in cands:
+            staleness = max(now - view.last_access_time(sid), 1e-9)
+            scored.append((view.recompute_cost(sid) / (view.nbytes(sid) * staleness), sid))
+        scored.sort()
+        for _, sid in scored:
+            yield sid
