@@ -110,7 +110,7 @@ class _St:
 
 
 class _OOM(Exception):
-    pass
+    """Infeasible: args are (bytes needed, optional reason)."""
 
 
 def unmanaged_peak(trace: Trace, iteration: int = -1) -> int:
@@ -120,6 +120,9 @@ def unmanaged_peak(trace: Trace, iteration: int = -1) -> int:
 
 class Simulator:
     """Replays one iteration of ``trace`` against ``policy`` under ``budget_bytes`` on ``profile``."""
+
+    #: a rematerialization chain longer than this is reported infeasible (DTR's failure mode)
+    MAX_RECOMPUTE_DEPTH = 200  # three Python frames per level: stays under the interpreter limit
 
     def __init__(
         self,
@@ -429,12 +432,24 @@ class Simulator:
             return
         # DROPPED, or ABSENT but needed to rebuild a dropped descendant
         _internal_assert(sid in self.producer, f"sim: storage {sid} ({s.status.value}) is needed but cannot be rebuilt")
-        _internal_assert(depth < 10_000, "sim: recompute chain too deep")
+        if depth >= self.MAX_RECOMPUTE_DEPTH:
+            raise _OOM(0, f"recompute chain deeper than {self.MAX_RECOMPUTE_DEPTH} operators")
         self._recompute(sid, exclude, depth)
 
     def _recompute(self, sid: int, exclude: set[int], depth: int) -> None:
         group = getattr(self.policy, "recompute_group", None)
         positions = group(sid) if callable(group) else [self.producer[sid]]
+        key = (positions[0], positions[-1], len(positions))
+        if key in self._rebuilding:  # this group is mid-rebuild further up: re-run just the producer
+            positions = [self.producer[sid]]
+            key = (positions[0], positions[0], 1)
+        self._rebuilding.add(key)
+        try:
+            self._rerun(sid, positions, exclude, depth)
+        finally:
+            self._rebuilding.discard(key)
+
+    def _rerun(self, sid: int, positions: list[int], exclude: set[int], depth: int) -> None:
         produced = {x for j in positions for x in self.ops[j].allocs}
         keep = set(exclude) | {sid}
         for j in positions:
@@ -491,6 +506,7 @@ class Simulator:
         self.used = self.pending = self.peak = 0
         self._offloading: set[int] = set()
         self._fetching: set[int] = set()
+        self._rebuilding: set[tuple[int, int, int]] = set()
         self.bytes_offloaded = self.bytes_fetched = 0
         self.decisions = self.evictions = self.recomputed_ops = 0
         self.prefetch_hits = self.prefetch_misses = self.prefetch_late = 0
@@ -514,10 +530,13 @@ class Simulator:
                 j = self.position
                 op = self.ops[j] if j < len(self.ops) else None
                 where = f"{op.name} in {op.module or '<top>'} ({op.phase})" if op else "the iteration start"
-                reason = (
-                    f"out of memory at op {j} ({where}): needs {exc.args[0]} more bytes with "
-                    f"{self.used} of {self.budget} in use and nothing left that {policy.name} may evict"
-                )
+                if len(exc.args) > 1:
+                    reason = f"infeasible at op {j} ({where}): {exc.args[1]}"
+                else:
+                    reason = (
+                        f"out of memory at op {j} ({where}): needs {exc.args[0]} more bytes with "
+                        f"{self.used} of {self.budget} in use and nothing left that {policy.name} may evict"
+                    )
         finally:
             self.policy = saved_policy
         return SimResult(
