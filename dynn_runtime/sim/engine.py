@@ -33,7 +33,7 @@ import bisect
 import enum
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import BudgetError, ConfigError, TraceError, _internal_assert

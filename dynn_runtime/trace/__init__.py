@@ -10,7 +10,18 @@
 """
 
 from .analysis import Timeline, TraceSummary, export_chrome, live_timeline, plot_timeline, summarize
-from .format import KINDS, PHASES, SCHEMA_VERSION, Iteration, Op, Storage, Trace, TraceWriter, iter_records, read_trace
+from .format import (
+    KINDS,
+    PHASES,
+    SCHEMA_VERSION,
+    Iteration,
+    Op,
+    Storage,
+    Trace,
+    TraceWriter,
+    iter_records,
+    read_trace,
+)
 from .recorder import RecordResult, TraceRecorder, record
 
 __all__ = [

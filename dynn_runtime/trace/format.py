@@ -220,6 +220,8 @@ def read_trace(path: str | Path) -> Trace:
     opdefs: dict[int, tuple[str, tuple[int, ...]]] = {}
     mods: dict[int, str] = {0: ""}
     it: Iteration | None = None
+    ended = True  # the last iteration seen has its end record
+    last_line = 0
     phase = "forward"
     p = str(path)
 
@@ -242,6 +244,7 @@ def read_trace(path: str | Path) -> Trace:
             elif t == "I":
                 it = Iteration(index=int(rec["i"]), facts=rec.get("facts", {}))
                 iterations.append(it)
+                ended = False
             elif t == "P":
                 phase = rec["p"]
                 if phase not in PHASES:
@@ -294,6 +297,7 @@ def read_trace(path: str | Path) -> Trace:
             elif t == "E":
                 # what the step decided is only known once it ran: the end record carries it
                 need_iter(lineno).facts.update(rec.get("facts", {}))
+                ended = True
             else:
                 raise TraceError(f"trace: {p}: line {lineno}: unknown record type {t!r}.")
         except KeyError as exc:
@@ -301,6 +305,12 @@ def read_trace(path: str | Path) -> Trace:
                              "or names an undefined operator/module id.") from None
         except (TypeError, ValueError) as exc:
             raise TraceError(f"trace: {p}: line {lineno}: malformed record of type {t!r} ({exc}).") from None
+        last_line = lineno
+    if not ended:
+        raise TraceError(
+            f"trace: {p}: the file ends at line {last_line} inside iteration {iterations[-1].index} (no end "
+            "record): it was cut short while being written. Re-record it."
+        )
     if not iterations:
         raise TraceError(f"trace: {p}: no iteration records: the file holds a header only.")
     return Trace(header=header, storages=storages, iterations=iterations, path=p)

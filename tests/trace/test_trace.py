@@ -175,7 +175,16 @@ def test_truncated_plain_file(good_trace, tmp_path):
     data = good_trace.read_bytes()
     cut = tmp_path / "cut.jsonl"
     cut.write_bytes(data[: len(data) // 2])
-    with pytest.raises(TraceError, match=r"line \d+ is (truncated|not valid JSON)"):
+    with pytest.raises(TraceError, match=r"line \d+ is (truncated|not valid JSON)|no end record"):
+        read_trace(cut)
+
+
+def test_cut_between_lines_is_truncated(good_trace, tmp_path):
+    """A cut that lands exactly on a line boundary leaves only valid lines: the missing end record tells."""
+    lines = good_trace.read_text().splitlines(keepends=True)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("".join(lines[: len(lines) // 2]))
+    with pytest.raises(TraceError, match=r"ends at line \d+ inside iteration 0 \(no end record\)"):
         read_trace(cut)
 
 
@@ -186,7 +195,7 @@ def test_truncated_gzip_file(good_trace, tmp_path):
     data = gz.read_bytes()
     cut = tmp_path / "cut.jsonl.gz"
     cut.write_bytes(data[: len(data) * 2 // 3])
-    with pytest.raises(TraceError, match="truncated or corrupt|truncated"):
+    with pytest.raises(TraceError, match="truncated or corrupt|no end record"):
         read_trace(cut)
 
 
