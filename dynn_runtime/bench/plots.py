@@ -6,20 +6,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .._plot import pyplot, save_png
+
 __all__ = ["plot_overhead", "plot_max_size"]
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _colors(policies: list[str]) -> dict[str, Any]:
-    plt = _pyplot()
+    plt = pyplot()
     cmap = plt.get_cmap("tab10")
     return {p: cmap(i % 10) for i, p in enumerate(policies)}
 
@@ -38,7 +31,7 @@ def plot_overhead(report: Any, family: str, out: str | Path) -> Path:
     """
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-    plt = _pyplot()
+    plt = pyplot()
     cfg = report.config
     policies = list(cfg.policies)
     colors = _colors(policies)
@@ -83,17 +76,12 @@ def plot_overhead(report: Any, family: str, out: str | Path) -> Path:
     ax.set_title(f"{family} ({cfg.preset} preset), simulated on {prof}")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="policy", title_fontsize=8)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return save_png(fig, out)
 
 
 def plot_max_size(report: Any, out: str | Path) -> Path:
     """Grouped bars: per family, one bar per policy, height = largest trainable scale over ``none``'s."""
-    plt = _pyplot()
+    plt = pyplot()
     cfg = report.config
     policies = list(cfg.policies)
     colors = _colors(policies)
@@ -127,9 +115,4 @@ def plot_max_size(report: Any, out: str | Path) -> Path:
                  f"({cfg.max_size_preset}, {prof})", fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, ncol=min(4, len(policies)), loc="upper left", framealpha=0.9)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return save_png(fig, out)

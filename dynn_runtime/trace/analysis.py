@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._plot import pyplot, save_png
 from .format import KINDS, PHASES, Trace
 
 __all__ = ["Timeline", "live_timeline", "summarize", "TraceSummary", "plot_timeline", "export_chrome"]
@@ -121,11 +122,7 @@ _COLORS = {"param": "#4c72b0", "buffer": "#8172b3", "opt_state": "#937860", "gra
 
 def plot_timeline(trace: Trace, out: str | Path, title: str | None = None) -> Path:
     """Stacked live memory by tensor kind over the op sequence, with phase and iteration marks."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     tl = live_timeline(trace)
     x = list(range(len(tl.total)))
     kinds = [k for k in PLOT_KINDS if any(tl.live[k])]
@@ -147,12 +144,7 @@ def plot_timeline(trace: Trace, out: str | Path, title: str | None = None) -> Pa
     ax.set_ylabel(f"live {unit}")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), fontsize=8, ncol=len(kinds), frameon=False)
     ax.set_xlim(0, max(1, len(x) - 1))
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return save_png(fig, out)
 
 
 def _unit(peak: int) -> tuple[float, str]:
