@@ -191,17 +191,7 @@ class Simulator:
             if k:
                 self.forward_last_use[sid] = acc[k - 1]
         # storages alive when the iteration starts (parameters, optimizer state, the batch)
-        idx = it.index
-        self.initial: list[int] = []
-        for s in tr.storages.values():
-            if s.alloc_at is None:
-                continue
-            born_before = s.alloc_at[0] < idx or (s.alloc_at[0] == idx and s.preexisting)
-            alive = s.free_at is None or s.free_at[0] > idx or (s.free_at[0] == idx and s.alloc_at[0] == idx)
-            if s.alloc_at[0] < idx and s.free_at is not None and s.free_at[0] < idx:
-                alive = False
-            if born_before and alive and not (s.free_at is not None and s.free_at[0] == idx - 1 and s.alloc_at[0] < idx):
-                self.initial.append(s.sid)
+        self.initial: list[int] = it.live_at_start(tr)
         self.frees = it.frees
 
     def _measured_durations(self) -> bool:

@@ -187,12 +187,15 @@ class Iteration:
     facts: dict = field(default_factory=dict)
 
     def live_at_start(self, trace: Trace) -> list[int]:
-        """Storages alive when this iteration starts (allocated in an earlier iteration, not yet freed)."""
+        """Storages alive when this iteration's first op runs: allocated in an earlier iteration, or
+        pre-existing (parameters, the batch) and first seen in this one; and not freed before it."""
+        idx = self.index
         out = []
         for s in trace.storages.values():
-            if s.alloc_at is not None and s.alloc_at[0] < self.index and (
-                s.free_at is None or s.free_at[0] >= self.index
-            ):
+            if s.alloc_at is None:
+                continue
+            born = s.alloc_at[0] < idx or (s.alloc_at[0] == idx and s.preexisting)
+            if born and (s.free_at is None or s.free_at[0] >= idx):
                 out.append(s.sid)
         return out
 

@@ -180,6 +180,21 @@ def test_replay_pays_for_divergence_on_a_dynamic_network(tmp_path):
     assert r.stall_time_s > 1.2 * o.stall_time_s
 
 
+def test_storage_from_an_earlier_iteration_freed_mid_iteration_is_counted():
+    """Allocated in iteration 0, read and freed in iteration 1: live (and counted) at its start."""
+    b = TB()
+    b.iteration([("f0", "forward", "", [], [("K", 100, "temp", False)], [])])
+    b.iteration([
+        ("g0", "forward", "", [], [("A", 50, "temp", False)], []),
+        ("g1", "forward", "", ["K", "A"], [], ["K", "A"]),
+    ], fresh=False)
+    tr = b.trace()
+    assert unmanaged_peak(tr, 1) == 150
+    r = simulate(tr, "none", 150, UNIT, iteration=1)
+    assert r.feasible and r.peak_bytes == 150 and r.iter_time_s == 2.0
+    assert not simulate(tr, "none", 149, UNIT, iteration=1).feasible
+
+
 def test_budget_one_equals_none_for_every_policy():
     tr = chain_trace()
     base = simulate(tr, "none", 1.0, UNIT, iteration=0)
