@@ -13,8 +13,14 @@ time it is; the policy sees that through a :class:`MemoryView` and answers three
    recompute on access) or ``"discard"`` (free, never needed again: only for policies that see the
    future; the mechanism verifies it).
 
-Plus notifications (``on_access``, ``on_alloc``, ``on_free``) for policies that keep their own
-statistics, and ``begin_iteration`` where a policy that plans (replay, oracle) does so.
+Plus notifications (``on_access``, ``on_alloc``, ``on_free``, ``on_op``) for policies that keep
+their own statistics or features, and ``begin_iteration`` where a policy that plans (replay,
+oracle) does so. ``on_op(position, op)`` comes after every operator ran, before ``after_op``,
+with the operator's :class:`~dynn_runtime.trace.format.Op` record (name, idiom vector, phase,
+module, the storages it read, wrote and allocated): the simulator passes the trace's record, the
+live runtime the one it builds as the operator runs, so a policy that learns from the operator
+stream (pilot) sees the same thing in both. Storages alive when an iteration starts are announced
+by ``on_alloc(sid, -1)``.
 
 Policies register by name with :func:`register` and declare what they need (``requires``): a
 trace of earlier iterations (``history``), knowledge of the future (``future``: only the oracle),
@@ -107,6 +113,9 @@ class Policy:
 
     def on_free(self, sid: int) -> None:
         pass
+
+    def on_op(self, position: int, op: Any) -> None:
+        """Operator ``position`` ran; ``op`` is its :class:`~dynn_runtime.trace.format.Op` record."""
 
 
 POLICIES: dict[str, type[Policy]] = {}

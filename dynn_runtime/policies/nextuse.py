@@ -147,27 +147,34 @@ class ReplayPolicy(NextUsePolicy):
     description = "plan from the previous iteration's trace (AppObMem)"
 
     def begin_iteration(self, index: int, context: dict | None = None) -> None:
+        # The plan is matched as storages appear (on_alloc), never by looking at this iteration's
+        # operators ahead of time: the live runtime does not know them either.
         self._plan: dict[int, list[int]] = {}
+        self._prev_acc: dict[int, list[int]] = {}
+        self._prev_slot: dict[tuple[int, int], int] = {}
+        self._slots: dict[int, int] = {}
+        self._n_prev = 0
         history = (context or {}).get("history") or []
-        sim = (context or {}).get("sim")
-        if not history or sim is None:
+        if not history:
             return
         prev = history[-1]
-        prev_acc: dict[int, list[int]] = {}
-        prev_slot: dict[tuple[int, int], int] = {}
         for j, op in enumerate(prev.ops):
             for sid in set(op.inputs) | set(op.outputs) | set(op.writes):
-                prev_acc.setdefault(sid, []).append(j)
+                self._prev_acc.setdefault(sid, []).append(j)
             for k, sid in enumerate(op.allocs):
-                prev_slot[(j, k)] = sid
-        for j, op in enumerate(sim.ops):
-            for k, sid in enumerate(op.allocs):
-                match = prev_slot.get((j, k))
-                if match is not None:
-                    self._plan[sid] = prev_acc.get(match, [])
-        for sid, acc in prev_acc.items():  # persistent storages match themselves
-            self._plan.setdefault(sid, acc)
+                self._prev_slot[(j, k)] = sid
         self._n_prev = len(prev.ops)
+
+    def on_alloc(self, sid: int, position: int) -> None:
+        if position >= 0 and sid not in self._prev_acc:
+            k = self._slots.get(position, 0)
+            self._slots[position] = k + 1
+            match = self._prev_slot.get((position, k))
+            if match is not None:
+                self._plan[sid] = self._prev_acc.get(match, [])
+        elif sid in self._prev_acc:  # persistent storages (parameters, optimizer state) match themselves
+            self._plan[sid] = self._prev_acc[sid]
+        super().on_alloc(sid, position)
 
     def predict(self, sid: int) -> float | None:
         acc = self._plan.get(sid)
@@ -178,5 +185,5 @@ class ReplayPolicy(NextUsePolicy):
         if k < len(acc):
             return acc[k]
         if self.view.kind(sid) in ("param", "buffer", "opt_state") and acc:
-            return getattr(self, "_n_prev", 0) + acc[0]
+            return self._n_prev + acc[0]
         return None

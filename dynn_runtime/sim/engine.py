@@ -557,7 +557,7 @@ class Simulator:
             self._make_room(self.st[sid].nbytes, set())
             self._set(sid, S.RESIDENT)
             self.st[sid].host_valid = self.st[sid].kind in ("param", "buffer")
-            pol.on_alloc(sid, 0)
+            pol.on_alloc(sid, -1)
         for j, op in enumerate(self.ops):
             self.position = j
             self.phase = op.phase
@@ -580,6 +580,7 @@ class Simulator:
                 pol.on_access(sid, j)
             for sid in op.writes:
                 self.st[sid].host_valid = False
+            pol.on_op(j, op)
             self._apply(pol.after_op(j))
         self.position = len(self.ops)
         for sid in self.frees.get(len(self.ops), ()):
