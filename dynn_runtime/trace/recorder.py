@@ -35,10 +35,10 @@ from .._version import __version__
 from ..errors import TraceError
 from ..workload import load_workload, make_optimizer, to_device, workload_name
 from .format import MAGIC, SCHEMA_VERSION, TraceWriter
+from .modules import ModuleTracker
 
 __all__ = ["TraceRecorder", "record", "RecordResult"]
 
-_NODE_TAG = "dynn_module"
 _IGNORED_OPS = {"aten::detach", "aten::lift_fresh", "prim::device", "prim::layout", "prim::dtype"}
 
 
@@ -73,14 +73,12 @@ class TraceRecorder(TorchDispatchMode):
         self._sids: dict[int, int] = {}
         self._next_sid = 1
         self._opdefs: dict[str, int] = {}
-        self._mods: dict[str, int] = {"": 0}
-        self._mod_names = {m: name for name, m in model.named_modules()}
-        self._mod_stack: list[str] = []
+        self._modules = ModuleTracker(model, on_new=lambda mid, path: self.records.append(
+            {"t": "M", "m": mid, "path": path}))
         self._phase = "forward"
         self._active = False
         self._closed = False
         self._cuda_events: list[tuple[dict, Any, Any]] = []
-        self._hook_handles: list[Any] = []
         self._saved_ctx: Any = None
         self.n_ops = 0
         self._register_model_state()
@@ -142,36 +140,8 @@ class TraceRecorder(TorchDispatchMode):
             self.records.append({"t": "D", "o": oid, "name": name, "iv": list(idiom_vector(func).as_tuple())})
         return oid
 
-    def _module_id(self, path: str) -> int:
-        mid = self._mods.get(path)
-        if mid is None:
-            mid = len(self._mods)
-            self._mods[path] = mid
-            self.records.append({"t": "M", "m": mid, "path": path})
-        return mid
-
-    # ---- module attribution -----------------------------------------------------------------
-    def _pre_hook(self, module: nn.Module, args: Any) -> None:
-        self._mod_stack.append(self._mod_names.get(module, type(module).__name__))
-
-    def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        path = self._mod_stack.pop() if self._mod_stack else ""
-        if torch.is_grad_enabled():
-            mid = self._module_id(path)
-            flat, _ = tree_flatten(output)
-            stack = [t.grad_fn for t in flat if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-            while stack:
-                node = stack.pop()
-                if node is None or _NODE_TAG in node.metadata or node.name() == "torch::autograd::AccumulateGrad":
-                    continue
-                node.metadata[_NODE_TAG] = mid
-                stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-
     def _current_module(self) -> int:
-        if self._phase == "backward":
-            node = torch._C._current_autograd_node()
-            return node.metadata.get(_NODE_TAG, 0) if node is not None else 0
-        return self._module_id(self._mod_stack[-1]) if self._mod_stack else 0
+        return self._modules.current(self._phase == "backward")
 
     # ---- the dispatch hook ------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -246,10 +216,7 @@ class TraceRecorder(TorchDispatchMode):
             self.records.extend(self._pending_pre)
             self._pending_pre = []
         self._active = True
-        self._hook_handles = [
-            nn.modules.module.register_module_forward_pre_hook(self._pre_hook),
-            nn.modules.module.register_module_forward_hook(self._post_hook),
-        ]
+        self._modules.install()
         self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._saved_ctx.__enter__()
         self.__enter__()
@@ -266,10 +233,7 @@ class TraceRecorder(TorchDispatchMode):
     def end_iteration(self, facts: dict | None = None) -> list[dict]:
         self.__exit__(None, None, None)
         self._saved_ctx.__exit__(None, None, None)
-        for h in self._hook_handles:
-            h.remove()
-        self._hook_handles = []
-        self._mod_stack.clear()
+        self._modules.remove()
         if self._cuda_events:
             torch.cuda.synchronize(self.device)
             for rec, start, end in self._cuda_events:
