@@ -17,6 +17,7 @@ from .errors import (
     TraceError,
     WorkloadError,
 )
+from .runtime import MemoryManager
 from .workload import load_workload, train
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "PilotError",
     "NativeError",
     "HostMemoryError",
+    "MemoryManager",
     "load_workload",
     "train",
 ]

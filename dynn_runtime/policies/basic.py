@@ -58,22 +58,25 @@ class SaveOnCPUPolicy(Policy):
 
     def __init__(self) -> None:
         super().__init__()
-        self._saved: set[int] = set()
+        self._cands: set[int] = set()
 
     def on_alloc(self, sid: int, position: int) -> None:
-        if self.view.saved(sid) and self.view.kind(sid) in ("activation", "input", "temp"):
-            self._saved.add(sid)
+        # Whether autograd saves it may only be known after the operator that made it (live, the
+        # saved-tensor hook runs then): keep every candidate and look at ``saved`` when deciding.
+        if position >= 0 and self.view.kind(sid) in ("activation", "input", "temp"):
+            self._cands.add(sid)
 
     def on_free(self, sid: int) -> None:
-        self._saved.discard(sid)
+        self._cands.discard(sid)
 
     def after_op(self, position: int) -> list[Action]:
         view = self.view
         if view.phase != "forward":
             return []
-        done = [sid for sid in self._saved if view.status(sid) == "resident" and view.forward_done(sid)]
+        done = [sid for sid in self._cands
+                if view.saved(sid) and view.status(sid) == "resident" and view.forward_done(sid)]
         for sid in done:
-            self._saved.discard(sid)
+            self._cands.discard(sid)
         return [Action("evict", sid) for sid in done]
 
 

@@ -1,0 +1,182 @@
+"""Host memory for offloaded storages: a reusable pool under a byte budget.
+
+On CUDA the pool is pinned (page-locked) memory, so device-to-host and host-to-device copies can
+run asynchronously on the copy streams. Pinning is expensive (``cudaHostAlloc`` maps and locks
+pages), so it is done in large chunks and never per tensor; buffers are carved out of chunks
+first-fit and coalesce with their neighbours when released. A buffer released while a copy may
+still be reading or writing it (``release(event)``) only returns to the free list once that event
+has completed: the pool never hands out memory a copy engine is still using.
+
+If pinning fails (the OS limit on locked memory, or no CUDA), the pool warns once and falls back
+to pageable memory: copies then become synchronous, which is slower but still correct.
+
+The same code runs on the CPU (pageable chunks), so the allocator is exercised by the test suite
+on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import HostMemoryError
+from ..memory import format_bytes
+
+__all__ = ["HostPool", "HostBuffer"]
+
+_ALIGN = 512  # bytes; keeps every buffer aligned for vectorised copies
+
+
+@dataclass(eq=False)
+class HostBuffer:
+    """``nbytes`` of host memory: ``tensor`` is a uint8 view into one of the pool's chunks."""
+
+    tensor: torch.Tensor
+    chunk: int
+    offset: int
+    size: int  # reserved (aligned) size
+    nbytes: int
+
+
+class _Chunk:
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        self.size = data.numel()
+        self.free: list[tuple[int, int]] = [(0, self.size)]  # sorted (offset, size)
+
+    def take(self, size: int) -> int | None:
+        for i, (off, sz) in enumerate(self.free):
+            if sz >= size:
+                if sz == size:
+                    del self.free[i]
+                else:
+                    self.free[i] = (off + size, sz - size)
+                return off
+        return None
+
+    def give(self, off: int, size: int) -> None:
+        i = bisect.bisect_left(self.free, (off, 0))
+        # coalesce with the right neighbour, then the left one
+        if i < len(self.free) and off + size == self.free[i][0]:
+            size += self.free[i][1]
+            del self.free[i]
+        if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == off:
+            off, size = self.free[i - 1][0], self.free[i - 1][1] + size
+            i -= 1
+            del self.free[i]
+        self.free.insert(i, (off, size))
+
+
+class HostPool:
+    """A chunked, optionally pinned host allocator with a budget.
+
+    ``budget_bytes``: the most host memory the pool may hold (``None``: no limit). ``chunk_bytes``:
+    the size of each chunk it reserves (a larger request gets a chunk of its own size).
+    """
+
+    def __init__(self, budget_bytes: int | None = None, pin: bool = False, chunk_bytes: int = 64 << 20) -> None:
+        self.budget = budget_bytes
+        self.pin = pin
+        self.chunk_bytes = chunk_bytes
+        self.chunks: list[_Chunk] = []
+        self.reserved = 0  # bytes in chunks
+        self.in_use = 0  # bytes handed out (aligned)
+        self.peak_in_use = 0
+        self._pending: list[tuple[Any, HostBuffer]] = []  # released, waiting for a copy to finish
+        self._warned = False
+
+    @property
+    def pinned(self) -> bool:
+        return self.pin
+
+    def _new_chunk(self, need: int) -> _Chunk:
+        size = max(need, self.chunk_bytes)
+        if self.budget is not None:
+            room = self.budget - self.reserved
+            size = min(size, room)
+            if size < need:
+                raise HostMemoryError(
+                    f"runtime: the host memory budget is exhausted: offloading {format_bytes(need)} more would "
+                    f"exceed host_budget={format_bytes(self.budget)} ({format_bytes(self.in_use)} in use for "
+                    f"offloaded tensors). Raise host_budget (MemoryManager(..., host_budget=...) or "
+                    "`--host-budget`), or give the device a larger budget so that less is offloaded."
+                )
+        data = None
+        if self.pin:
+            try:
+                data = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as exc:
+                self.pin = False
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(
+                        f"dynn-runtime: pinning {format_bytes(size)} of host memory failed ({exc}); falling back "
+                        "to pageable memory: copies will be synchronous and slower. Raise the locked-memory "
+                        "limit (ulimit -l) to restore asynchronous copies.",
+                        RuntimeWarning, stacklevel=3,
+                    )
+        if data is None:
+            data = torch.empty(size, dtype=torch.uint8)
+        chunk = _Chunk(data)
+        self.chunks.append(chunk)
+        self.reserved += size
+        return chunk
+
+    def poll(self) -> None:
+        """Return buffers whose copies have completed to the free lists."""
+        if not self._pending:
+            return
+        keep = []
+        for event, buf in self._pending:
+            if event is None or event.query():
+                self._give(buf)
+            else:
+                keep.append((event, buf))
+        self._pending = keep
+
+    def alloc(self, nbytes: int) -> HostBuffer:
+        size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        self.poll()
+        for attempt in range(2):
+            for ci, chunk in enumerate(self.chunks):
+                off = chunk.take(size)
+                if off is not None:
+                    return self._hand_out(ci, off, size, nbytes)
+            if attempt == 0 and self._pending:
+                # copies still hold released buffers: wait for the oldest ones before growing
+                for event, _ in self._pending:
+                    if event is not None:
+                        event.synchronize()
+                self.poll()
+        chunk = self._new_chunk(size)
+        off = chunk.take(size)
+        return self._hand_out(len(self.chunks) - 1, off, size, nbytes)
+
+    def _hand_out(self, ci: int, off: int, size: int, nbytes: int) -> HostBuffer:
+        self.in_use += size
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        t = self.chunks[ci].data[off:off + nbytes]
+        return HostBuffer(tensor=t, chunk=ci, offset=off, size=size, nbytes=nbytes)
+
+    def release(self, buf: HostBuffer, event: Any = None) -> None:
+        """Give ``buf`` back; with ``event``, only once the copy that event marks has completed."""
+        if event is not None and not event.query():
+            self._pending.append((event, buf))
+        else:
+            self._give(buf)
+
+    def _give(self, buf: HostBuffer) -> None:
+        self.in_use -= buf.size
+        self.chunks[buf.chunk].give(buf.offset, buf.size)
+
+    def close(self) -> None:
+        for event, _ in self._pending:
+            if event is not None:
+                event.synchronize()
+        self._pending = []
+        self.chunks = []
+        self.reserved = self.in_use = 0

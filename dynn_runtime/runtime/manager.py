@@ -1,0 +1,1191 @@
+"""The live memory manager: trains a model within a device-memory budget on stock PyTorch.
+
+How it works (the stock-PyTorch counterpart of the paper's patched fetch hooks):
+
+* A ``TorchDispatchMode`` sees every ATen operator (forward, backward, optimizer) below
+  autograd. Before an operator runs, every storage it touches is made resident (an in-flight
+  prefetch is waited for; an offloaded storage is fetched on demand, a *stall*; a dropped one is
+  recomputed), and room is made for its outputs, whose sizes come from running the operator on
+  meta tensors once per shape signature. After it runs, its new storages are accounted and the
+  policy is told (``on_alloc``, ``on_access``, ``on_op``) and asked what to move (``after_op``).
+* A storage leaves the device *in place*: its bytes are copied to host memory and the storage is
+  resized to zero. Every tensor and view on it (a ``Parameter``, an optimizer state, an activation
+  autograd saved) keeps its identity and metadata; on the next access the storage is resized back
+  and the bytes are copied in. So parameters, gradients, optimizer state and saved activations
+  all come under one mechanism, and what comes back is the same bytes.
+* ``saved_tensors_hooks`` tell the manager which storages autograd saved for backward (policies
+  and the pilot's features use it); the packed object is a detached alias, so no reference cycle
+  is created and the storage is still managed in place.
+* Storage frees are seen through a weakref callback on each storage's Python object (storages
+  keep their Python object for as long as they live).
+* The mode is active from :meth:`MemoryManager.attach` to :meth:`MemoryManager.detach`, inside
+  and outside :meth:`MemoryManager.step`, so any access between steps (evaluation, logging)
+  fetches what it needs. ``state_dict()`` of the model and the optimizer first brings everything
+  back (pre hooks), so a checkpoint never captures an offloaded (empty) storage.
+
+On CUDA (invariants, each one a classic source of silent corruption):
+
+1. A device-to-host copy runs on the D2H stream after an event recorded on the compute stream at
+   eviction time (the data must be produced first). The device storage is only released when that
+   copy's event has completed (:meth:`_reap`) and the source block is ``record_stream``-ed on the D2H
+   stream, so the caching allocator never recycles it under the copy.
+2. A host-to-device copy into a freshly resized storage runs on the H2D stream after an event
+   recorded on the compute stream (the allocation is ordered there) and after the event of the
+   copy that filled the host buffer; the destination is ``record_stream``-ed on the H2D stream.
+3. The compute stream never uses a fetched storage before ``wait_event`` on its H2D event
+   (no device-wide synchronize on the hot path).
+4. A host buffer goes back to the pool only once every copy touching it has completed
+   (:meth:`HostPool.release` with the copy's event).
+5. A storage written while its host copy exists makes that copy stale; it is never fetched again.
+
+On the CPU the same code runs with synchronous copies and a *logical* budget: device bytes are
+accounted, offloaded storages are truly released (resized to zero) and restored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import BudgetError, ConfigError, PolicyError, _internal_assert
+from ..memory import format_bytes, parse_size
+from ..policies.base import Policy, make_policy
+from ..trace.format import Iteration, Op, Trace, read_trace
+from ..trace.modules import ModuleTracker
+from ..trace.recorder import _IGNORED_OPS
+from .hostpool import HostBuffer, HostPool
+
+__all__ = ["MemoryManager", "StepStats"]
+
+_PERSISTENT = ("param", "buffer", "opt_state")
+_RANK = {k: i for i, k in enumerate(("param", "buffer", "opt_state", "grad", "activation", "input", "temp"))}
+
+RESIDENT, OFFLOADING, HOST, FETCHING, DROPPED, ABSENT = (
+    "resident", "offloading", "host", "fetching", "dropped", "absent")
+_HOLDS_DEVICE = frozenset({RESIDENT, OFFLOADING, FETCHING})
+
+
+class _S:
+    """What the manager knows about one device storage."""
+
+    __slots__ = ("sid", "key", "ref", "nbytes", "kind", "saved", "status", "host", "host_valid", "event",
+                 "last_access", "last_access_t", "count", "name", "movable", "born_step", "fetch_event", "pf")
+
+    def __init__(self, sid: int, key: int, ref: Any, nbytes: int, kind: str, movable: bool, step: int) -> None:
+        self.sid = sid
+        self.key = key
+        self.pf = False  # prefetched, not used since
+        self.ref = ref  # weakref to the UntypedStorage
+        self.nbytes = nbytes
+        self.kind = kind
+        self.saved = False
+        self.status = RESIDENT
+        self.host: HostBuffer | None = None
+        self.host_valid = False
+        self.event: Any = None  # completion of the last copy into or out of ``host``
+        self.fetch_event: Any = None  # completion of an in-flight H2D copy
+        self.last_access = -1
+        self.last_access_t = 0.0
+        self.count = 0
+        self.name = ""
+        self.movable = movable
+        self.born_step = step
+
+
+@dataclass
+class StepStats:
+    """What the manager did during one step (or, summed, over all of them)."""
+
+    step: int = 0
+    ops: int = 0
+    peak_device_bytes: int = 0
+    bytes_offloaded: int = 0
+    bytes_prefetched: int = 0
+    bytes_fetched_on_demand: int = 0
+    evictions: int = 0
+    stall_seconds: float = 0.0
+    copy_seconds: float = 0.0
+    policy_seconds: float = 0.0
+    recomputed_ops: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    budget_overshoot_bytes: int = 0
+    wall_seconds: float = 0.0
+    managed: bool = True
+
+    def add(self, other: StepStats) -> None:
+        for k in ("ops", "bytes_offloaded", "bytes_prefetched", "bytes_fetched_on_demand", "evictions",
+                  "stall_seconds", "copy_seconds", "policy_seconds", "recomputed_ops", "prefetch_hits",
+                  "prefetch_misses", "wall_seconds"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.peak_device_bytes = max(self.peak_device_bytes, other.peak_device_bytes)
+        self.budget_overshoot_bytes = max(self.budget_overshoot_bytes, other.budget_overshoot_bytes)
+
+
+def _storage_key(st: torch.UntypedStorage) -> int:
+    return st._cdata
+
+
+def _u8(st: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over the whole storage (no dispatch: set_ on a fresh tensor)."""
+    t = torch.empty(0, dtype=torch.uint8, device=device)
+    t.set_(st, 0, (st.nbytes(),), (1,))
+    return t
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, mm: MemoryManager) -> None:
+        super().__init__()
+        self.mm = mm
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.mm._dispatch(func, args, kwargs or {})
+
+
+class MemoryManager:
+    """Keep a training loop's device memory within ``budget`` by moving tensors as ``policy`` says.
+
+    ``budget``: bytes (int), a size string (``"6GiB"``), or a float in (0, 1]: that fraction of the
+    workload's unmanaged peak, which the manager measures during the first :meth:`step` (that step
+    runs unmanaged, so it must fit on the device). ``policy``: a registered policy name (``none``,
+    ``save_on_cpu``, ``lru``, ``replay``, ``oracle``, ``pilot``, ``checkpoint``, ``dtr``) or a
+    :class:`~dynn_runtime.policies.base.Policy`. ``device``: where the model trains (default: CUDA
+    if available, else the CPU, where the budget is logical).
+
+    Options: ``host_budget`` (bytes or size string; the most host memory offloaded tensors may use;
+    default unlimited), ``async_copies`` (False: every copy on the compute stream, synchronous),
+    ``pin_memory`` (pinned host pool on CUDA), ``hard_cap`` (CUDA: also cap the caching allocator
+    with ``torch.cuda.set_per_process_memory_fraction`` at the budget), ``trace`` (a recorded trace
+    of the same inputs: the ``oracle`` policy reads the future from it), ``policy_options``.
+    """
+
+    def __init__(
+        self,
+        budget: int | str | float,
+        policy: str | Policy = "lru",
+        device: str | torch.device | None = None,
+        *,
+        host_budget: int | str | None = None,
+        async_copies: bool = True,
+        pin_memory: bool = True,
+        hard_cap: bool = False,
+        trace: str | Trace | None = None,
+        policy_options: dict | None = None,
+        history: int = 2,
+    ) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError("runtime: device='cuda' but CUDA is not available here; use device='cpu' "
+                                  "(a logical budget) or run on a machine with a GPU.")
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+        elif self.device.type != "cpu":
+            raise ConfigError(f"runtime: device {self.device} is not supported; use 'cuda' or 'cpu'.")
+        self._budget_spec = budget
+        self.budget: int | None = self._parse_budget(budget)
+        provides = {"history", "pilot"} | ({"gpu"} if self.device.type == "cuda" else set())
+        self._trace: Trace | None = None
+        if trace is not None:
+            self._trace = trace if isinstance(trace, Trace) else read_trace(trace)
+            provides.add("future")
+        try:
+            self.policy = make_policy(policy, provides=provides, **(policy_options or {}))
+        except PolicyError as exc:
+            if "future" in str(exc):
+                raise PolicyError(
+                    "runtime: the oracle policy reads the future from a recorded trace of the same inputs: pass "
+                    "MemoryManager(..., trace=PATH) (record it with `dynn trace WORKLOAD -o PATH` using the same "
+                    "seed and steps)."
+                ) from None
+            raise
+        self.cuda = self.device.type == "cuda"
+        self.async_copies = bool(async_copies) and self.cuda
+        self.hard_cap = hard_cap
+        self.pool = HostPool(parse_size(host_budget) if host_budget is not None else None,
+                             pin=self.cuda and pin_memory)
+        self.history_len = history
+        self.history: list[Iteration] = []
+        self._reset_state()
+
+    # ---- configuration ----------------------------------------------------------------------
+    @staticmethod
+    def _parse_budget(budget: int | str | float) -> int | None:
+        if isinstance(budget, bool):
+            raise BudgetError("runtime: the budget must be bytes, a size string like '6GiB', or a fraction in (0, 1].")
+        if isinstance(budget, float):
+            if not 0 < budget <= 1:
+                raise BudgetError(f"runtime: a fractional budget must be in (0, 1], got {budget}; pass bytes or a "
+                                  "size string ('6GiB') for an absolute budget.")
+            return None  # measured in the first step
+        if isinstance(budget, str) and "/" in budget:
+            num, _, den = budget.partition("/")
+            try:
+                frac = float(num) / float(den)
+            except (ValueError, ZeroDivisionError):
+                raise BudgetError(f"runtime: cannot read the budget {budget!r}; expected e.g. '1/8', '6GiB', 0.25.") from None
+            return MemoryManager._parse_budget(frac)
+        try:
+            b = parse_size(budget)
+        except ConfigError as exc:
+            raise BudgetError(f"runtime: cannot read the budget {budget!r} ({exc}); expected bytes, a size string "
+                              "like '6GiB', or a fraction in (0, 1].") from None
+        if b <= 0:
+            raise BudgetError(f"runtime: the budget must be positive, got {budget!r}.")
+        return b
+
+    @property
+    def budget_fraction(self) -> float | None:
+        spec = self._budget_spec
+        if isinstance(spec, float):
+            return spec
+        if isinstance(spec, str) and "/" in spec:
+            num, _, den = spec.partition("/")
+            return float(num) / float(den)
+        return None
+
+    def _reset_state(self) -> None:
+        self.st: dict[int, _S] = {}
+        self._key_sid: dict[int, int] = {}
+        self._next_sid = 1
+        self._dead: list[int] = []
+        self.used = 0
+        self.position = 0
+        self.phase = "forward"
+        self._in_step = False
+        self._attached = False
+        self._passthrough = False
+        self._mode: _Mode | None = None
+        self._step_index = 0
+        self._cur = StepStats()
+        self.steps: list[StepStats] = []
+        self._measure_step = False
+        self._ops: list[Op] = []
+        self._frees: dict[int, list[int]] = {}
+        self._pre: dict[int, list[int]] = {}
+        self._meta_cache: dict[Any, int | None] = {}
+        self._idiom_cache: dict[str, tuple[int, ...]] = {}
+        self._handles: list[Any] = []
+        self._modules: ModuleTracker | None = None
+        self._saved_hooks: Any = None
+        self._in_optimizer = False
+        self._seen_backward = False
+        self._t0 = time.perf_counter()
+        self._pending_stalls: list[tuple[Any, Any]] = []
+        self._oracle_map: dict[int, int] = {}
+        self._oracle_warned = False
+        self._largest_op: tuple[int, str] = (0, "")
+        self._budget_problem = ""
+        self._timeline: list[tuple[int, int, int, str]] = []  # (step, position, device bytes, phase)
+
+    # ---- attach / detach --------------------------------------------------------------------
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryManager:
+        """Bring ``model``'s parameters and buffers, its gradients and ``optimizer``'s state, and every
+        activation created while attached under management. Returns ``self``."""
+        if self._attached:
+            raise ConfigError("runtime: this MemoryManager is already attached; detach() it first.")
+        if _is_compiled(model):
+            warnings.warn(
+                "dynn-runtime: the model (or a submodule) is compiled with torch.compile; the memory manager "
+                "leaves compiled modules alone (no budget, no offloading) because compiled graphs bypass its "
+                "operator hooks. Attach the uncompiled module to manage it.", RuntimeWarning, stacklevel=2)
+            self._passthrough = True
+            self._attached = True
+            self.model, self.optimizer = model, optimizer
+            return self
+        self.model, self.optimizer = model, optimizer
+        for name, p in model.named_parameters():
+            sid = self._track(p, "param", fresh=False)
+            if sid is not None:
+                self.st[sid].name = name
+        for name, b in model.named_buffers():
+            sid = self._track(b, "buffer", fresh=False)
+            if sid is not None:
+                self.st[sid].name = name
+        if optimizer is not None:
+            self._mark_optimizer_state()
+            self._handles.append(optimizer.register_step_pre_hook(self._opt_pre))
+            self._handles.append(optimizer.register_step_post_hook(self._opt_post))
+            if hasattr(optimizer, "register_state_dict_pre_hook"):
+                self._handles.append(optimizer.register_state_dict_pre_hook(lambda *a: self.restore_all()))
+        self._handles.append(model.register_state_dict_pre_hook(lambda *a, **k: self.restore_all()))
+        self._modules = ModuleTracker(model)
+        self._modules.on_root_forward = self._root_forward
+        self._modules.install()
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._saved_hooks.__enter__()
+        if self.hard_cap and self.cuda and self.budget is not None:
+            self._apply_hard_cap()
+        self.policy.attach(self)
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        self._attached = True
+        return self
+
+    def detach(self) -> None:
+        """Stop managing: every offloaded or dropped storage comes back, hooks are removed, and the
+        host pool is released. Tensors are where and what they were, bit for bit."""
+        if not self._attached:
+            return
+        if self._passthrough:
+            self._attached = False
+            return
+        try:
+            self.restore_all()
+        finally:
+            if self._mode is not None:
+                self._mode.__exit__(None, None, None)
+                self._mode = None
+            if self._saved_hooks is not None:
+                self._saved_hooks.__exit__(None, None, None)
+                self._saved_hooks = None
+            if self._modules is not None:
+                self._modules.remove()
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+            self._sync()
+            for s in self.st.values():
+                self._drop_host(s)
+            self.pool.close()
+            self._attached = False
+
+    def __enter__(self) -> MemoryManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    def restore_all(self) -> None:
+        """Bring every managed storage back to the device (e.g. before saving a checkpoint)."""
+        with _no_mode():
+            self._drain()
+            for s in list(self.st.values()):
+                if s.status in (HOST, DROPPED, FETCHING, OFFLOADING):
+                    self._fetch_now(s, budgeted=False)
+            self._sync()
+
+    # ---- steps ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self) -> Iterator[MemoryManager]:
+        """One training iteration: positions restart, the policy plans, statistics are kept."""
+        if not self._attached:
+            raise ConfigError("runtime: call attach(model, optimizer) before step().")
+        if self._in_step:
+            raise ConfigError("runtime: step() does not nest; end the current step first.")
+        if self._passthrough:
+            t0 = time.perf_counter()
+            yield self
+            self.steps.append(StepStats(step=len(self.steps), wall_seconds=time.perf_counter() - t0, managed=False))
+            return
+        self._begin_step()
+        ok = False
+        try:
+            yield self
+            ok = True
+        finally:
+            self._end_step(ok)
+
+    def _begin_step(self) -> None:
+        self._drain()
+        self._cur = StepStats(step=self._step_index)
+        self._measure_step = self.budget is None
+        self.position = 0
+        self.phase = "forward"
+        self._seen_backward = False
+        self._in_optimizer = False
+        self._ops = []
+        self._frees = {}
+        self._pre = {}
+        self._oracle_map = {}
+        self._in_step = True
+        self._t_step = time.perf_counter()
+        self._cur.peak_device_bytes = self.used
+        with _no_mode():
+            ctx = {"history": list(self.history), "trace": self._trace, "runtime": self}
+            self.policy.begin_iteration(self._step_index, ctx)
+            for sid, s in list(self.st.items()):
+                if s.status != ABSENT:
+                    self.policy.on_alloc(sid, -1)
+            self._map_oracle_persistent()
+
+    def _end_step(self, ok: bool) -> None:
+        self._in_step = False
+        with _no_mode():
+            self._drain()
+            self._sync()
+            self._resolve_stalls()
+        cur = self._cur
+        cur.ops = self.position
+        cur.wall_seconds = time.perf_counter() - self._t_step
+        if ok:
+            self.history.append(Iteration(index=self._step_index, ops=self._ops, frees=self._frees,
+                                          pre_allocs=self._pre))
+            del self.history[:-self.history_len]
+        self._ops = []
+        if self._measure_step and ok:
+            frac = self.budget_fraction
+            self.budget = max(1, int(cur.peak_device_bytes * frac))
+            cur.managed = False
+            if self._largest_op[0] > self.budget:
+                need, where = self._largest_op
+                self._budget_problem = (
+                    f"runtime: a budget of {frac:g} of the measured peak ({format_bytes(self.budget)}) is smaller "
+                    f"than what one operator needs: {where} touches {format_bytes(need)} at once. Raise the "
+                    f"budget to at least {need / max(cur.peak_device_bytes, 1):.3f} (or {format_bytes(need)}).")
+            if self.hard_cap and self.cuda:
+                self._apply_hard_cap()
+        self._measure_step = False
+        self.steps.append(cur)
+        self._step_index += 1
+        if self._budget_problem:
+            msg, self._budget_problem = self._budget_problem, ""
+            raise BudgetError(msg)
+
+    def stats(self) -> dict[str, Any]:
+        """Totals over all steps and the per-step records (``torch.cuda.memory`` vocabulary)."""
+        total = StepStats(step=-1)
+        for s in self.steps:
+            total.add(s)
+        out = {k: v for k, v in total.__dict__.items() if k not in ("step", "managed")}
+        out.update(
+            steps=len(self.steps),
+            budget_bytes=self.budget,
+            policy=self.policy.name,
+            device=str(self.device),
+            device_bytes_now=self.used,
+            host_bytes_in_use=self.pool.in_use,
+            host_bytes_peak=self.pool.peak_in_use,
+            host_pinned=self.pool.pinned,
+            managed_storages=len(self.st),
+            per_step=[dict(s.__dict__) for s in self.steps],
+        )
+        if self.cuda:
+            out["max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        return out
+
+    def timeline(self) -> list[tuple[int, int, int, str]]:
+        """(step, operator position, managed device bytes after it, phase) for every operator so far."""
+        return list(self._timeline)
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def _root_forward(self) -> None:
+        if not torch._C._current_autograd_node():
+            self.phase = "forward"
+            self._seen_backward = False
+
+    def _opt_pre(self, *args: Any) -> None:
+        self._in_optimizer = True
+        self._mark_kind_of_grads()
+
+    def _opt_post(self, *args: Any) -> None:
+        self._mark_optimizer_state()
+        self._in_optimizer = False
+
+    def _mark_kind_of_grads(self) -> None:
+        for p in self.model.parameters():
+            if p.grad is not None:
+                self._track(p.grad, "grad", fresh=False)
+
+    def _mark_optimizer_state(self) -> None:
+        if self.optimizer is None:
+            return
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    self._track(v, "opt_state", fresh=False)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        sid = self._sid(t)
+        if sid is not None:
+            s = self.st[sid]
+            s.saved = True
+            if s.kind in ("temp", "input"):
+                s.kind = "activation"
+        return t.detach()
+
+    # ---- storages ---------------------------------------------------------------------------
+    def _sid(self, t: torch.Tensor) -> int | None:
+        if t.device != self.device or t.layout != torch.strided or type(t) not in (torch.Tensor, nn.Parameter):
+            return None
+        return self._key_sid.get(_storage_key(t.untyped_storage()))
+
+    def _track(self, t: torch.Tensor, kind: str, fresh: bool) -> int | None:
+        """The manager's id of ``t``'s storage, registering it if new (``kind`` only ever gets more specific)."""
+        if not isinstance(t, torch.Tensor) or t.device != self.device or t.layout != torch.strided:
+            return None
+        if type(t) not in (torch.Tensor, nn.Parameter):
+            return None  # tensor subclasses (DTensor, fake, ...) manage their own storage
+        if self._dead:  # a dead storage's address may be reused by a new one: forget the dead first
+            self._drain()
+        st = t.untyped_storage()
+        key = _storage_key(st)
+        sid = self._key_sid.get(key)
+        if sid is not None:
+            s = self.st[sid]
+            if _RANK[kind] < _RANK[s.kind]:
+                s.kind = kind
+            return sid
+        n = st.nbytes()
+        if n == 0:
+            return None
+        sid = self._next_sid
+        self._next_sid += 1
+        ref = weakref.ref(st, self._make_dead_cb(sid))
+        s = _S(sid, key, ref, n, kind, movable=st.resizable(), step=self._step_index)
+        self.st[sid] = s
+        self._key_sid[key] = sid
+        self.used += n
+        if self._in_step:
+            if fresh:
+                pass  # the caller announces it with its operator position
+            else:
+                self._pre.setdefault(self.position, []).append(sid)
+                with _no_mode():
+                    self.policy.on_alloc(sid, -1 if self.position == 0 else self.position)
+        self._note_peak()
+        return sid
+
+    def _make_dead_cb(self, sid: int) -> Any:
+        dead = self._dead
+
+        def cb(_ref: Any) -> None:  # may run in any thread, at any time: only record it
+            dead.append(sid)
+
+        return cb
+
+    def _drain(self) -> None:
+        """Account the storages the program freed since the last look."""
+        while self._dead:
+            sid = self._dead.pop()
+            s = self.st.pop(sid, None)
+            if s is None:
+                continue
+            if self._key_sid.get(s.key) == sid:
+                del self._key_sid[s.key]
+            if s.status in _HOLDS_DEVICE:
+                self.used -= s.nbytes
+            s.status = ABSENT
+            self._drop_host(s)
+            if self._in_step:
+                self._frees.setdefault(self.position, []).append(sid)
+            self.policy.on_free(sid)
+
+    def _drop_host(self, s: _S) -> None:
+        if s.host is not None:
+            self.pool.release(s.host, s.event)
+            s.host = None
+        s.host_valid = False
+
+    def _note_peak(self) -> None:
+        cur = self._cur
+        if self.used > cur.peak_device_bytes:
+            cur.peak_device_bytes = self.used
+        if self.budget is not None and not self._measure_step and self.used > self.budget:
+            cur.budget_overshoot_bytes = max(cur.budget_overshoot_bytes, self.used - self.budget)
+
+    # ---- MemoryView (what policies read) ----------------------------------------------------
+    def nbytes(self, sid: int) -> int:
+        return self.st[sid].nbytes
+
+    def kind(self, sid: int) -> str:
+        return self.st[sid].kind
+
+    def saved(self, sid: int) -> bool:
+        return self.st[sid].saved
+
+    def status(self, sid: int) -> str:
+        s = self.st.get(sid)
+        return ABSENT if s is None else s.status
+
+    def resident(self) -> Iterator[int]:
+        return (sid for sid, s in list(self.st.items()) if s.status == RESIDENT)
+
+    def offloaded(self) -> Iterator[int]:
+        return (sid for sid, s in list(self.st.items()) if s.status in (HOST, DROPPED))
+
+    def last_access(self, sid: int) -> int:
+        return self.st[sid].last_access
+
+    def last_access_time(self, sid: int) -> float:
+        return self.st[sid].last_access_t
+
+    def access_count(self, sid: int) -> int:
+        return self.st[sid].count
+
+    def free_bytes(self) -> int:
+        return (self.budget if self.budget is not None else 1 << 62) - self.used
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def forward_done(self, sid: int) -> bool:
+        """Only autograd (and the manager) still refer to ``sid``: the forward pass is done with it."""
+        s = self.st.get(sid)
+        if s is None or self.phase != "forward":
+            return False
+        st = s.ref()
+        if st is None:
+            return False
+        # one count for the preserved storage object, one for the detached alias autograd holds
+        return torch._C._storage_Use_Count(st._cdata) <= 2
+
+    def recomputable(self, sid: int) -> bool:
+        return False
+
+    def recompute_cost(self, sid: int) -> float:
+        return float("inf")
+
+    def producer_of(self, sid: int) -> int | None:
+        return None
+
+    def next_use(self, sid: int) -> int | None:
+        """The oracle's answer, from the recorded trace of the same inputs (None without one)."""
+        tr = self._trace
+        if tr is None:
+            return None
+        tsid = self._oracle_map.get(sid)
+        if tsid is None:
+            return self.position + 1  # unknown to the trace: keep it
+        acc = self._trace_acc.get(tsid)
+        if not acc:
+            return None
+        import bisect
+
+        k = bisect.bisect_right(acc, self.position)
+        if k < len(acc):
+            return acc[k]
+        if self.st[sid].kind in _PERSISTENT:
+            return len(self._trace_it.ops) + acc[0]
+        return None
+
+    # ---- oracle: matching this run to the recorded trace --------------------------------------
+    def _map_oracle_persistent(self) -> None:
+        tr = self._trace
+        if tr is None:
+            return
+        if self._step_index >= len(tr.iterations):
+            raise PolicyError(f"runtime: the oracle's trace has {len(tr.iterations)} iteration(s) but this is step "
+                              f"{self._step_index}; record the trace with at least as many steps.")
+        it = tr.iterations[self._step_index]
+        self._trace_it = it
+        self._trace_acc: dict[int, list[int]] = {}
+        for j, op in enumerate(it.ops):
+            for x in set(op.inputs) | set(op.outputs) | set(op.writes):
+                self._trace_acc.setdefault(x, []).append(j)
+        by_name = {s.name: s.sid for s in tr.storages.values() if s.name and s.kind in ("param", "buffer")}
+        if not hasattr(self, "_persist_map"):
+            self._persist_map: dict[int, int] = {}
+        for sid, s in self.st.items():
+            if s.name in by_name:
+                self._persist_map[sid] = by_name[s.name]
+        self._oracle_map = dict(self._persist_map)
+
+    def _map_oracle_op(self, j: int, ins: list[int], allocs: list[int], name: str) -> None:
+        it = self._trace_it
+        if j >= len(it.ops) or it.ops[j].name != name:
+            if not self._oracle_warned:
+                self._oracle_warned = True
+                got = it.ops[j].name if j < len(it.ops) else "the end of the iteration"
+                warnings.warn(f"dynn-runtime: the oracle's trace diverges from this run at operator {j} ({name} here, "
+                              f"{got} in the trace): it was not recorded from the same inputs; its predictions are "
+                              "wrong from here on (results stay correct).", RuntimeWarning, stacklevel=4)
+            return
+        top = it.ops[j]
+        for k, sid in enumerate(allocs):
+            if k < len(top.allocs):
+                self._oracle_map[sid] = top.allocs[k]
+                if self.st[sid].kind in _PERSISTENT or self._in_optimizer:
+                    self._persist_map[sid] = top.allocs[k]
+        for k, sid in enumerate(ins):
+            if sid not in self._oracle_map and k < len(top.inputs):
+                self._oracle_map[sid] = top.inputs[k]
+                if self.st[sid].kind in _PERSISTENT:
+                    self._persist_map[sid] = top.inputs[k]
+
+    # ---- moving storages ----------------------------------------------------------------------
+    def _evict(self, s: _S) -> bool:
+        """Move a resident storage off the device. False if it cannot leave."""
+        if s.status != RESIDENT or not s.movable:
+            return False
+        st = s.ref()
+        if st is None:
+            return False
+        mode = self.policy.evict_mode(s.sid)
+        if mode == "drop":
+            return False  # recompute at runtime: not supported; the policy must offload
+        # "discard" (the oracle's never-used-again) is never honoured live: the trace could be wrong,
+        # and a wrong discard loses data. Offload instead.
+        t0 = time.perf_counter()
+        if s.host_valid and s.host is not None:
+            self._release_device(s, st)
+            s.status = HOST
+        else:
+            if s.host is None or s.host.nbytes != s.nbytes:
+                self._drop_host(s)
+                s.host = self.pool.alloc(s.nbytes)
+            src = _u8(st, self.device)
+            if self.async_copies:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))
+                d2h = self._d2h_stream()
+                with torch.cuda.stream(d2h):
+                    d2h.wait_event(ready)
+                    s.host.tensor.copy_(src, non_blocking=self.pool.pinned)
+                    ev = torch.cuda.Event()
+                    ev.record(d2h)
+                src.record_stream(d2h)
+                s.event = ev
+                s.host_valid = True
+                s.status = OFFLOADING  # device bytes held until the copy lands (_reap)
+            else:
+                s.host.tensor.copy_(src)
+                s.event = None
+                s.host_valid = True
+                self._release_device(s, st)
+                s.status = HOST
+            self._cur.bytes_offloaded += s.nbytes
+        self._cur.evictions += 1
+        dt = time.perf_counter() - t0
+        self._cur.copy_seconds += dt
+        if not self.async_copies:
+            self._cur.stall_seconds += dt
+        return True
+
+    def _release_device(self, s: _S, st: torch.UntypedStorage) -> None:
+        st.resize_(0)
+        self.used -= s.nbytes
+
+    def _reap(self) -> None:
+        """Offloads whose copies have landed release their device bytes; prefetches that landed
+        stay FETCHING until first use (the compute stream still has to wait on their event)."""
+        if not self.async_copies:
+            return
+        for s in list(self.st.values()):
+            if s.status == OFFLOADING and s.event is not None and s.event.query():
+                st = s.ref()
+                if st is not None:
+                    self._release_device(s, st)
+                    s.status = HOST
+            elif s.status == FETCHING and s.fetch_event is not None and s.fetch_event.query():
+                st = s.ref()
+                if st is not None:
+                    self._finish_fetch(s, st)
+
+    def _wait_copies(self) -> bool:
+        """Block until in-flight offloads land (their device bytes go) and in-flight prefetches land
+        (they become evictable); False if nothing was in flight."""
+        offl = [s for s in self.st.values() if s.status == OFFLOADING]
+        fetch = [s for s in self.st.values() if s.status == FETCHING]
+        if not offl and not fetch:
+            return False
+        t0 = time.perf_counter()
+        for s in offl:
+            s.event.synchronize()
+        for s in fetch:
+            st = s.ref()
+            if st is not None:
+                self._finish_fetch(s, st)
+        self._cur.stall_seconds += time.perf_counter() - t0
+        self._reap()
+        return True
+
+    def _fetch_now(self, s: _S, budgeted: bool = True, exclude: set[int] | None = None) -> None:
+        """Make ``s`` resident now (a demand fetch: the compute stream waits for it)."""
+        st = s.ref()
+        _internal_assert(st is not None, f"runtime: storage {s.sid} is needed but was freed")
+        if s.status == RESIDENT:
+            return
+        if s.status == OFFLOADING:  # the device copy is still there: cancel the eviction
+            s.status = RESIDENT
+            return
+        if s.status == FETCHING:
+            self._finish_fetch(s, st)
+            return
+        _internal_assert(s.status == HOST and s.host is not None and s.host_valid,
+                         f"runtime: storage {s.sid} is {s.status} without a valid host copy")
+        if budgeted:
+            self._make_room(s.nbytes, (exclude or set()) | {s.sid}, f"fetching storage {s.sid}")
+        t0 = time.perf_counter()
+        self._start_fetch(s, st)
+        self._finish_fetch(s, st, demand=True)
+        self._cur.prefetch_misses += 1
+        self._cur.bytes_fetched_on_demand += s.nbytes
+        dt = time.perf_counter() - t0
+        self._cur.copy_seconds += dt
+        if not self.async_copies:
+            self._cur.stall_seconds += dt
+
+    def _start_fetch(self, s: _S, st: torch.UntypedStorage) -> None:
+        st.resize_(s.nbytes)
+        self.used += s.nbytes
+        dst = _u8(st, self.device)
+        if self.async_copies:
+            compute = torch.cuda.current_stream(self.device)
+            alloc = torch.cuda.Event()
+            alloc.record(compute)
+            h2d = self._h2d_stream()
+            with torch.cuda.stream(h2d):
+                h2d.wait_event(alloc)  # invariant 2: the allocation is ordered on the compute stream
+                if s.event is not None:
+                    h2d.wait_event(s.event)  # ... and the host copy must have landed
+                dst.copy_(s.host.tensor, non_blocking=self.pool.pinned)
+                ev = torch.cuda.Event()
+                ev.record(h2d)
+            dst.record_stream(h2d)
+            s.fetch_event = ev
+            s.event = ev
+            s.status = FETCHING
+        else:
+            dst.copy_(s.host.tensor)
+            s.fetch_event = None
+            s.status = RESIDENT
+        self._note_peak()
+
+    def _finish_fetch(self, s: _S, st: torch.UntypedStorage, demand: bool = False) -> None:
+        """A fetched storage becomes usable: the compute stream waits on its copy (invariant 3)."""
+        if s.fetch_event is not None:
+            compute = torch.cuda.current_stream(self.device)
+            if not demand and not s.fetch_event.query():  # a late prefetch: time the wait on the GPU
+                before = torch.cuda.Event(enable_timing=True)
+                before.record(compute)
+                compute.wait_event(s.fetch_event)
+                after = torch.cuda.Event(enable_timing=True)
+                after.record(compute)
+                self._pending_stalls.append((before, after))
+            else:
+                compute.wait_event(s.fetch_event)
+            s.fetch_event = None
+        s.status = RESIDENT
+
+    def _prefetch(self, s: _S) -> None:
+        st = s.ref()
+        if st is None or s.status != HOST or not s.host_valid:
+            return
+        if self.used + s.nbytes > self.budget:
+            return
+        t0 = time.perf_counter()
+        self._start_fetch(s, st)
+        s.pf = True
+        self._cur.bytes_prefetched += s.nbytes
+        dt = time.perf_counter() - t0
+        self._cur.copy_seconds += dt
+        if not self.async_copies:
+            self._cur.stall_seconds += dt
+
+    def _make_room(self, need: int, exclude: set[int], where: str = "") -> None:
+        """Evict (policy's victims, best first) until ``need`` more bytes fit in the budget."""
+        budget = self.budget
+        if budget is None or self.used + need <= budget:
+            return
+        self._reap()
+        while self.used + need > budget:
+            pending = sum(s.nbytes for s in self.st.values() if s.status == OFFLOADING)
+            short = self.used - pending + need - budget
+            moved = False
+            if short > 0:
+                freed = 0
+                for sid in self.policy.victims(short, exclude):
+                    s = self.st.get(sid)
+                    if s is None or sid in exclude:
+                        continue
+                    if self._evict(s):
+                        moved = True
+                        freed += s.nbytes
+                        if freed >= short:
+                            break
+            if self.used + need <= budget:
+                break
+            if self._wait_copies():
+                continue
+            if not moved:
+                self._oom(need, exclude, where)
+
+    def _oom(self, need: int, exclude: set[int], where: str) -> None:
+        held = sum(self.st[x].nbytes for x in exclude if x in self.st)
+        if held + need > self.budget:
+            raise BudgetError(
+                f"runtime: the budget {format_bytes(self.budget)} is smaller than what one operator needs: {where} "
+                f"touches {format_bytes(held)} of inputs and creates {format_bytes(need)} of outputs. Raise the "
+                f"budget to at least {format_bytes(held + need)}.")
+        raise BudgetError(
+            f"runtime: out of memory under policy {self.policy.name!r} at {where}: {format_bytes(need)} more needed, "
+            f"{format_bytes(self.used)} of {format_bytes(self.budget)} in use and nothing the policy may move. "
+            "Raise the budget, or use a policy that moves more (lru, pilot).")
+
+    def _d2h_stream(self) -> Any:
+        if not hasattr(self, "_d2h"):
+            self._d2h = torch.cuda.Stream(self.device)
+        return self._d2h
+
+    def _h2d_stream(self) -> Any:
+        if not hasattr(self, "_h2d"):
+            self._h2d = torch.cuda.Stream(self.device)
+        return self._h2d
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+            for name in ("_d2h", "_h2d"):
+                if hasattr(self, name):
+                    getattr(self, name).synchronize()
+            self._reap()
+        self.pool.poll()
+
+    def _resolve_stalls(self) -> None:
+        for before, after in self._pending_stalls:
+            self._cur.stall_seconds += before.elapsed_time(after) * 1e-3
+        self._pending_stalls = []
+
+    def _apply_hard_cap(self) -> None:
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / total), self.device)
+
+    # ---- the operator hook ------------------------------------------------------------------
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self._dead:
+            self._drain()
+        name = func.name()
+        if name in _IGNORED_OPS:
+            return func(*args, **kwargs)
+        counted = self._in_step
+        ins: list[int] = []
+        in_tensors: list[torch.Tensor] = []
+        for a in _tensors(args, kwargs):
+            sid = self._track(a, "input", fresh=False)
+            if sid is not None and sid not in ins:
+                ins.append(sid)
+                in_tensors.append(a)
+        need = set(ins)
+        where = f"operator {name} (position {self.position}, {self.phase})"
+        for sid in ins:
+            s = self.st.get(sid)
+            if s is None:
+                continue
+            if s.status != RESIDENT:
+                self._fetch_now(s, exclude=need)
+            if s.pf:
+                s.pf = False
+                self._cur.prefetch_hits += 1
+        est = self._estimate_out(func, args, kwargs) if self.budget is not None or self._measure_step else 0
+        if self._measure_step or self.budget is None:
+            touched = sum(self.st[x].nbytes for x in ins) + (est or 0)
+            if touched > self._largest_op[0]:
+                self._largest_op = (touched, where)
+        elif est:
+            self._make_room(est, need, where)
+        out = func(*args, **kwargs)
+        if self._dead:
+            self._drain()
+        allocs: list[int] = []
+        outs: list[int] = []
+        before = len(self._key_sid)
+        for t in _tensors_out(out):
+            key_known = self._sid(t)
+            sid = self._track(t, "temp", fresh=True)
+            if sid is None:
+                continue
+            if key_known is None and sid not in allocs:
+                allocs.append(sid)
+            if sid not in outs:
+                outs.append(sid)
+        del before
+        writes = []
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                    if isinstance(t, torch.Tensor):
+                        sid = self._sid(t)
+                        if sid is not None:
+                            writes.append(sid)
+                            s = self.st[sid]
+                            if s.host is not None:
+                                self._drop_host(s)  # rule 5: the host copy is stale now
+                            st = t.untyped_storage()
+                            if st.nbytes() != s.nbytes:  # out= resized it
+                                self.used += st.nbytes() - s.nbytes
+                                s.nbytes = st.nbytes()
+        if self.used > (self.budget or 1 << 62) and not self._measure_step:
+            try:
+                self._make_room(0, need | set(outs), where)
+            except BudgetError:
+                pass  # the estimate was short: counted as an overshoot, not an error
+        self._note_peak()
+        if not counted:
+            return out
+        j = self.position
+        now = time.perf_counter() - self._t0
+        pol = self.policy
+        t0 = time.perf_counter()
+        if True:  # the mode is popped while __torch_dispatch__ runs: policy work does not re-enter it
+            for sid in allocs:
+                pol.on_alloc(sid, j)
+            for sid in set(ins).union(outs):
+                s = self.st.get(sid)
+                if s is None:
+                    continue
+                s.last_access = j
+                s.last_access_t = now
+                s.count += 1
+                pol.on_access(sid, j)
+            phase = self._current_phase()
+            mod = self._modules.current(phase == "backward") if self._modules else 0
+            op = Op(name=name, idiom=self._idiom(func, name), phase=phase,
+                    module=self._modules.paths[mod] if self._modules else "", inputs=tuple(ins), outputs=tuple(outs),
+                    writes=tuple(writes), allocs=tuple(allocs), duration_s=0.0, flops=0, nbytes=0)
+            self._ops.append(op)
+            if self._trace is not None:
+                self._map_oracle_op(j, ins, allocs, name)
+            pol.on_op(j, op)
+            actions = pol.after_op(j) if self.budget is not None and not self._measure_step else []
+            self._apply(actions, need | set(outs))
+        self._cur.policy_seconds += time.perf_counter() - t0
+        self._timeline.append((self._step_index, j, self.used, self.phase))
+        self.position = j + 1
+        return out
+
+    def _current_phase(self) -> str:
+        if self._in_optimizer:
+            self.phase = "optimizer"
+        elif torch._C._current_autograd_node() is not None:
+            self.phase = "backward"
+            self._seen_backward = True
+        elif not self._seen_backward:
+            self.phase = "forward"
+        return self.phase
+
+    def _apply(self, actions: list[Any], busy: set[int]) -> None:
+        for a in actions:
+            s = self.st.get(a.sid)
+            if s is None:
+                continue
+            if a.kind == "evict":
+                if a.sid not in busy:
+                    self._evict(s)
+            elif a.kind == "prefetch" and s.status == HOST:
+                self._prefetch(s)
+
+    def _idiom(self, func: Any, name: str) -> tuple[int, ...]:
+        iv = self._idiom_cache.get(name)
+        if iv is None:
+            from ..idioms import idiom_vector
+
+            iv = tuple(idiom_vector(func).as_tuple())
+            self._idiom_cache[name] = iv
+        return iv
+
+    def _estimate_out(self, func: Any, args: tuple, kwargs: dict) -> int | None:
+        """Bytes of fresh storage ``func`` will allocate, from a meta-tensor run cached by signature."""
+        try:
+            key = (func, _signature(args), _signature(kwargs))
+        except TypeError:
+            key = None
+        if key is not None and key in self._meta_cache:
+            return self._meta_cache[key]
+        est = None
+        try:
+            margs, mkwargs = _to_meta((args, kwargs))
+            mout = func(*margs, **mkwargs)
+            in_keys = {_storage_key(t.untyped_storage()) for t in _tensors(margs, mkwargs)}
+            seen = set()
+            est = 0
+            for t in _tensors_out(mout):
+                k = _storage_key(t.untyped_storage())
+                if k in in_keys or k in seen:
+                    continue
+                seen.add(k)
+                est += t.untyped_storage().nbytes()
+        except Exception:  # data-dependent shapes, no meta kernel: accounted after the fact
+            est = None
+        if key is not None:
+            self._meta_cache[key] = est
+        return est
+
+
+# ---- helpers --------------------------------------------------------------------------------
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextlib.contextmanager
+def _no_mode() -> Iterator[None]:
+    """Run the manager's own tensor work without re-entering its dispatch mode."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        with torch.no_grad():
+            yield
+
+
+def _tensors(args: Any, kwargs: Any) -> Iterator[torch.Tensor]:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
+    for a in kwargs.values():
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
+
+
+def _tensors_out(out: Any) -> Iterator[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            yield from _tensors_out(o)
+
+
+def _signature(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return (tuple(obj.shape), tuple(obj.stride()), obj.dtype, obj.storage_offset(), obj.device.type)
+    if isinstance(obj, (list, tuple)):
+        return tuple(_signature(o) for o in obj)
+    if isinstance(obj, dict):
+        return tuple((k, _signature(v)) for k, v in obj.items())
+    if isinstance(obj, torch.Generator):
+        return "generator"
+    hash(obj)
+    return obj
+
+
+def _to_meta(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return torch.empty_strided(tuple(obj.shape), tuple(obj.stride()), dtype=obj.dtype, device="meta")
+    if isinstance(obj, list):
+        return [_to_meta(o) for o in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_meta(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_meta(v) for k, v in obj.items()}
+    if isinstance(obj, torch.Generator):
+        return None  # a meta kernel may still draw from a generator it is given: never let it
+    return obj
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    for m in model.modules():
+        if type(m).__name__ == "OptimizedModule" or hasattr(m, "_orig_mod"):
+            return True
+        fwd = getattr(m, "forward", None)
+        if fwd is not None and hasattr(fwd, "_torchdynamo_orig_callable"):
+            return True
+    return False
+
+
