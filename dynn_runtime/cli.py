@@ -62,6 +62,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .memory import format_bytes
     from .workload import load_workload, train
 
+    if args.budget is not None:  # under the memory manager
+        from .runtime.cli import run_train
+
+        return run_train(args, _parse_overrides(args.set))
     wl = load_workload(args.workload, preset=args.preset, seed=args.seed, **_parse_overrides(args.set))
     bar = tqdm(total=args.steps, desc=f"train {args.workload}", unit="step", disable=args.quiet, leave=False)
 
@@ -93,13 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train a workload and print per-step loss and peak memory",
         description=(
             "Train a workload: a zoo name (see `dynn models`) or path/to/file.py:function, where "
-            "function(preset) returns an object with .model, .make_batch(step) and .loss(model, batch)."
+            "function(preset) returns an object with .model, .make_batch(step) and .loss(model, batch). "
+            "With --budget, train under the memory manager (dynn_runtime.MemoryManager) and report what it "
+            "moved, its peak against the budget, and whether the result is bit-identical to plain PyTorch."
         ),
     )
     add_workload_args(p)
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device (default cpu)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    from .runtime.cli import add_budget_args
+
+    add_budget_args(p)
     p.set_defaults(func=_cmd_train)
 
     for modname in _SUBSYSTEM_CLIS:
