@@ -14,7 +14,14 @@ _DESCRIPTION = """Benchmark the memory policies in the simulator.
 Records a trace per family (cached in .dynn-cache/traces/), simulates each policy at each budget
 (a fraction of the peak under `none`) on a device profile, and scans each family's size knob upward
 for the largest model each policy trains within the x1 peak at <= 1.5x the unlimited-memory time.
-Writes a JSON results file, a markdown table beside it, and PNG plots into --out; prints the table."""
+Writes a JSON results file, a markdown table beside it, and PNG plots into --out; prints the table.
+
+With --real, measures the live memory manager instead (dynn_runtime.bench.real): per family, the
+iteration time of each policy at a cap of --cap of the unlimited peak (CUDA: a hard cap with
+torch.cuda.set_per_process_memory_fraction) against unlimited memory, save_on_cpu(pin_memory=True)
+and torch.utils.checkpoint per repeated block; the largest size each trains under a fixed cap
+against PyTorch alone; and the simulator's prediction from a trace recorded on the same device.
+--device cpu runs it with a logical budget (exercises the code; the figures need a GPU)."""
 
 
 def _budgets(text: str) -> list[float]:
@@ -48,7 +55,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-profile", default="h100", help="device profile: h100, h200, a100, v100 (default h100)")
     p.add_argument("--preset", default=None, help="preset of the budget grid (default small; --quick: tiny)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
-    p.add_argument("--steps", type=int, default=2, help="iterations recorded per trace, >= 2 (default 2)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="iterations recorded per trace, >= 2 (default 2); --real: steps per run (default 5, --quick 3)")
     p.add_argument("--quick", action="store_true",
                    help="tiny preset, budgets down to 1/8, max-size scales up to 8 (a few minutes)")
     p.add_argument("--max-scale", type=int, default=None,
@@ -59,11 +67,47 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="out/bench", metavar="DIR", help="output directory (default out/bench)")
     p.add_argument("--cache-dir", default=".dynn-cache/traces", help="trace cache (default .dynn-cache/traces)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    g = p.add_argument_group("--real: the live memory manager, measured")
+    g.add_argument("--real", action="store_true", help="measure the live manager instead of simulating")
+    g.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="--real: device (default cuda)")
+    g.add_argument("--cap", type=_budgets, default=None, metavar="F",
+                   help="--real: the cap as a fraction of the unlimited peak (default 1/8)")
+    g.add_argument("--no-hard-cap", dest="hard_cap", action="store_false",
+                   help="--real on CUDA: logical budget only, no set_per_process_memory_fraction")
+    g.add_argument("--no-predict", dest="predict", action="store_false",
+                   help="--real: skip the simulator's prediction (no trace recorded)")
     p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_real(args: argparse.Namespace) -> int:
+    from .real import RealBenchConfig, render_real_markdown, run_real_bench, write_real_outputs
+
+    if args.cap is not None and len(args.cap) != 1:
+        raise ConfigError(f"bench: --cap takes one fraction, e.g. 1/8; got {len(args.cap)}.")
+    cfg = RealBenchConfig(
+        families=list(args.families), policies=list(args.policies),
+        fraction=args.cap[0] if args.cap else 0.125, device=args.device, preset=args.preset, steps=args.steps,
+        seed=args.seed, quick=args.quick, max_scale=args.max_scale, hard_cap=args.hard_cap, simulate=args.predict,
+        device_profile=args.device_profile if args.device_profile != "h100" else None,
+        out_dir=args.out, json_path=args.json,
+    )
+    cfg.resolved()  # validate before any work
+    t0 = time.perf_counter()
+    say = None if args.quiet else (lambda text: print(f"dynn bench --real: {text}", file=sys.stderr, flush=True))
+    report = run_real_bench(cfg, progress=say)
+    paths = write_real_outputs(report)
+    print(render_real_markdown(report))
+    print(f"wrote {paths['json']} and {paths['markdown']}; {time.perf_counter() - t0:.1f} s")
+    return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .harness import BenchConfig, render_markdown, run_bench, write_outputs
+
+    if args.real:
+        return _cmd_real(args)
+    if args.steps is None:
+        args.steps = 2
 
     if args.budgets is not None and not args.budgets:
         raise ConfigError("bench: --budgets is empty; expected fractions like 1,0.5,0.25.")
