@@ -23,6 +23,7 @@ _SUBSYSTEM_CLIS = (
     "dynn_runtime.trace.cli",
     "dynn_runtime.native.cli",
     "dynn_runtime.bench.cli",
+    "dynn_runtime.pilot.cli",
 )
 
 

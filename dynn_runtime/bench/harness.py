@@ -50,8 +50,9 @@ __all__ = [
 
 DEFAULT_BUDGETS: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125, 0.0625)
 QUICK_BUDGETS: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125)
-#: what the simulator can offer a policy: the recorded past and, replaying a trace, the future
-_SIM_PROVIDES = ("history", "future")
+#: what the simulator can offer a policy: the recorded past, the future (replaying a trace), and the
+#: operator stream the pilot model learns from (``sim.engine.SIM_PROVIDES``)
+_SIM_PROVIDES = ("history", "future", "pilot")
 
 
 @dataclass(kw_only=True)

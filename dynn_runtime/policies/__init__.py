@@ -1,11 +1,11 @@
 """Memory policies, one interface for the simulator and the live runtime (see :mod:`.base`).
 
 Registered: ``none``, ``lru``, ``save_on_cpu``, ``uvm``, ``checkpoint``, ``dtr``, ``replay``,
-``oracle``. The ``pilot`` policy registers itself when the pilot model is available.
+``oracle``, and ``pilot`` (:mod:`dynn_runtime.pilot`; its weights load on first use).
 
 >>> from dynn_runtime.policies import POLICIES, make_policy
 >>> sorted(POLICIES)
-['checkpoint', 'dtr', 'lru', 'none', 'oracle', 'replay', 'save_on_cpu', 'uvm']
+['checkpoint', 'dtr', 'lru', 'none', 'oracle', 'pilot', 'replay', 'save_on_cpu', 'uvm']
 >>> make_policy("oracle", provides=("history",))
 Traceback (most recent call last):
 ...
@@ -13,6 +13,9 @@ dynn_runtime.errors.PolicyError: policies: oracle needs future, which this calle
 """
 
 from . import basic, nextuse, recompute  # noqa: F401  (registration)
+
+# isort: split
+from ..pilot import policy as _pilot_policy  # noqa: F401  (registers ``pilot`` last; numpy only, weights lazy)
 from .base import POLICIES, Action, MemoryView, Policy, make_policy, policy_names, register
 
 __all__ = ["POLICIES", "Action", "MemoryView", "Policy", "make_policy", "policy_names", "register"]

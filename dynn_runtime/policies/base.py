@@ -135,8 +135,12 @@ def policy_names() -> list[str]:
     return list(POLICIES)
 
 
-def make_policy(name: str | Policy, provides: Iterable[str] = ("history", "future"), **options: Any) -> Policy:
-    """Instantiate a registered policy, checking that the caller ``provides`` what it ``requires``."""
+def make_policy(name: str | Policy, provides: Iterable[str] = ("history", "future", "pilot"),
+                **options: Any) -> Policy:
+    """Instantiate a registered policy, checking that the caller ``provides`` what it ``requires``.
+
+    The default is what the simulator provides. ``pilot`` means "can feed the pilot model the
+    operator stream" (``on_op``); the pilot policy itself checks that its weights file exists."""
     if isinstance(name, Policy):
         return name
     cls = POLICIES.get(name)

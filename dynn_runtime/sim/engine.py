@@ -64,6 +64,9 @@ _TRANSITIONS: dict[Status, frozenset[Status]] = {
 }
 _HOLDS_DEVICE = frozenset({S.RESIDENT, S.OFFLOADING, S.FETCHING})
 _RECOMPUTABLE_KINDS = frozenset({"activation", "temp"})
+#: what the simulator offers a policy: the recorded past, the future (replaying a trace), and the
+#: operator stream a pilot model learns from (the pilot policy itself checks that its weights exist)
+SIM_PROVIDES = ("history", "future", "pilot")
 
 
 @dataclass
@@ -147,7 +150,7 @@ class Simulator:
             raise BudgetError(f"sim: the budget must be a positive number of bytes, got {budget_bytes}.")
         self.trace = trace
         self.profile = get_profile(profile)
-        self.policy = make_policy(policy, provides=("history", "future"), **(policy_options or {}))
+        self.policy = make_policy(policy, provides=SIM_PROVIDES, **(policy_options or {}))
         self.it = trace.iterations[idx]
         self.history = trace.iterations[:idx]
         self.budget = budget_bytes if budget_bytes is not None else 1 << 62

@@ -171,9 +171,9 @@ def test_policies_come_from_the_registry(monkeypatch):
     class Fresh(Policy):
         name = "fresh_test_policy"
 
-    class NeedsPilot(Policy):
+    class NeedsPilot(Policy):  # the simulator serves history, future and pilot, never a GPU
         name = "needs_pilot_test"
-        requires = frozenset({"pilot"})
+        requires = frozenset({"pilot", "gpu"})
 
     monkeypatch.setitem(POLICIES, Fresh.name, Fresh)
     monkeypatch.setitem(POLICIES, NeedsPilot.name, NeedsPilot)

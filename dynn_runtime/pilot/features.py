@@ -1,0 +1,425 @@
+"""What the pilot model sees: generic, per-candidate features built from the policy notifications.
+
+One class, :class:`FeatureState`, is fed the same notifications a :class:`~dynn_runtime.policies.Policy`
+receives (``begin_iteration``, ``on_alloc``, ``on_free``, ``on_op``) and, at a decision point,
+returns one feature row per live storage (the *candidates*) and one context row shared by all of
+them. The policy (:mod:`.policy`) and the training-data walk (:mod:`.data`) both drive this class,
+so what the model is trained on is exactly what it sees when it runs.
+
+Rules it keeps (why each is there):
+
+1. Nothing reads the current iteration's future. Inputs are the operators that already ran (their
+   idiom vectors, phase, module path, the storages they touched), sizes and kinds from the
+   :class:`~dynn_runtime.policies.MemoryView`, and *earlier* iterations (``context["history"]``).
+2. Nothing is specific to a zoo family: no operator names, module names or storage ids appear as
+   features. Operator names and module paths are only used to *align* this iteration with the
+   previous one (rule 4), never as inputs.
+3. Storage ids are opaque ints; per-storage state lives in numpy arrays indexed by a slot that is
+   recycled when the storage is freed, so the state stays as large as the live set, and a decision
+   point is a handful of vectorised numpy operations over it (no Python loop over candidates).
+4. History alignment ("anchored replay"): every operator is keyed by (name, module, occurrence of
+   that pair so far in the iteration) and matched to the previous iteration's operator with the same
+   key. The last matched operator *anchors* the current position to a position in the previous
+   iteration; a candidate's counterpart there (itself for persistent storages, the storage that the
+   matched producer allocated in the same output slot for fresh ones) then says when it was next
+   used after the anchor. Unlike positional replay this survives shifted and re-ordered operator
+   sequences (variable lengths, skipped blocks, different experts); the model learns how far to
+   trust it from the other features.
+5. Backward consumes saved activations roughly in reverse production order: each saved activation
+   produced in forward and not yet read in backward has a *stack depth* (how many such activations
+   were produced after it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..trace.format import KINDS, PHASES
+
+__all__ = [
+    "CAND_FEATURES",
+    "CTX_FEATURES",
+    "FeatureState",
+    "BUCKET_EDGES",
+    "COARSE_OF_FINE",
+    "COARSE_NAMES",
+    "N_FINE",
+    "N_COARSE",
+    "fine_bucket",
+    "PERSISTENT_KINDS",
+]
+
+PERSISTENT_KINDS = frozenset({"param", "buffer", "opt_state"})
+_KIND_IDX = {k: i for i, k in enumerate(KINDS)}
+_PHASE_IDX = {p: i for i, p in enumerate(PHASES)}
+
+#: upper edges (in operators after the decision point, inclusive) of the fine buckets the model
+#: predicts; after them come "later this iteration" and "not again this iteration".
+BUCKET_EDGES: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256)
+N_FINE = len(BUCKET_EDGES) + 2
+#: coarse buckets (reported): with the default group of 16 operators they are next group,
+#: within 4 groups, within 16 groups, later this iteration, not again this iteration
+COARSE_NAMES = ("next group", "within 4 groups", "within 16 groups", "later", "not again")
+COARSE_OF_FINE = np.array([0, 0, 0, 0, 1, 1, 2, 2, 3, 4], dtype=np.int64)
+N_COARSE = len(COARSE_NAMES)
+
+
+def fine_bucket(dist: np.ndarray) -> np.ndarray:
+    """Fine bucket of next-use distances (operators; ``<= 0`` or ``inf``: not again this iteration)."""
+    d = np.asarray(dist, dtype=np.float64)
+    b = np.searchsorted(np.asarray(BUCKET_EDGES, dtype=np.float64), d, side="left")
+    b = np.where(np.isfinite(d) & (d > 0), b, N_FINE - 1)
+    return b.astype(np.int64)
+
+
+CAND_FEATURES: tuple[str, ...] = (
+    *(f"kind_{k}" for k in KINDS),
+    "saved", "persistent", "log_bytes",
+    "accessed_this_iter", "log_age", "log_count", "log_count_phase",
+    "acc_forward", "acc_backward", "acc_optimizer",
+    "born_this_iter", "log_since_birth",
+    *(f"born_{p}" for p in PHASES),
+    *(f"last_{p}" for p in PHASES),
+    *(f"producer_iv{i}" for i in range(6)), "has_producer",
+    *(f"consumer_iv{i}" for i in range(6)),
+    "on_stack", "log_stack_depth", "stack_top",
+    "matched", "prev_used_again", "log_prev_dist", "log_prev_count",
+    "occ_has_next", "log_occ_remaining", "log_occ_gap",
+    "age0",
+)
+CTX_FEATURES: tuple[str, ...] = (
+    *(f"phase_{p}" for p in PHASES),
+    "log_in_phase", "has_history", "anchored_progress", "progress", "log_since_anchor",
+    *(f"hist_fast_iv{i}" for i in range(6)),
+    *(f"hist_slow_iv{i}" for i in range(6)),
+    "hist_slow_allocs", "log_candidates",
+)
+_C = {n: i for i, n in enumerate(CAND_FEATURES)}
+_X = {n: i for i, n in enumerate(CTX_FEATURES)}
+_BIG = 1 << 32
+
+
+class FeatureState:
+    """Per-storage and per-stream state of one run; see the module docstring for the rules.
+
+    ``view`` must answer ``nbytes``, ``kind`` and ``saved`` for a storage when it is announced.
+    ``group``: decision points fall every ``group`` operators and at every phase change.
+    """
+
+    def __init__(self, view: Any, group: int = 16, decays: tuple[float, float] = (0.5, 0.9)) -> None:
+        self.view = view
+        self.group = int(group)
+        self.decays = decays
+        self._cap = 0
+        self._slot: dict[int, int] = {}
+        self._free: list[int] = []
+        self._grow(1024)
+        self._stack_counter = 0
+        self._prev_ops: dict[tuple[str, str, int], int] = {}
+        self._prev_len = 0
+        self._prev_idx: dict[int, int] = {}
+        self._prev_keys = np.zeros(0, dtype=np.int64)
+        self._prev_count = np.zeros(0, dtype=np.float32)
+        self._prev_allocs: dict[int, tuple[int, ...]] = {}
+        self.begin_iteration(0, [])
+
+    # ---- storage slots ------------------------------------------------------------------------
+    def _grow(self, cap: int) -> None:
+        old = self._cap
+        def ext(a: np.ndarray | None, fill: float, dtype: Any, width: int = 0) -> np.ndarray:
+            shape = (cap,) if not width else (cap, width)
+            new = np.full(shape, fill, dtype=dtype)
+            if a is not None and old:
+                new[:old] = a
+            return new
+        g = getattr
+        self.active = ext(g(self, "active", None), False, bool)
+        self.sid = ext(g(self, "sid", None), -1, np.int64)
+        self.kind = ext(g(self, "kind", None), 0, np.int64)
+        self.saved = ext(g(self, "saved", None), 0, np.float32)
+        self.persistent = ext(g(self, "persistent", None), 0, np.float32)
+        self.log_bytes = ext(g(self, "log_bytes", None), 0, np.float32)
+        self.born = ext(g(self, "born", None), -1, np.int64)
+        self.born_phase = ext(g(self, "born_phase", None), -1, np.int64)
+        self.last = ext(g(self, "last", None), -1, np.int64)
+        self.last_phase = ext(g(self, "last_phase", None), -1, np.int64)
+        self.count = ext(g(self, "count", None), 0, np.float32)
+        self.count_phase = ext(g(self, "count_phase", None), 0, np.float32)
+        self.count_phase_of = ext(g(self, "count_phase_of", None), -1, np.int64)
+        self.acc_phase = ext(g(self, "acc_phase", None), 0, np.float32, 3)
+        self.producer_iv = ext(g(self, "producer_iv", None), 0, np.float32, 6)
+        self.has_producer = ext(g(self, "has_producer", None), 0, np.float32)
+        self.consumer_iv = ext(g(self, "consumer_iv", None), 0, np.float32, 6)
+        self.stack_idx = ext(g(self, "stack_idx", None), -1, np.int64)
+        self.prev = ext(g(self, "prev", None), -1, np.int64)
+        self._free.extend(range(cap - 1, old - 1, -1))
+        self._cap = cap
+
+    def _new_slot(self, sid: int) -> int:
+        if not self._free:
+            self._grow(self._cap * 2)
+        s = self._free.pop()
+        self._slot[sid] = s
+        self.active[s] = True
+        self.sid[s] = sid
+        return s
+
+    # ---- notifications ------------------------------------------------------------------------
+    def begin_iteration(self, index: int, history: Sequence[Any] | None) -> None:
+        """A new iteration: reset per-iteration counters, index the previous iteration (if any)."""
+        self.position = -1
+        self.phase = 0
+        self.phase_start = 0
+        self._op_seen: dict[tuple[str, str], int] = {}
+        self._anchor = (-1, -1)  # (position here, matched position in the previous iteration)
+        self._last_decision = -1
+        self._hist_fast = np.zeros(6, dtype=np.float32)
+        self._hist_slow = np.zeros(6, dtype=np.float32)
+        self._hist_allocs = 0.0
+        self._stack_counter = 0
+        n = self._cap
+        self.last[:n] = -1
+        self.last_phase[:n] = -1
+        self.count[:n] = 0
+        self.count_phase[:n] = 0
+        self.count_phase_of[:n] = -1
+        self.acc_phase[:n] = 0
+        self.stack_idx[:n] = -1
+        self.born[:n] = -1
+        self.born_phase[:n] = -1
+        self.prev[:n] = -1
+        self._index_previous(history[-1] if history else None)
+        for sid, s in self._slot.items():
+            self.persistent[s] = 1.0
+            self.prev[s] = self._prev_idx.get(sid, -1)
+
+    def _index_previous(self, prev: Any) -> None:
+        self._prev_ops = {}
+        self._prev_allocs = {}
+        self._prev_idx = {}
+        self._prev_len = 0
+        if prev is None:
+            self._prev_keys = np.zeros(0, dtype=np.int64)
+            self._prev_count = np.zeros(0, dtype=np.float32)
+            return
+        seen: dict[tuple[str, str], int] = {}
+        acc: dict[int, list[int]] = {}
+        for j, op in enumerate(prev.ops):
+            k = (op.name, op.module)
+            c = seen.get(k, 0)
+            seen[k] = c + 1
+            self._prev_ops[(op.name, op.module, c)] = j
+            if op.allocs:
+                self._prev_allocs[j] = op.allocs
+            for sid in {*op.inputs, *op.outputs, *op.writes}:
+                lst = acc.get(sid)
+                if lst is None:
+                    acc[sid] = [j]
+                else:
+                    lst.append(j)
+        self._prev_len = len(prev.ops)
+        keys: list[int] = []
+        counts = np.zeros(len(acc), dtype=np.float32)
+        for i, (sid, lst) in enumerate(acc.items()):
+            self._prev_idx[sid] = i
+            base = i * _BIG
+            keys.extend(base + j for j in lst)
+            counts[i] = len(lst)
+        self._prev_keys = np.asarray(keys, dtype=np.int64)  # already sorted: by index, then position
+        self._prev_count = counts
+
+    def alloc(self, sid: int, position: int) -> None:
+        """``on_alloc``: ``position`` -1 means alive when the iteration started."""
+        s = self._slot.get(sid)
+        if s is None:
+            s = self._new_slot(sid)
+        view = self.view
+        kind = view.kind(sid)
+        self.kind[s] = _KIND_IDX.get(kind, _KIND_IDX["temp"])
+        self.saved[s] = 1.0 if view.saved(sid) else 0.0
+        self.log_bytes[s] = np.log2(max(view.nbytes(sid), 1)) / 30.0
+        self.last[s] = -1
+        self.last_phase[s] = -1
+        self.count[s] = 0
+        self.count_phase[s] = 0
+        self.acc_phase[s] = 0
+        self.stack_idx[s] = -1
+        self.consumer_iv[s] = 0
+        if position < 0:
+            self.persistent[s] = 1.0
+            self.born[s] = -1
+            self.born_phase[s] = -1
+            self.producer_iv[s] = 0
+            self.has_producer[s] = 0
+            self.prev[s] = self._prev_idx.get(sid, -1)
+        else:
+            self.persistent[s] = 0.0
+            self.born[s] = position
+            self.born_phase[s] = self.phase
+            self.producer_iv[s] = 0
+            self.has_producer[s] = 0
+            self.prev[s] = self._prev_idx.get(sid, -1)
+
+    def free(self, sid: int) -> None:
+        s = self._slot.pop(sid, None)
+        if s is not None:
+            self.active[s] = False
+            self.sid[s] = -1
+            self._free.append(s)
+
+    def op(self, position: int, op: Any) -> bool:
+        """``on_op``: operator ``position`` ran. Returns whether this is a decision point."""
+        ph = _PHASE_IDX.get(op.phase, 0)
+        if ph != self.phase:
+            self.phase = ph
+            self.phase_start = position
+            new_phase = True
+        else:
+            new_phase = position == 0
+        self.position = position
+        iv = np.asarray(op.idiom, dtype=np.float32) / 3.0
+        f, sl = self.decays
+        self._hist_fast = self._hist_fast * f + iv * (1 - f)
+        self._hist_slow = self._hist_slow * sl + iv * (1 - sl)
+        self._hist_allocs = self._hist_allocs * sl + len(op.allocs) * (1 - sl)
+        # align with the previous iteration (rule 4)
+        key = (op.name, op.module)
+        c = self._op_seen.get(key, 0)
+        self._op_seen[key] = c + 1
+        q = self._prev_ops.get((op.name, op.module, c))
+        prev_allocs = ()
+        if q is not None:
+            self._anchor = (position, q)
+            prev_allocs = self._prev_allocs.get(q, ())
+        slot = self._slot
+        for i, sid in enumerate(op.allocs):
+            s = slot.get(sid)
+            if s is None:
+                continue
+            self.producer_iv[s] = iv
+            self.has_producer[s] = 1.0
+            if i < len(prev_allocs):
+                self.prev[s] = self._prev_idx.get(prev_allocs[i], -1)
+            if ph == 0 and self.saved[s] > 0:
+                self.stack_idx[s] = self._stack_counter
+                self._stack_counter += 1
+        for sid in {*op.inputs, *op.outputs, *op.writes}:
+            s = slot.get(sid)
+            if s is None:
+                continue
+            self.last[s] = position
+            self.last_phase[s] = ph
+            self.count[s] += 1
+            if self.count_phase_of[s] != ph:
+                self.count_phase_of[s] = ph
+                self.count_phase[s] = 0
+            self.count_phase[s] += 1
+            self.acc_phase[s, ph] = 1.0
+            self.consumer_iv[s] = iv
+            if ph == 0 and self.stack_idx[s] < 0 and self.saved[s] > 0 and self.born[s] >= 0:
+                self.stack_idx[s] = self._stack_counter
+                self._stack_counter += 1
+        if new_phase or position - self._last_decision >= self.group:
+            self._last_decision = position
+            return True
+        return False
+
+    # ---- features at a decision point ---------------------------------------------------------
+    def features(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(sids, X, ctx)``: candidate storage ids, their feature rows, the shared context row."""
+        n = self._cap
+        idx = np.flatnonzero(self.active[:n])
+        pos = self.position
+        m = len(idx)
+        X = np.zeros((m, len(CAND_FEATURES)), dtype=np.float32)
+        kind = self.kind[idx]
+        X[np.arange(m), kind] = 1.0
+        X[:, _C["saved"]] = self.saved[idx]
+        X[:, _C["persistent"]] = self.persistent[idx]
+        X[:, _C["log_bytes"]] = self.log_bytes[idx]
+        last = self.last[idx]
+        accessed = last >= 0
+        X[:, _C["accessed_this_iter"]] = accessed
+        age = np.where(accessed, pos - last, pos + 1)
+        X[:, _C["log_age"]] = np.log1p(np.maximum(age, 0)) / 8.0
+        X[:, _C["age0"]] = accessed & (age == 0)
+        X[:, _C["log_count"]] = np.log1p(self.count[idx]) / 4.0
+        cp = np.where(self.count_phase_of[idx] == self.phase, self.count_phase[idx], 0.0)
+        X[:, _C["log_count_phase"]] = np.log1p(cp) / 4.0
+        X[:, _C["acc_forward"]: _C["acc_optimizer"] + 1] = self.acc_phase[idx]
+        born = self.born[idx]
+        b = born >= 0
+        X[:, _C["born_this_iter"]] = b
+        X[:, _C["log_since_birth"]] = np.where(b, np.log1p(np.maximum(pos - born, 0)) / 8.0, 0.0)
+        bp = self.born_phase[idx]
+        rows = np.flatnonzero(bp >= 0)
+        X[rows, _C["born_forward"] + bp[rows]] = 1.0
+        lp = self.last_phase[idx]
+        rows = np.flatnonzero(lp >= 0)
+        X[rows, _C["last_forward"] + lp[rows]] = 1.0
+        X[:, _C["producer_iv0"]: _C["producer_iv5"] + 1] = self.producer_iv[idx]
+        X[:, _C["has_producer"]] = self.has_producer[idx]
+        X[:, _C["consumer_iv0"]: _C["consumer_iv5"] + 1] = self.consumer_iv[idx]
+        # stack depth among saved activations not yet read in backward (rule 5)
+        st = self.stack_idx[idx]
+        on = (st >= 0) & (self.acc_phase[idx, 1] == 0)
+        if on.any():
+            rows = np.flatnonzero(on)
+            order = np.argsort(-st[rows], kind="stable")
+            depth = np.empty(len(rows), dtype=np.float32)
+            depth[order] = np.arange(len(rows), dtype=np.float32)
+            X[rows, _C["on_stack"]] = 1.0
+            X[rows, _C["log_stack_depth"]] = np.log1p(depth) / 6.0
+            X[rows, _C["stack_top"]] = depth < 1
+        # anchored replay (rule 4)
+        prev = self.prev[idx]
+        p_here, q = self._anchor
+        has_prev = prev >= 0
+        X[:, _C["matched"]] = has_prev
+        if self._prev_len and has_prev.any():
+            rows = np.flatnonzero(has_prev)
+            pi = prev[rows]
+            qm = q + (pos - p_here) if q >= 0 else pos
+            keys = self._prev_keys
+            k = np.searchsorted(keys, pi * _BIG + qm, side="right")
+            ok = k < len(keys)
+            kk = np.minimum(k, len(keys) - 1)
+            ok &= (keys[kk] // _BIG) == pi
+            dist = np.where(ok, keys[kk] % _BIG - qm, 0)
+            X[rows, _C["prev_used_again"]] = ok
+            X[rows, _C["log_prev_dist"]] = np.where(ok, np.log1p(np.maximum(dist, 0)) / 8.0, 0.0)
+            X[rows, _C["log_prev_count"]] = np.log1p(self._prev_count[pi]) / 4.0
+            # occurrence-anchored: after its k-th access the counterpart was next used g operators later
+            cnt = self.count[idx[rows]].astype(np.int64)
+            acc_r = cnt > 0
+            first = np.searchsorted(keys, pi * _BIG, side="left")
+            jn = first + cnt
+            okn = acc_r & (jn < len(keys))
+            jn_c = np.minimum(jn, len(keys) - 1)
+            okn &= (keys[jn_c] // _BIG) == pi
+            gap = (keys[jn_c] % _BIG) - (keys[np.maximum(jn_c - 1, 0)] % _BIG)
+            age_r = pos - self.last[idx[rows]]
+            X[rows, _C["occ_has_next"]] = okn
+            X[rows, _C["log_occ_gap"]] = np.where(okn, np.log1p(np.maximum(gap, 0)) / 8.0, 0.0)
+            X[rows, _C["log_occ_remaining"]] = np.where(okn, np.log1p(np.maximum(gap - age_r, 0)) / 8.0, 0.0)
+        ctx = np.zeros(len(CTX_FEATURES), dtype=np.float32)
+        ctx[self.phase] = 1.0
+        ctx[_X["log_in_phase"]] = np.log1p(pos - self.phase_start) / 8.0
+        if self._prev_len:
+            ctx[_X["has_history"]] = 1.0
+            qm = q + (pos - p_here) if q >= 0 else pos
+            ctx[_X["anchored_progress"]] = min(qm / self._prev_len, 3.0)
+            ctx[_X["progress"]] = min(pos / self._prev_len, 3.0)
+            ctx[_X["log_since_anchor"]] = np.log1p(pos - p_here if q >= 0 else pos + 1) / 8.0
+        ctx[_X["hist_fast_iv0"]: _X["hist_fast_iv5"] + 1] = self._hist_fast
+        ctx[_X["hist_slow_iv0"]: _X["hist_slow_iv5"] + 1] = self._hist_slow
+        ctx[_X["hist_slow_allocs"]] = min(self._hist_allocs, 8.0) / 4.0
+        ctx[_X["log_candidates"]] = np.log1p(m) / 8.0
+        return self.sid[idx].copy(), X, ctx
+
+    def expected_length(self) -> int:
+        """Operators expected in this iteration (the previous one's length; 0 without history)."""
+        return self._prev_len

@@ -1,0 +1,299 @@
+"""The pilot network: a small MLP scoring every candidate of a decision point in one batch.
+
+Architecture (``hidden`` = 64 by default: 10.5k parameters)::
+
+    h1 = relu(((x - mu) / sd) @ W1c + ((ctx - mu_ctx) / sd_ctx) @ W1x + b1)   # candidate + shared context
+    h2 = relu(h1 @ W2 + b2)
+    logits = h2 @ W3 + b3                                                    # N_FINE next-use buckets
+
+The context term is computed once per decision point and broadcast, so a decision costs two
+``(n, hidden)`` matrix products. Everything is numpy: training (Adam, manual backprop) and
+inference. That keeps inference free of torch operators (the live runtime runs policies while its
+own ``TorchDispatchMode`` is active), makes a refit between iterations safe in the same place, and
+makes inference bit-for-bit deterministic for a given machine.
+
+Weights files (``.npz``): the arrays above plus ``meta``, a JSON record with ``format``
+(``"dynn-pilot"``), ``version`` (:data:`WEIGHTS_VERSION`), the feature names the file was trained
+with, the config and the provisional-prediction prior. :func:`load_model` checks all of it and
+raises :class:`~dynn_runtime.errors.PilotError` naming the file and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import PilotError
+from .features import BUCKET_EDGES, CAND_FEATURES, COARSE_OF_FINE, CTX_FEATURES, N_COARSE, N_FINE
+
+__all__ = ["PilotConfig", "PilotModel", "load_model", "save_model", "WEIGHTS_VERSION", "WEIGHTS_FORMAT",
+           "fit", "bucket_reps"]
+
+WEIGHTS_FORMAT = "dynn-pilot"
+WEIGHTS_VERSION = 1
+_ARRAYS = ("W1c", "W1x", "b1", "W2", "b2", "W3", "b3", "mu", "sd", "mu_ctx", "sd_ctx", "prior")
+
+
+@dataclass(kw_only=True)
+class PilotConfig:
+    """How a pilot model is shaped and trained."""
+
+    group: int = 16
+    """Operators per decision point (also split at every phase change)."""
+    hidden: int = 64
+    """Width of the two hidden layers."""
+    epochs: int = 12
+    """Passes over the training rows."""
+    batch: int = 512
+    """Rows per Adam step."""
+    lr: float = 3e-3
+    """Adam learning rate (halved for the last third of the epochs)."""
+    weight_decay: float = 1e-5
+    """L2 penalty on the weight matrices."""
+    seed: int = 0
+    """Initialisation and shuffling seed (training is deterministic for a given seed)."""
+    candidates_per_decision: int = 64
+    """Training rows sampled per decision point (evaluation uses every candidate)."""
+
+
+def bucket_reps(expected_len: int) -> np.ndarray:
+    """Representative next-use distance of each fine bucket (log-midpoint), used to order storages.
+
+    ``later`` and ``not again`` scale with the expected iteration length (previous iteration's).
+    """
+    edges = (0.5,) + BUCKET_EDGES
+    reps = [float(np.sqrt(max(edges[i], 1.0) * edges[i + 1])) for i in range(len(BUCKET_EDGES))]
+    length = max(float(expected_len), 4.0 * BUCKET_EDGES[-1])
+    reps.append(max(length / 2.0, 2.0 * BUCKET_EDGES[-1]))
+    reps.append(4.0 * length)
+    return np.asarray(reps, dtype=np.float64)
+
+
+@dataclass
+class PilotModel:
+    """Trained weights and what they were trained with; :meth:`probs` is the whole inference."""
+
+    arrays: dict[str, np.ndarray]
+    config: PilotConfig = field(default_factory=PilotConfig)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_params(self) -> int:
+        return int(sum(self.arrays[k].size for k in ("W1c", "W1x", "b1", "W2", "b2", "W3", "b3")))
+
+    @classmethod
+    def init(cls, config: PilotConfig | None = None, rng: np.random.Generator | None = None) -> PilotModel:
+        cfg = config or PilotConfig()
+        rng = rng or np.random.default_rng(cfg.seed)
+        fc, fx, h = len(CAND_FEATURES), len(CTX_FEATURES), cfg.hidden
+
+        def he(i: int, o: int) -> np.ndarray:
+            return (rng.standard_normal((i, o)) * np.sqrt(2.0 / i)).astype(np.float32)
+
+        w1 = he(fc + fx, h)
+        arrays = {
+            "W1c": w1[:fc], "W1x": w1[fc:], "b1": np.zeros(h, np.float32),
+            "W2": he(h, h), "b2": np.zeros(h, np.float32),
+            "W3": (rng.standard_normal((h, N_FINE)) * np.sqrt(1.0 / h)).astype(np.float32),
+            "b3": np.zeros(N_FINE, np.float32),
+            "mu": np.zeros(fc, np.float32), "sd": np.ones(fc, np.float32),
+            "mu_ctx": np.zeros(fx, np.float32), "sd_ctx": np.ones(fx, np.float32),
+            "prior": np.full((3, 5), 8.0, np.float32),
+        }
+        return cls(arrays=arrays, config=cfg)
+
+    def copy(self) -> PilotModel:
+        return PilotModel({k: v.copy() for k, v in self.arrays.items()}, PilotConfig(**asdict(self.config)),
+                          json.loads(json.dumps(self.meta)))
+
+    # ---- inference ----------------------------------------------------------------------------
+    def logits(self, X: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+        """Bucket logits for candidate rows ``X`` (n, F) under one context row ``ctx`` (C,)."""
+        a = self.arrays
+        c = ((ctx - a["mu_ctx"]) / a["sd_ctx"]) @ a["W1x"] + a["b1"]
+        h = (X - a["mu"]) / a["sd"]
+        h = h @ a["W1c"]
+        h += c
+        np.maximum(h, 0, out=h)
+        h = h @ a["W2"]
+        h += a["b2"]
+        np.maximum(h, 0, out=h)
+        out = h @ a["W3"]
+        out += a["b3"]
+        return out
+
+    def probs(self, X: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+        z = self.logits(X, ctx)
+        z -= z.max(axis=1, keepdims=True)
+        np.exp(z, out=z)
+        z /= z.sum(axis=1, keepdims=True)
+        return z
+
+    def expected_log_distance(self, P: np.ndarray, expected_len: int) -> np.ndarray:
+        """Order key: the expected log next-use distance under the bucket probabilities ``P``."""
+        return P.astype(np.float64) @ np.log(bucket_reps(expected_len))
+
+    @staticmethod
+    def coarse(P: np.ndarray) -> np.ndarray:
+        """Probabilities of the coarse (reported) buckets."""
+        out = np.zeros((P.shape[0], N_COARSE), dtype=P.dtype)
+        np.add.at(out.T, COARSE_OF_FINE, P.T)
+        return out
+
+
+def save_model(model: PilotModel, path: str | Path) -> Path:
+    """Write ``model`` as a versioned ``.npz`` (arrays + a JSON ``meta`` record)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "format": WEIGHTS_FORMAT, "version": WEIGHTS_VERSION,
+        "cand_features": list(CAND_FEATURES), "ctx_features": list(CTX_FEATURES),
+        "bucket_edges": list(BUCKET_EDGES), "config": asdict(model.config), **{
+            k: v for k, v in model.meta.items() if k not in ("format", "version", "cand_features", "ctx_features",
+                                                            "bucket_edges", "config")},
+    }
+    with open(p, "wb") as f:
+        np.savez_compressed(f, meta=np.array(json.dumps(meta, sort_keys=True)),
+                            **{k: model.arrays[k] for k in _ARRAYS})
+    return p
+
+
+def load_model(path: str | Path) -> PilotModel:
+    """Read a weights file written by :func:`save_model`; a clear :class:`PilotError` otherwise."""
+    p = Path(path)
+    fix = "Retrain it with `dynn pilot train --traces ... -o FILE`, or use the shipped weights (no weights= option)."
+    if not p.is_file():
+        raise PilotError(f"pilot: weights file {str(p)!r} does not exist. {fix}")
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            data = {k: z[k] for k in z.files}
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError) as exc:
+        raise PilotError(f"pilot: {p} is not a readable pilot weights file ({type(exc).__name__}: {exc}); "
+                         f"it is corrupt or truncated. {fix}") from None
+    if "meta" not in data:
+        raise PilotError(f"pilot: {p} has no 'meta' record: not a dynn pilot weights file. {fix}")
+    try:
+        meta = json.loads(str(data["meta"]))
+    except json.JSONDecodeError as exc:
+        raise PilotError(f"pilot: {p}: the meta record is not JSON ({exc.msg}); the file is corrupt. {fix}") from None
+    if meta.get("format") != WEIGHTS_FORMAT:
+        raise PilotError(f"pilot: {p}: format {meta.get('format')!r}, expected {WEIGHTS_FORMAT!r}. {fix}")
+    v = meta.get("version")
+    if v != WEIGHTS_VERSION:
+        newer = isinstance(v, int) and v > WEIGHTS_VERSION
+        raise PilotError(
+            f"pilot: {p}: weights format version {v!r}, this dynn-runtime reads version {WEIGHTS_VERSION}. "
+            + ("Upgrade dynn-runtime, or " if newer else "") + fix[0].lower() + fix[1:])
+    for key, names in (("cand_features", CAND_FEATURES), ("ctx_features", CTX_FEATURES)):
+        got = meta.get(key)
+        if got != list(names):
+            n = len(got) if isinstance(got, list) else "?"
+            raise PilotError(
+                f"pilot: {p}: trained on {n} {key.replace('_', ' ')} ({key}), this dynn-runtime computes "
+                f"{len(names)} different ones: the feature width or meaning changed since it was trained. {fix}")
+    if meta.get("bucket_edges") != list(BUCKET_EDGES):
+        raise PilotError(f"pilot: {p}: bucket edges {meta.get('bucket_edges')} differ from this dynn-runtime's "
+                         f"{list(BUCKET_EDGES)}. {fix}")
+    missing = [k for k in _ARRAYS if k not in data]
+    if missing:
+        raise PilotError(f"pilot: {p} lacks arrays {missing}; the file is corrupt. {fix}")
+    arrays = {k: np.ascontiguousarray(data[k], dtype=np.float32) for k in _ARRAYS}
+    cfg_d = meta.get("config", {})
+    try:
+        cfg = PilotConfig(**cfg_d)
+    except TypeError as exc:
+        raise PilotError(f"pilot: {p}: config record does not match this version ({exc}). {fix}") from None
+    fc, fx, h = len(CAND_FEATURES), len(CTX_FEATURES), cfg.hidden
+    shapes = {"W1c": (fc, h), "W1x": (fx, h), "b1": (h,), "W2": (h, h), "b2": (h,), "W3": (h, N_FINE),
+              "b3": (N_FINE,), "mu": (fc,), "sd": (fc,), "mu_ctx": (fx,), "sd_ctx": (fx,), "prior": (3, 5)}
+    for k, shape in shapes.items():
+        if arrays[k].shape != shape:
+            raise PilotError(f"pilot: {p}: array {k} has shape {arrays[k].shape}, expected {shape} "
+                             f"(feature width {fc}+{fx}, hidden {h}). {fix}")
+        if not np.all(np.isfinite(arrays[k])):
+            raise PilotError(f"pilot: {p}: array {k} holds NaN or infinite values; the file is corrupt. {fix}")
+    extra = {k: v for k, v in meta.items()
+             if k not in ("format", "version", "cand_features", "ctx_features", "bucket_edges", "config")}
+    return PilotModel(arrays=arrays, config=cfg, meta=extra)
+
+
+# ---- training (numpy: Adam, manual backprop) ----------------------------------------------------
+
+def fit(
+    X: np.ndarray,
+    C: np.ndarray,
+    y: np.ndarray,
+    config: PilotConfig | None = None,
+    init: PilotModel | None = None,
+    epochs: int | None = None,
+    normalize: bool = True,
+) -> tuple[PilotModel, list[float]]:
+    """Train on rows ``X`` (n, F) with context rows ``C`` (n, Cx) and fine-bucket labels ``y``.
+
+    ``init``: start from these weights (online refit; normalisation is then kept). Returns the
+    model and the mean training loss per epoch. Deterministic for a given ``config.seed``.
+    """
+    cfg = config or (init.config if init is not None else PilotConfig())
+    rng = np.random.default_rng(cfg.seed)
+    model = init.copy() if init is not None else PilotModel.init(cfg, rng)
+    a = model.arrays
+    if init is None and normalize and len(X):
+        a["mu"] = X.mean(axis=0).astype(np.float32)
+        a["sd"] = np.maximum(X.std(axis=0), 1e-3).astype(np.float32)
+        a["mu_ctx"] = C.mean(axis=0).astype(np.float32)
+        a["sd_ctx"] = np.maximum(C.std(axis=0), 1e-3).astype(np.float32)
+    Xn = ((X - a["mu"]) / a["sd"]).astype(np.float32)
+    Cn = ((C - a["mu_ctx"]) / a["sd_ctx"]).astype(np.float32)
+    params = ["W1c", "W1x", "b1", "W2", "b2", "W3", "b3"]
+    m = {k: np.zeros_like(a[k]) for k in params}
+    v = {k: np.zeros_like(a[k]) for k in params}
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    n = len(y)
+    n_epochs = cfg.epochs if epochs is None else epochs
+    losses: list[float] = []
+    t = 0
+    for ep in range(n_epochs):
+        lr = cfg.lr * (0.5 if ep >= (2 * n_epochs) // 3 else 1.0)
+        order = rng.permutation(n)
+        tot = 0.0
+        for s in range(0, n, cfg.batch):
+            bi = order[s: s + cfg.batch]
+            xb, cb, yb = Xn[bi], Cn[bi], y[bi]
+            nb = len(bi)
+            z1 = xb @ a["W1c"] + cb @ a["W1x"] + a["b1"]
+            h1 = np.maximum(z1, 0)
+            z2 = h1 @ a["W2"] + a["b2"]
+            h2 = np.maximum(z2, 0)
+            z3 = h2 @ a["W3"] + a["b3"]
+            z3 -= z3.max(axis=1, keepdims=True)
+            p = np.exp(z3)
+            p /= p.sum(axis=1, keepdims=True)
+            tot += float(-np.log(p[np.arange(nb), yb] + 1e-12).sum())
+            g3 = p
+            g3[np.arange(nb), yb] -= 1.0
+            g3 /= nb
+            grads = {"W3": h2.T @ g3, "b3": g3.sum(0)}
+            g2 = (g3 @ a["W3"].T) * (z2 > 0)
+            grads["W2"] = h1.T @ g2
+            grads["b2"] = g2.sum(0)
+            g1 = (g2 @ a["W2"].T) * (z1 > 0)
+            grads["W1c"] = xb.T @ g1
+            grads["W1x"] = cb.T @ g1
+            grads["b1"] = g1.sum(0)
+            t += 1
+            for k in params:
+                g = grads[k]
+                if k[0] == "W":
+                    g = g + cfg.weight_decay * a[k]
+                m[k] = b1 * m[k] + (1 - b1) * g
+                v[k] = b2 * v[k] + (1 - b2) * g * g
+                mh = m[k] / (1 - b1 ** t)
+                vh = v[k] / (1 - b2 ** t)
+                a[k] = (a[k] - lr * mh / (np.sqrt(vh) + eps)).astype(np.float32)
+        losses.append(tot / max(n, 1))
+    return model, losses

@@ -1,0 +1,144 @@
+"""Online adaptation: keep collecting accesses while the user's model trains, refit every K iterations.
+
+:class:`OnlineRefit` is what the ``pilot`` policy uses with ``online=True`` (and what
+:func:`shift_experiment` measures):
+
+1. ``observe`` keeps a sample of each decision point's feature rows (``rows_per_decision``), with
+   the storage ids and the position;
+2. ``end_iteration(history)``, called when the next iteration begins, labels them with the true next
+   use read from ``history[-1]`` (the iteration that just finished: no future is read) and appends
+   them to a bounded buffer (the most recent ``buffer_rows``);
+3. every ``refit_every`` iterations it fine-tunes a copy of the model on the buffer for ``epochs``
+   passes (numpy, a few hundred milliseconds) and returns it; the caller swaps it in. The
+   offline rows are not revisited, so the refit follows the workload's current distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .data import _access_index, _next_after, walk
+from .evaluate import WINDOW_OPS
+from .features import COARSE_OF_FINE, fine_bucket
+from .model import PilotModel, fit
+
+__all__ = ["OnlineRefit", "shift_experiment", "ShiftResult"]
+
+
+class OnlineRefit:
+    """Collect labelled rows from the iterations a policy sees; refit the model every ``refit_every``."""
+
+    def __init__(self, model: PilotModel, refit_every: int = 4, rows_per_decision: int = 48,
+                 buffer_rows: int = 60_000, epochs: int = 3, seed: int = 0) -> None:
+        self.model = model
+        self.refit_every = max(1, int(refit_every))
+        self.rows_per_decision = rows_per_decision
+        self.buffer_rows = buffer_rows
+        self.epochs = epochs
+        self._rng = np.random.default_rng(seed)
+        self._pending: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
+        self._X: list[np.ndarray] = []
+        self._C: list[np.ndarray] = []
+        self._y: list[np.ndarray] = []
+        self.iterations = 0
+        self.refits = 0
+
+    def observe(self, position: int, sids: np.ndarray, X: np.ndarray, ctx: np.ndarray) -> None:
+        n = len(sids)
+        take = (self._rng.choice(n, size=self.rows_per_decision, replace=False)
+                if n > self.rows_per_decision else np.arange(n))
+        self._pending.append((position, sids[take], X[take], ctx))
+
+    def end_iteration(self, history: Sequence[Any]) -> PilotModel | None:
+        """Label what was observed with ``history[-1]``; a refit model every ``refit_every`` iterations."""
+        if not self._pending or not history:
+            self._pending = []
+            return None
+        idx, keys = _access_index(history[-1].ops)
+        for pos, sids, X, ctx in self._pending:
+            y = fine_bucket(_next_after(idx, keys, sids, pos))
+            self._X.append(X)
+            self._C.append(np.broadcast_to(ctx, (len(y), len(ctx))))
+            self._y.append(y)
+        self._pending = []
+        total = sum(len(y) for y in self._y)
+        while total > self.buffer_rows and len(self._y) > 1:
+            total -= len(self._y.pop(0))
+            self._X.pop(0)
+            self._C.pop(0)
+        self.iterations += 1
+        if self.iterations % self.refit_every:
+            return None
+        X = np.concatenate(self._X)
+        C = np.concatenate(self._C).astype(np.float32)
+        y = np.concatenate(self._y)
+        self.model, _ = fit(X, C, y, init=self.model, epochs=self.epochs)
+        self.refits += 1
+        return self.model
+
+
+@dataclass
+class ShiftResult:
+    """Per-iteration bucket accuracy and window recall, with and without online refit."""
+
+    family: str
+    shift_at: int
+    static: list[dict[str, float]]
+    online: list[dict[str, float]]
+    refits: int
+
+    def summary(self) -> dict[str, Any]:
+        def mean(xs: list[dict[str, float]], key: str) -> float:
+            vals = [x[key] for x in xs[self.shift_at:] if x.get(key) is not None]
+            return float(np.mean(vals)) if vals else float("nan")
+
+        return {
+            "family": self.family, "shift_at": self.shift_at, "refits": self.refits,
+            "after_shift": {
+                "static": {k: mean(self.static, k) for k in ("bucket_accuracy", "window_recall")},
+                "online": {k: mean(self.online, k) for k in ("bucket_accuracy", "window_recall")},
+            },
+        }
+
+
+def _iteration_metrics(model: PilotModel, trace: Any, i: int, refit: OnlineRefit | None) -> dict[str, float]:
+    correct = total = hits = rel = 0
+    for d in walk(trace, i, group=model.config.group, baselines=False):
+        if not len(d.sids):
+            continue
+        P = model.probs(d.X, d.ctx)
+        score = model.expected_log_distance(P, d.expected_len)
+        pc = PilotModel.coarse(P).argmax(axis=1)
+        tc = COARSE_OF_FINE[fine_bucket(d.dist)]
+        correct += int((pc == tc).sum())
+        total += len(tc)
+        inwin = d.dist <= WINDOW_OPS
+        k = int(inwin.sum())
+        if k:
+            hits += int(inwin[np.argsort(score, kind="stable")[:k]].sum())
+            rel += k
+        if refit is not None:
+            refit.observe(d.position, d.sids, d.X, d.ctx)
+    return {"iteration": i, "bucket_accuracy": correct / total if total else None,
+            "window_recall": hits / rel if rel else None}
+
+
+def shift_experiment(model: PilotModel, trace: Any, shift_at: int, refit_every: int = 2,
+                     epochs: int = 3) -> ShiftResult:
+    """Walk every iteration of ``trace`` (whose input distribution changes at iteration ``shift_at``)
+    with ``model`` as is, and with an :class:`OnlineRefit` copy refit every ``refit_every`` iterations."""
+    static = [_iteration_metrics(model, trace, i, None) for i in range(1, len(trace.iterations))]
+    refit = OnlineRefit(model.copy(), refit_every=refit_every, epochs=epochs)
+    online = []
+    current = refit.model
+    for i in range(1, len(trace.iterations)):
+        online.append(_iteration_metrics(current, trace, i, refit))
+        new = refit.end_iteration(trace.iterations[: i + 1])
+        if new is not None:
+            current = new
+    return ShiftResult(family=str(trace.header.get("workload")), shift_at=shift_at - 1, static=static,
+                       online=online, refits=refit.refits)

@@ -1,0 +1,151 @@
+"""The pilot model's measured figures (docs/pilot.md, docs/benchmarks.md "Pilot model").
+
+    python tools/pilot_experiments.py metrics   # held-out metrics vs replay / recency / frequency
+    python tools/pilot_experiments.py lofo      # leave-one-family-out (reduced training settings)
+    python tools/pilot_experiments.py cost      # inference cost per decision point vs h100 iteration time
+    python tools/pilot_experiments.py shift     # online refit when the input distribution shifts mid-run
+
+Each writes out/pilot/<name>.json (and prints a markdown table). Traces come from the bench's trace
+cache (.dynn-cache/traces), recorded if missing; the data split is tools/pilot_build_weights.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dynn_runtime import models
+from dynn_runtime.pilot import (
+    PilotConfig,
+    evaluate,
+    inference_cost,
+    load_model,
+    render_table,
+    shift_experiment,
+    train,
+    zoo_traces,
+)
+from dynn_runtime.pilot.policy import default_weights_path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pilot_build_weights import HELD_OUT, TRAIN  # noqa: E402
+
+OUT = Path("out/pilot")
+FAMS = list(models.FAMILIES)
+
+
+def _traces(spec, fams=FAMS):
+    return [t for p, seeds, steps in spec for _, t in zoo_traces(fams, [p], seeds, steps)]
+
+
+def _dump(name: str, obj) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{name}.json").write_text(json.dumps(obj, indent=1) + "\n")
+    print(f"wrote {OUT / (name + '.json')}")
+
+
+def metrics() -> None:
+    model = load_model(default_weights_path())
+    t0 = time.time()
+    m = evaluate(model, _traces(HELD_OUT))
+    print(render_table(m))
+    _dump("metrics", {"weights": str(default_weights_path()), "held_out": HELD_OUT, "wall_s": time.time() - t0,
+                      "families": {k: v.as_dict() for k, v in m.items()}})
+
+
+def lofo() -> None:
+    cfg = PilotConfig(epochs=6, candidates_per_decision=32)
+    train_tr, test_tr = _traces(TRAIN), _traces(HELD_OUT)
+    res = {}
+    for fam in FAMS:
+        t0 = time.time()
+        model, info = train(train_tr, cfg, exclude_families=[fam])
+        m = evaluate(model, [t for t in test_tr if t.header["workload"] == fam])[fam]
+        res[fam] = {"methods": m.methods, "train_rows": info["rows"], "wall_s": round(time.time() - t0, 1)}
+        p, r = m.methods["pilot"], m.methods["replay"]
+        print(f"{fam:<11} left out: pilot recall {100 * p['window_recall']:.1f}% acc {100 * p['bucket_accuracy']:.1f}% "
+              f"rho {p['rank_correlation']:.3f} | replay recall {100 * r['window_recall']:.1f}% "
+              f"({res[fam]['wall_s']} s)", flush=True)
+    _dump("lofo", {"config": dataclasses.asdict(cfg), "train": TRAIN, "held_out": HELD_OUT, "results": res})
+
+
+def cost() -> None:
+    model = load_model(default_weights_path())
+    rows = []
+    for preset, seeds, steps in (("small", (0,), 2), ("tiny", (10,), 3)):
+        for _, tr in zoo_traces(FAMS, [preset], seeds, steps):
+            for group in (16, 64):
+                m = model.copy()
+                m.config.group = group
+                r = inference_cost(tr, model=m, repeats=3)
+                r["group"] = group
+                rows.append(r)
+                print(f"{r['workload']:<11} {preset:<6} G={group:<3} {r['decisions']:>4} decisions "
+                      f"{r['candidates_mean']:>6.0f} cands {r['per_decision_us']:>7.0f} us/decision "
+                      f"{1e3 * r['inference_s']:>7.2f} ms/iter vs {1e3 * r['iteration_time_s']:.2f} ms (h100) "
+                      f"= {100 * r['fraction_of_iteration']:.1f}%", flush=True)
+    _dump("cost", {"rows": rows, "numpy": np.__version__})
+
+
+class _Shifted:
+    """A zoo workload whose batches switch to another config of the same family at step ``at``."""
+
+    def __init__(self, family: str, preset: str, at: int, seed: int, **changes) -> None:
+        self.a = models.build(family, preset=preset, seed=seed)
+        self.b_config = dataclasses.replace(self.a.config, **changes)
+        self.at = at
+        self.family = family
+        self.model = self.a.model
+        self.config = self.a.config
+
+    def make_batch(self, step: int):
+        self.a.config = self.b_config if step >= self.at else self.config
+        return self.a.make_batch(step)
+
+    def loss(self, model, batch):
+        return self.a.loss(model, batch)
+
+    def optimizer(self, params):
+        return self.a.optimizer(params)
+
+    def step_facts(self):
+        return self.a.step_facts()
+
+
+def shift() -> None:
+    from dynn_runtime.trace import read_trace, record
+
+    model = load_model(default_weights_path())
+    cases = [
+        ("tree_lstm", dict(mean_nodes=40.0, max_nodes=128)),
+        ("evoformer", dict(min_recycles=3, max_recycles=4, residues_min=24, residues_max=32)),
+        ("varlen", dict(median_len=40, max_len=128)),
+    ]
+    out = {}
+    for fam, changes in cases:
+        path = Path(".dynn-cache/traces") / f"shift-{fam}-tiny-seed20-steps12.jsonl.gz"
+        if not path.exists():
+            record(_Shifted(fam, "tiny", 4, 20, **changes), path, steps=12, preset="tiny", seed=20)
+        tr = read_trace(path)
+        for every in (1, 2):
+            res = shift_experiment(model, tr, shift_at=4, refit_every=every)
+            s = res.summary()
+            s["changes"] = changes
+            s["per_iteration"] = {"static": res.static, "online": res.online}
+            out[f"{fam}/refit_every={every}"] = s
+            a = s["after_shift"]
+            print(f"{fam:<10} refit every {every}: after the shift recall static {100 * a['static']['window_recall']:.1f}% "
+                  f"-> online {100 * a['online']['window_recall']:.1f}%, accuracy "
+                  f"{100 * a['static']['bucket_accuracy']:.1f}% -> {100 * a['online']['bucket_accuracy']:.1f}% "
+                  f"({s['refits']} refits)", flush=True)
+    _dump("shift", out)
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or ["metrics", "lofo", "cost", "shift"]:
+        {"metrics": metrics, "lofo": lofo, "cost": cost, "shift": shift}[name]()
