@@ -94,7 +94,15 @@ def _cmd_real(args: argparse.Namespace) -> int:
     cfg.resolved()  # validate before any work
     t0 = time.perf_counter()
     say = None if args.quiet else (lambda text: print(f"dynn bench --real: {text}", file=sys.stderr, flush=True))
-    report = run_real_bench(cfg, progress=say)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("dynn: %(levelname)s: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    log = logging.getLogger("dynn_runtime")
+    log.addHandler(handler)
+    try:
+        report = run_real_bench(cfg, progress=say)
+    finally:
+        log.removeHandler(handler)
     paths = write_real_outputs(report)
     print(render_real_markdown(report))
     print(f"wrote {paths['json']} and {paths['markdown']}; {time.perf_counter() - t0:.1f} s")

@@ -172,19 +172,19 @@ def checkpoint_blocks(model: Any) -> list[str]:
 
 # ---- the run ---------------------------------------------------------------------------------
 
-_FAILURES: tuple[type[BaseException], ...] = (DynnError,)
-
-
 def _failures() -> tuple[type[BaseException], ...]:
+    """What ends one measurement without ending the bench: the manager's and PyTorch's errors, and any
+    other exception (a bug in a policy must not cost the rest of a GPU session; it is recorded with
+    its type and logged)."""
+    return (Exception,)
+
+
+def _reason(exc: BaseException) -> str:
     import torch
 
-    return (*_FAILURES, torch.OutOfMemoryError)
-
-
-def _footprint(dev: str) -> int:
-    import torch
-
-    return int(torch.cuda.max_memory_reserved()) if dev == "cuda" else 0
+    if not isinstance(exc, (DynnError, torch.OutOfMemoryError)):
+        logger.warning("bench: unexpected %s (a bug; recorded as infeasible): %s", type(exc).__name__, exc)
+    return f"{type(exc).__name__}: {exc}"[:300]
 
 
 @contextlib.contextmanager
@@ -290,20 +290,22 @@ def _family_grid(cfg: RealBenchConfig, family: str, policies: list[str]) -> list
 
     common = dict(steps=cfg.steps, preset=cfg.preset, seed=cfg.seed, device=cfg.device)
     _fresh(cfg.device)
-    unl = train_unmanaged(family, **common)
+    try:
+        unl = train_unmanaged(family, **common)
+    except _failures() as exc:
+        return [_row(family, cfg, "unlimited", feasible=False, reason=_reason(exc))]
     peak = max(unl.peak_bytes)
     cap = max(1, int(peak * cfg.fraction))
     t_unl = unl.median_step_seconds()
     rows = [_row(family, cfg, "unlimited", feasible=True, iter_time_s=t_unl, overhead=1.0, peak_bytes=peak,
-                 cap_bytes=cap, reserved_bytes=_footprint(cfg.device), reason="")]
+                 cap_bytes=cap, reserved_bytes=max(unl.reserved_peak_bytes, default=None), reason="")]
 
     def baseline(method: str, **kw: Any) -> dict[str, Any]:
         _fresh(cfg.device)
         try:
             r = train_unmanaged(family, label=method, **common, **kw)
         except _failures() as exc:
-            return _row(family, cfg, method, feasible=False, reason=f"{type(exc).__name__}: {exc}"[:300],
-                        cap_bytes=cap)
+            return _row(family, cfg, method, feasible=False, reason=_reason(exc), cap_bytes=cap)
         p = max(r.peak_bytes)
         fits, reason = p <= cap, ("" if p <= cap else f"peak {p} B > cap {cap} B")
         if fits and cfg.device == "cuda" and cfg.hard_cap:
@@ -333,8 +335,7 @@ def _family_grid(cfg: RealBenchConfig, family: str, policies: list[str]) -> list
         try:
             r = train_managed(family, cap, policy, hard_cap=cfg.hard_cap and cfg.device == "cuda", **common)
         except _failures() as exc:
-            rows.append(_row(family, cfg, policy, feasible=False, cap_bytes=cap,
-                             reason=f"{type(exc).__name__}: {exc}"[:300]))
+            rows.append(_row(family, cfg, policy, feasible=False, cap_bytes=cap, reason=_reason(exc)))
             continue
         st = r.stats or {}
         t = r.median_step_seconds()
@@ -407,9 +408,9 @@ def _family_scan(cfg: RealBenchConfig, family: str, policies: list[str]) -> list
             ref = train_unmanaged(family, **common)
         except _failures() as exc:
             for m in alive:
-                stopped[m] = f"x{scale}: the unlimited run failed ({type(exc).__name__})"
+                stopped[m] = f"x{scale}: the unlimited run failed ({_reason(exc)})"
             break
-        foot = _footprint(cfg.device) if cfg.device == "cuda" else max(ref.peak_bytes)
+        foot = max(ref.reserved_peak_bytes) if cfg.device == "cuda" else max(ref.peak_bytes)
         if scale == 1:
             capacity = foot
         if "pytorch" in alive:
@@ -422,7 +423,7 @@ def _family_scan(cfg: RealBenchConfig, family: str, policies: list[str]) -> list
             try:
                 r = train_managed(family, capacity, policy, hard_cap=cfg.hard_cap and cfg.device == "cuda", **common)
             except _failures() as exc:
-                stopped[policy] = f"x{scale}: {type(exc).__name__}: {exc}"[:300]
+                stopped[policy] = f"x{scale}: {_reason(exc)}"
                 continue
             best[policy], times[policy] = scale, r.median_step_seconds()
     out = []
@@ -461,6 +462,9 @@ def render_real_markdown(report: RealBenchReport) -> str:
         if not rows:
             continue
         u = rows[0]
+        if u.get("iter_time_s") is None:
+            lines += ["", f"## {family}: the unlimited run failed: {u.get('reason', '')}"]
+            continue
         lines += ["", f"## {family}: unlimited peak {_mib(u['peak_bytes'])}, cap {_mib(u['cap_bytes'])}, "
                       f"unlimited step {_ms(u['iter_time_s'])}", "",
                   "| method | fits | step time | vs unlimited | peak | moved off / on demand | stalls | bit-identical "

@@ -77,6 +77,8 @@ class RunResult:
     """Per step, peak device bytes. Managed: the manager's accounting of its device storages.
     Unmanaged: CUDA ``max_memory_allocated``; on the CPU the bytes of parameters, buffers and optimizer
     state at the step's start plus the peak of bytes allocated during the step (``memory.LiveBytes``)."""
+    reserved_peak_bytes: list[int] = field(default_factory=list)
+    """CUDA, unmanaged: per step, ``torch.cuda.max_memory_reserved`` (what the caching allocator held)."""
     managed_steps: list[bool] = field(default_factory=list)
     """False for a step the manager ran unmanaged (the first step of a fractional budget measures the peak)."""
     budget_bytes: int | None = None
@@ -295,11 +297,13 @@ def train_managed(
                 if on_step is not None:
                     on_step(step, loss, dict(st.__dict__))
         finally:
-            res.stats = mm.stats()
-            res.timeline = mm.timeline()
-            mm.detach()
-            if hard_cap and dev.type == "cuda":
-                torch.cuda.set_per_process_memory_fraction(1.0, dev)  # the cap belongs to this run only
+            try:
+                res.stats = mm.stats()
+                res.timeline = mm.timeline()
+                mm.detach()
+            finally:
+                if hard_cap and dev.type == "cuda":
+                    torch.cuda.set_per_process_memory_fraction(1.0, dev)  # the cap belongs to this run only
         res.budget_bytes = mm.budget
         res.digest, res.tensor_digests = state_digests(model, opt)
     return res
@@ -381,6 +385,8 @@ def train_unmanaged(
             _sync(dev)
         res.step_seconds.append(time.perf_counter() - t0)
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else base + mem.peak_bytes
+        if dev.type == "cuda":
+            res.reserved_peak_bytes.append(int(torch.cuda.max_memory_reserved(dev)))
         loss = float(loss_t)
         del loss_t
         _check_loss(loss, step)
