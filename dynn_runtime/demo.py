@@ -81,12 +81,21 @@ def managed_demo(family: str = MANAGED_FAMILY, budget: str = "1/8", policy: str 
     the first step) and the same steps on PyTorch alone, plus once with the manager only accounting
     (unlimited budget, nothing moved: the unmanaged curve of the timeline and the bookkeeping cost).
     Writes the timeline PNG if ``timeline`` is given; returns the three runs and the verdicts."""
+    import torch
+
     from .runtime.train import accounting_run, compare_unmanaged, train_managed
 
     common = dict(steps=steps, preset=preset, seed=seed, device="cpu")
-    run = train_managed(family, budget, policy, **common)
-    cmp = compare_unmanaged(run)
-    acct = accounting_run(family, **common)
+    # one intra-op thread for the three runs: a tiny model gains nothing from more, and on a busy machine
+    # OpenMP's spinning threads slow a step down many times over, which would make the times compared noise
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run = train_managed(family, budget, policy, **common)
+        cmp = compare_unmanaged(run)
+        acct = accounting_run(family, **common)
+    finally:
+        torch.set_num_threads(threads)
     path = None
     if timeline is not None:
         from .runtime.plots import plot_memory_timeline
