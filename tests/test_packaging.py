@@ -25,6 +25,8 @@ def test_wheel_ships_the_zoo(tmp_path):
     for fam in ("moe", "skipnet", "early_exit", "tree_lstm", "evoformer", "varlen"):
         assert f"dynn_runtime/models/{fam}.py" in names
     assert "dynn_runtime/cli.py" in names
+    # the pilot's shipped weights and their provenance record are package data
+    assert "dynn_runtime/pilot/weights/zoo.npz" in names and "dynn_runtime/pilot/weights/zoo.json" in names
     assert not any(n.startswith("models/") for n in names), "zoo must not install as a top-level package"
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "Requires-Dist: torch<2.14,>=2.11" in meta or "Requires-Dist: torch>=2.11,<2.14" in meta

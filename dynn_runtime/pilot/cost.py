@@ -17,7 +17,7 @@ __all__ = ["inference_cost"]
 
 
 def inference_cost(trace: Any, model: Any = None, budget: float = 0.25, profile: str = "h100",
-                   repeats: int = 3) -> dict[str, Any]:
+                   repeats: int = 3, group: int | None = None) -> dict[str, Any]:
     """Per-decision and per-iteration pilot cost on ``trace``'s last iteration (best of ``repeats``)."""
     from ..sim import Simulator, simulate, unmanaged_peak
     from .policy import PilotPolicy
@@ -26,7 +26,7 @@ def inference_cost(trace: Any, model: Any = None, budget: float = 0.25, profile:
     budget_bytes = max(1, int(unmanaged_peak(trace) * budget))
     best: dict[str, Any] | None = None
     for _ in range(repeats):
-        pol = PilotPolicy(model=model) if model is not None else PilotPolicy()
+        pol = PilotPolicy(model=model, group=group) if model is not None else PilotPolicy(group=group)
         sim = Simulator(trace, pol, budget_bytes, profile)
         t0 = time.perf_counter()
         res = sim.run()
@@ -47,7 +47,7 @@ def inference_cost(trace: Any, model: Any = None, budget: float = 0.25, profile:
     best.update({
         "workload": trace.header.get("workload"), "preset": trace.header.get("preset"),
         "ops": len(trace.iterations[-1].ops), "profile": profile,
-        "iteration_time_s": it_s, "budget_fraction": budget,
+        "iteration_time_s": it_s, "budget_fraction": budget, "group": pol.decision_every if group is None else group,
         "fraction_of_iteration": best["inference_s"] / it_s if it_s else None,
     })
     return best

@@ -25,9 +25,11 @@ Rules it keeps (why each is there):
    used after the anchor. Unlike positional replay this survives shifted and re-ordered operator
    sequences (variable lengths, skipped blocks, different experts); the model learns how far to
    trust it from the other features.
-5. Backward consumes saved activations roughly in reverse production order: each saved activation
-   produced in forward and not yet read in backward has a *stack depth* (how many such activations
-   were produced after it).
+5. Backward consumes saved tensors roughly in reverse production order: each saved storage (not a
+   parameter, buffer or optimizer state) produced in forward (for the batch: last used in forward)
+   and not yet read in backward has a *stack depth* (how many such storages came after it).
+6. Storages alive at the start that are new to the iteration (the batch) are matched, at their first
+   access, to the previous iteration's storages that no operator allocated (in first-access order).
 """
 
 from __future__ import annotations
@@ -201,6 +203,8 @@ class FeatureState:
         self._prev_allocs = {}
         self._prev_idx = {}
         self._prev_len = 0
+        self._prev_external: list[int] = []
+        self._ext_next = 0
         if prev is None:
             self._prev_keys = np.zeros(0, dtype=np.int64)
             self._prev_count = np.zeros(0, dtype=np.float32)
@@ -221,6 +225,8 @@ class FeatureState:
                 else:
                     lst.append(j)
         self._prev_len = len(prev.ops)
+        born = {sid for op in prev.ops for sid in op.allocs}
+        self._prev_external = [sid for sid in acc if sid not in born]  # dict order: first access
         keys: list[int] = []
         counts = np.zeros(len(acc), dtype=np.float32)
         for i, (sid, lst) in enumerate(acc.items()):
@@ -263,6 +269,17 @@ class FeatureState:
             self.has_producer[s] = 0
             self.prev[s] = self._prev_idx.get(sid, -1)
 
+    def _match_external(self, s: int) -> None:
+        """A storage alive at the start, new to this iteration (the batch), at its first access: match it
+        to the previous iteration's next unmatched external storage in first-access order (rule 4)."""
+        ext = self._prev_external
+        while self._ext_next < len(ext):
+            cand = ext[self._ext_next]
+            self._ext_next += 1
+            if cand not in self._slot:  # alive now: a persistent storage, matched by its own id
+                self.prev[s] = self._prev_idx[cand]
+                return
+
     def free(self, sid: int) -> None:
         s = self._slot.pop(sid, None)
         if s is not None:
@@ -303,9 +320,6 @@ class FeatureState:
             self.has_producer[s] = 1.0
             if i < len(prev_allocs):
                 self.prev[s] = self._prev_idx.get(prev_allocs[i], -1)
-            if ph == 0 and self.saved[s] > 0:
-                self.stack_idx[s] = self._stack_counter
-                self._stack_counter += 1
         for sid in {*op.inputs, *op.outputs, *op.writes}:
             s = slot.get(sid)
             if s is None:
@@ -319,9 +333,12 @@ class FeatureState:
             self.count_phase[s] += 1
             self.acc_phase[s, ph] = 1.0
             self.consumer_iv[s] = iv
-            if ph == 0 and self.stack_idx[s] < 0 and self.saved[s] > 0 and self.born[s] >= 0:
+            if ph == 0 and self.saved[s] > 0 and self.kind[s] > 2 and (self.born[s] < 0 or self.stack_idx[s] < 0):
+                # rule 5: produced storages by production order, the batch by its last forward use
                 self.stack_idx[s] = self._stack_counter
                 self._stack_counter += 1
+            if self.prev[s] < 0 and self.born[s] < 0 and self.count[s] == 1:
+                self._match_external(s)
         if new_phase or position - self._last_decision >= self.group:
             self._last_decision = position
             return True
