@@ -105,6 +105,10 @@ class HostPool:
                     f"offloaded tensors). Raise host_budget (MemoryManager(..., host_budget=...) or "
                     "`--host-budget`), or give the device a larger budget so that less is offloaded."
                 )
+        with torch.utils._python_dispatch._disable_current_modes():
+            return self._alloc_chunk(size)
+
+    def _alloc_chunk(self, size: int) -> _Chunk:
         data = None
         if self.pin:
             try:

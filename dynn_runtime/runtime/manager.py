@@ -67,6 +67,7 @@ from .hostpool import HostBuffer, HostPool
 __all__ = ["MemoryManager", "StepStats"]
 
 _PERSISTENT = ("param", "buffer", "opt_state")
+_MOVABLE_ALWAYS = frozenset({"param", "buffer", "opt_state", "grad"})
 _RANK = {k: i for i, k in enumerate(("param", "buffer", "opt_state", "grad", "activation", "input", "temp"))}
 
 RESIDENT, OFFLOADING, HOST, FETCHING, DROPPED, ABSENT = (
@@ -78,7 +79,8 @@ class _S:
     """What the manager knows about one device storage."""
 
     __slots__ = ("sid", "key", "ref", "nbytes", "kind", "saved", "status", "host", "host_valid", "event",
-                 "last_access", "last_access_t", "count", "name", "movable", "born_step", "fetch_event", "pf")
+                 "last_access", "last_access_t", "count", "name", "movable", "born_step", "fetch_event", "pf",
+                 "born_pos")
 
     def __init__(self, sid: int, key: int, ref: Any, nbytes: int, kind: str, movable: bool, step: int) -> None:
         self.sid = sid
@@ -99,6 +101,7 @@ class _S:
         self.name = ""
         self.movable = movable
         self.born_step = step
+        self.born_pos = 0
 
 
 @dataclass
@@ -148,7 +151,12 @@ class _Mode(TorchDispatchMode):
         self.mm = mm
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.mm._dispatch(func, args, kwargs or {})
+        mm = self.mm
+        outer, mm._in_dispatch = mm._in_dispatch, True
+        try:
+            return mm._dispatch(func, args, kwargs or {})
+        finally:
+            mm._in_dispatch = outer
 
 
 class MemoryManager:
@@ -184,7 +192,10 @@ class MemoryManager:
     ) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"runtime: cannot read the device {device!r}; use 'cuda', 'cuda:N' or 'cpu'.") from None
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
                 raise ConfigError("runtime: device='cuda' but CUDA is not available here; use device='cpu' "
@@ -246,6 +257,10 @@ class MemoryManager:
         return b
 
     @property
+    def attached(self) -> bool:
+        return self._attached
+
+    @property
     def budget_fraction(self) -> float | None:
         spec = self._budget_spec
         if isinstance(spec, float):
@@ -287,6 +302,9 @@ class MemoryManager:
         self._oracle_warned = False
         self._largest_op: tuple[int, str] = (0, "")
         self._budget_problem = ""
+        self._in_dispatch = False
+        self._peak_pos = 0
+        self.measured_peak: int | None = None
         self._timeline: list[tuple[int, int, int, str]] = []  # (step, position, device bytes, phase)
 
     # ---- attach / detach --------------------------------------------------------------------
@@ -328,6 +346,9 @@ class MemoryManager:
         if self.hard_cap and self.cuda and self.budget is not None:
             self._apply_hard_cap()
         self.policy.attach(self)
+        # operators between attach and the first step may need room too: the policy starts with
+        # an empty plan (no history) until the first step begins
+        self.policy.begin_iteration(-1, {"history": [], "trace": None, "runtime": self})
         self._mode = _Mode(self)
         self._mode.__enter__()
         self._attached = True
@@ -359,6 +380,8 @@ class MemoryManager:
             for s in self.st.values():
                 self._drop_host(s)
             self.pool.close()
+            if self.hard_cap and self.cuda:
+                torch.cuda.set_per_process_memory_fraction(1.0, self.device)
             self._attached = False
 
     def __enter__(self) -> MemoryManager:
@@ -375,6 +398,18 @@ class MemoryManager:
                 if s.status in (HOST, DROPPED, FETCHING, OFFLOADING):
                     self._fetch_now(s, budgeted=False)
             self._sync()
+
+    def offload(self, *tensors: torch.Tensor) -> int:
+        """Move the storages behind ``tensors`` off the device now (they come back on their next
+        use). Returns the bytes that left. Tensors the manager does not manage are ignored."""
+        moved = 0
+        with _no_mode():
+            self._drain()
+            for t in tensors:
+                sid = self._sid(t)
+                if sid is not None and self._evict(self.st[sid]):
+                    moved += self.st[sid].nbytes
+        return moved
 
     # ---- steps ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -401,6 +436,7 @@ class MemoryManager:
         self._drain()
         self._cur = StepStats(step=self._step_index)
         self._measure_step = self.budget is None
+        self._peak_pos = 0
         self.position = 0
         self.phase = "forward"
         self._seen_backward = False
@@ -424,6 +460,16 @@ class MemoryManager:
         self._in_step = False
         with _no_mode():
             self._drain()
+            # What the step made and the program still holds (the loss, outputs it keeps) goes back
+            # on the device, and stays put from now on: it is the program's now, not the step's.
+            for s in list(self.st.values()):
+                if s.kind not in _MOVABLE_ALWAYS:
+                    if s.status != RESIDENT:
+                        try:
+                            self._fetch_now(s, budgeted=True, exclude={s.sid})
+                        except BudgetError:
+                            self._fetch_now(s, budgeted=False)  # over budget (an overshoot) beats losing it
+                    s.movable = False
             self._sync()
             self._resolve_stalls()
         cur = self._cur
@@ -436,14 +482,19 @@ class MemoryManager:
         self._ops = []
         if self._measure_step and ok:
             frac = self.budget_fraction
-            self.budget = max(1, int(cur.peak_device_bytes * frac))
+            # State the step created after its peak and keeps (the optimizer's first moments) is
+            # there at every later step's peak: count it, or "1/8" would really mean less.
+            late = sum(x.nbytes for x in self.st.values()
+                       if x.born_step == self._step_index and x.born_pos > self._peak_pos and x.kind in _PERSISTENT)
+            self.measured_peak = cur.peak_device_bytes + late
+            self.budget = max(1, int(self.measured_peak * frac))
             cur.managed = False
             if self._largest_op[0] > self.budget:
                 need, where = self._largest_op
                 self._budget_problem = (
                     f"runtime: a budget of {frac:g} of the measured peak ({format_bytes(self.budget)}) is smaller "
                     f"than what one operator needs: {where} touches {format_bytes(need)} at once. Raise the "
-                    f"budget to at least {need / max(cur.peak_device_bytes, 1):.3f} (or {format_bytes(need)}).")
+                    f"budget to at least {need / max(self.measured_peak, 1):.3f} (or {format_bytes(need)}).")
             if self.hard_cap and self.cuda:
                 self._apply_hard_cap()
         self._measure_step = False
@@ -462,6 +513,7 @@ class MemoryManager:
         out.update(
             steps=len(self.steps),
             budget_bytes=self.budget,
+            measured_peak_bytes=self.measured_peak,
             policy=self.policy.name,
             device=str(self.device),
             device_bytes_now=self.used,
@@ -536,14 +588,33 @@ class MemoryManager:
             s = self.st[sid]
             if _RANK[kind] < _RANK[s.kind]:
                 s.kind = kind
+                if kind in _MOVABLE_ALWAYS and not s.movable:
+                    s.movable = st.resizable()
             return sid
         n = st.nbytes()
         if n == 0:
             return None
+        if not fresh and self.budget is not None and not self._measure_step and self.used + n > self.budget:
+            # A storage made where the manager could not see it (``torch.tensor``, a C++ kernel
+            # outside the dispatcher): make room before accounting it, so the budget still holds.
+            try:
+                if self._in_dispatch:
+                    self._make_room(n, set(), "a storage created outside the dispatcher")
+                else:
+                    with _no_mode():
+                        self._make_room(n, set(), "a storage created outside the dispatcher")
+            except BudgetError:
+                pass  # counted as an overshoot by _note_peak
         sid = self._next_sid
         self._next_sid += 1
         ref = weakref.ref(st, self._make_dead_cb(sid))
-        s = _S(sid, key, ref, n, kind, movable=st.resizable(), step=self._step_index)
+        # Only what the manager owns moves: model state, and what a step creates. A tensor the
+        # program makes between steps (a batch, a metric) is accounted but stays put, so code
+        # that reads raw memory outside the dispatcher (``.numpy()``, printing) never meets an
+        # offloaded storage.
+        movable = st.resizable() and (self._in_step or kind in _MOVABLE_ALWAYS)
+        s = _S(sid, key, ref, n, kind, movable=movable, step=self._step_index)
+        s.born_pos = self.position
         self.st[sid] = s
         self._key_sid[key] = sid
         self.used += n
@@ -592,6 +663,7 @@ class MemoryManager:
         cur = self._cur
         if self.used > cur.peak_device_bytes:
             cur.peak_device_bytes = self.used
+            self._peak_pos = self.position
         if self.budget is not None and not self._measure_step and self.used > self.budget:
             cur.budget_overshoot_bytes = max(cur.budget_overshoot_bytes, self.used - self.budget)
 
@@ -801,7 +873,7 @@ class MemoryManager:
         self._reap()
         return True
 
-    def _fetch_now(self, s: _S, budgeted: bool = True, exclude: set[int] | None = None) -> None:
+    def _fetch_now(self, s: _S, budgeted: bool = True, exclude: set[int] | None = None, where: str = "") -> None:
         """Make ``s`` resident now (a demand fetch: the compute stream waits for it)."""
         st = s.ref()
         _internal_assert(st is not None, f"runtime: storage {s.sid} is needed but was freed")
@@ -816,7 +888,8 @@ class MemoryManager:
         _internal_assert(s.status == HOST and s.host is not None and s.host_valid,
                          f"runtime: storage {s.sid} is {s.status} without a valid host copy")
         if budgeted:
-            self._make_room(s.nbytes, (exclude or set()) | {s.sid}, f"fetching storage {s.sid}")
+            self._make_room(s.nbytes, (exclude or set()) | {s.sid},
+                            f"{where or 'an access'} (fetching a {format_bytes(s.nbytes)} {s.kind} back)")
         t0 = time.perf_counter()
         self._start_fetch(s, st)
         self._finish_fetch(s, st, demand=True)
@@ -914,15 +987,11 @@ class MemoryManager:
 
     def _oom(self, need: int, exclude: set[int], where: str) -> None:
         held = sum(self.st[x].nbytes for x in exclude if x in self.st)
-        if held + need > self.budget:
-            raise BudgetError(
-                f"runtime: the budget {format_bytes(self.budget)} is smaller than what one operator needs: {where} "
-                f"touches {format_bytes(held)} of inputs and creates {format_bytes(need)} of outputs. Raise the "
-                f"budget to at least {format_bytes(held + need)}.")
         raise BudgetError(
             f"runtime: out of memory under policy {self.policy.name!r} at {where}: {format_bytes(need)} more needed, "
-            f"{format_bytes(self.used)} of {format_bytes(self.budget)} in use and nothing the policy may move. "
-            "Raise the budget, or use a policy that moves more (lru, pilot).")
+            f"{format_bytes(self.used)} of {format_bytes(self.budget)} in use ({format_bytes(held)} of it needed by "
+            "this operator) and nothing the policy may move. Raise the budget, or use a policy that moves more "
+            "(lru, pilot).")
 
     def _d2h_stream(self) -> Any:
         if not hasattr(self, "_d2h"):
@@ -959,7 +1028,9 @@ class MemoryManager:
         name = func.name()
         if name in _IGNORED_OPS:
             return func(*args, **kwargs)
-        counted = self._in_step
+        if not self._in_step:
+            return self._dispatch_between_steps(func, args, kwargs, name)
+        counted = True
         ins: list[int] = []
         in_tensors: list[torch.Tensor] = []
         for a in _tensors(args, kwargs):
@@ -968,22 +1039,28 @@ class MemoryManager:
                 ins.append(sid)
                 in_tensors.append(a)
         need = set(ins)
-        where = f"operator {name} (position {self.position}, {self.phase})"
+        where = (f"operator {name} (position {self.position}, {self.phase})" if self._in_step
+                 else f"operator {name} (between steps)")
+        est = self._estimate_out(func, args, kwargs) or 0
+        touched = sum(self.st[x].nbytes for x in ins) + est
+        if self._measure_step or self.budget is None:
+            if touched > self._largest_op[0]:
+                self._largest_op = (touched, where)
+        elif touched > self.budget:
+            raise BudgetError(
+                f"runtime: the budget {format_bytes(self.budget)} is smaller than what one operator needs: {where} "
+                f"reads {format_bytes(touched - est)} and creates {format_bytes(est)}. Raise the budget to at least "
+                f"{format_bytes(touched)}.")
         for sid in ins:
             s = self.st.get(sid)
             if s is None:
                 continue
             if s.status != RESIDENT:
-                self._fetch_now(s, exclude=need)
+                self._fetch_now(s, exclude=need, where=where)
             if s.pf:
                 s.pf = False
                 self._cur.prefetch_hits += 1
-        est = self._estimate_out(func, args, kwargs) if self.budget is not None or self._measure_step else 0
-        if self._measure_step or self.budget is None:
-            touched = sum(self.st[x].nbytes for x in ins) + (est or 0)
-            if touched > self._largest_op[0]:
-                self._largest_op = (touched, where)
-        elif est:
+        if est and not self._measure_step:
             self._make_room(est, need, where)
         out = func(*args, **kwargs)
         if self._dead:
@@ -1001,22 +1078,7 @@ class MemoryManager:
             if sid not in outs:
                 outs.append(sid)
         del before
-        writes = []
-        for i, a in enumerate(func._schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                v = args[i] if i < len(args) else kwargs.get(a.name)
-                for t in (v if isinstance(v, (list, tuple)) else (v,)):
-                    if isinstance(t, torch.Tensor):
-                        sid = self._sid(t)
-                        if sid is not None:
-                            writes.append(sid)
-                            s = self.st[sid]
-                            if s.host is not None:
-                                self._drop_host(s)  # rule 5: the host copy is stale now
-                            st = t.untyped_storage()
-                            if st.nbytes() != s.nbytes:  # out= resized it
-                                self.used += st.nbytes() - s.nbytes
-                                s.nbytes = st.nbytes()
+        writes = self._note_writes(func, args, kwargs)
         if self.used > (self.budget or 1 << 62) and not self._measure_step:
             try:
                 self._make_room(0, need | set(outs), where)
@@ -1056,6 +1118,44 @@ class MemoryManager:
         self.position = j + 1
         return out
 
+    def _note_writes(self, func: Any, args: tuple, kwargs: dict) -> list[int]:
+        """Managed storages ``func`` wrote: their host copies are stale now (invariant 5)."""
+        writes = []
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                    if isinstance(t, torch.Tensor):
+                        sid = self._sid(t)
+                        if sid is not None:
+                            writes.append(sid)
+                            s = self.st[sid]
+                            if s.host is not None:
+                                self._drop_host(s)
+                            st = t.untyped_storage()
+                            if st.nbytes() != s.nbytes:  # out= resized it
+                                self.used += st.nbytes() - s.nbytes
+                                s.nbytes = st.nbytes()
+        return writes
+
+    def _dispatch_between_steps(self, func: Any, args: tuple, kwargs: dict, name: str) -> Any:
+        """Outside a step the program's own work is not budgeted and its tensors are not managed;
+        what it touches of the managed state is fetched first, and writes to it are noted."""
+        for a in _tensors(args, kwargs):
+            sid = self._sid(a)
+            if sid is None:
+                continue
+            s = self.st[sid]
+            if s.status != RESIDENT:
+                try:
+                    self._fetch_now(s, exclude={sid}, where=f"operator {name} (between steps)")
+                except BudgetError:
+                    self._fetch_now(s, budgeted=False)  # over budget between steps beats failing
+        out = func(*args, **kwargs)
+        self._note_writes(func, args, kwargs)
+        self._note_peak()
+        return out
+
     def _current_phase(self) -> str:
         if self._in_optimizer:
             self.phase = "optimizer"
@@ -1093,7 +1193,8 @@ class MemoryManager:
         except TypeError:
             key = None
         if key is not None and key in self._meta_cache:
-            return self._meta_cache[key]
+            est = self._meta_cache[key]
+            return _upper_bound(func, args, kwargs) if est is None else est
         est = None
         try:
             margs, mkwargs = _to_meta((args, kwargs))
@@ -1107,10 +1208,12 @@ class MemoryManager:
                     continue
                 seen.add(k)
                 est += t.untyped_storage().nbytes()
-        except Exception:  # data-dependent shapes, no meta kernel: accounted after the fact
+        except Exception:  # data-dependent output shapes (nonzero, unique, ...), or no meta kernel
             est = None
         if key is not None:
             self._meta_cache[key] = est
+        if est is None:
+            est = _upper_bound(func, args, kwargs)
         return est
 
 
@@ -1176,7 +1279,25 @@ def _to_meta(obj: Any) -> Any:
         return {k: _to_meta(v) for k, v in obj.items()}
     if isinstance(obj, torch.Generator):
         return None  # a meta kernel may still draw from a generator it is given: never let it
+    if isinstance(obj, torch.device):
+        return torch.device("meta")  # _to_copy(..., device=cuda) and factories: sized on meta too
     return obj
+
+
+def _upper_bound(func: Any, args: tuple, kwargs: dict) -> int:
+    """Output bytes of an operator whose output shape depends on the data: its worst case."""
+    ts = list(_tensors(args, kwargs))
+    if not ts:
+        return 0
+    big = max(ts, key=lambda t: t.numel())
+    name = func.name()
+    if name.startswith("aten::nonzero") or name.startswith("aten::argwhere"):
+        return big.numel() * max(1, big.dim()) * 8
+    if "unique" in name:
+        return big.numel() * (big.element_size() + 16)
+    # masked_select and friends: at most every element; otherwise the inputs' size, a guess that
+    # the post-operator check corrects (recorded as an overshoot if it was short)
+    return sum(t.numel() * t.element_size() for t in ts)
 
 
 def _is_compiled(model: nn.Module) -> bool:

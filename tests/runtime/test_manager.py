@@ -1,0 +1,322 @@
+"""The live MemoryManager on the CPU (logical budget): bit identity, budgets, faults, detach."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dynn_runtime as dr
+from dynn_runtime.errors import BudgetError, ConfigError, HostMemoryError, PolicyError
+from dynn_runtime.workload import load_workload, make_optimizer
+
+FAMILIES = ("moe", "skipnet", "early_exit", "tree_lstm", "evoformer", "varlen")
+# The smallest fraction of the unmanaged peak at which an offloading policy trains each tiny
+# family (below it one operator's inputs and outputs alone exceed the budget); measured with lru.
+SMALLEST = {"moe": 0.125, "skipnet": 0.2, "early_exit": 0.4, "tree_lstm": 0.6, "evoformer": 0.125, "varlen": 0.4}
+
+
+def _train(family, policy=None, budget=None, steps=3, seed=0, **mm_kw):
+    wl = load_workload(family, preset="tiny", seed=seed)
+    torch.manual_seed(seed)
+    model = wl.model
+    opt = make_optimizer(wl, model.parameters())
+    mm = None
+    if policy is not None:
+        mm = dr.MemoryManager(budget, policy=policy, device="cpu", **mm_kw).attach(model, opt)
+    losses = []
+    try:
+        for step in range(steps):
+            batch = wl.make_batch(step)
+            ctx = mm.step() if mm is not None else torch.enable_grad()
+            with ctx:
+                loss = wl.loss(model, batch)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        stats = mm.stats() if mm is not None else None
+    finally:
+        if mm is not None:
+            mm.detach()
+    state = [t.detach().clone() for t in model.parameters()]
+    state += [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return losses, state, stats
+
+
+_BASE: dict = {}
+
+
+def _baseline(family):
+    """Unmanaged training, and the per-step peaks under the manager's accounting (policy none)."""
+    if family not in _BASE:
+        losses, state, _ = _train(family)
+        l2, s2, stats = _train(family, "none", 1 << 40)
+        assert l2 == losses and all(torch.equal(a, b) for a, b in zip(state, s2)), "policy none changed the numbers"
+        _BASE[family] = (losses, state, max(s["peak_device_bytes"] for s in stats["per_step"]))
+    return _BASE[family]
+
+
+def _assert_same(family, losses, state):
+    base_losses, base_state, _ = _baseline(family)
+    assert losses == base_losses
+    assert len(state) == len(base_state)
+    for a, b in zip(state, base_state):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("policy", ["lru", "replay"])
+def test_bit_identical_at_smallest_budget(family, policy):
+    _, _, peak = _baseline(family)
+    budget = int(peak * SMALLEST[family])
+    losses, state, stats = _train(family, policy, budget)
+    _assert_same(family, losses, state)
+    assert stats["peak_device_bytes"] <= budget
+    assert stats["budget_overshoot_bytes"] == 0
+    assert stats["bytes_offloaded"] > 0 and stats["evictions"] > 0
+    # what left came back: every demand fetch is a miss, every prefetch a hit or still pending
+    assert stats["bytes_fetched_on_demand"] + stats["bytes_prefetched"] > 0
+
+
+@pytest.mark.parametrize("family", ["moe", "evoformer"])
+def test_bit_identical_save_on_cpu_and_fraction_budget(family):
+    losses, state, stats = _train(family, "save_on_cpu", 0.75)
+    _assert_same(family, losses, state)
+    first, later = stats["per_step"][0], stats["per_step"][1:]
+    assert not first["managed"] and first["bytes_offloaded"] == 0  # the measuring step runs unmanaged
+    # the measured peak adds the optimizer state born after step 0's peak (there at later peaks)
+    assert stats["measured_peak_bytes"] > first["peak_device_bytes"]
+    assert stats["budget_bytes"] == int(stats["measured_peak_bytes"] * 0.75)
+    assert all(s["peak_device_bytes"] <= stats["budget_bytes"] for s in later)
+    assert sum(s["bytes_offloaded"] for s in later) > 0
+
+
+def test_oracle_from_a_recorded_trace(tmp_path):
+    from dynn_runtime.trace.recorder import record
+
+    family = "moe"
+    path = tmp_path / "moe.jsonl.gz"
+    record(family, path, steps=3, preset="tiny", seed=0)
+    _, _, peak = _baseline(family)
+    budget = int(peak * 0.25)
+    losses, state, stats = _train(family, "oracle", budget, trace=str(path))
+    _assert_same(family, losses, state)
+    assert stats["peak_device_bytes"] <= budget
+    assert stats["prefetch_hits"] > 0  # it knew what came next
+    lru = _train(family, "lru", budget)[2]
+    assert stats["prefetch_misses"] < lru["prefetch_misses"]
+
+
+def test_oracle_needs_a_trace():
+    with pytest.raises(PolicyError, match="trace="):
+        dr.MemoryManager("1MiB", policy="oracle", device="cpu")
+
+
+def test_offloaded_storage_is_released_and_restored_in_place():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = [p.detach().clone() for p in model.parameters()]
+    ids = [id(p) for p in model.parameters()]
+    mm = dr.MemoryManager(1 << 20, policy="lru", device="cpu").attach(model, opt)
+    w = model[0].weight
+    assert mm.offload(w) == 64 * 64 * 4
+    assert w.untyped_storage().nbytes() == 0  # truly released
+    assert mm.status(mm._sid(w)) == "host"
+    assert mm.offload(torch.ones(3)) == 0  # not managed: ignored
+    mm.detach()
+    assert w.untyped_storage().nbytes() == 64 * 64 * 4
+    assert [id(p) for p in model.parameters()] == ids  # the model keeps its Parameter objects
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref))
+
+
+def test_access_between_steps_fetches_and_state_dict_is_complete():
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters())
+    mm = dr.MemoryManager(1 << 20, policy="lru", device="cpu").attach(model, opt)
+    x = torch.randn(8, 32)
+    with mm.step():
+        model(x).sum().backward()
+        opt.step()
+    mm.offload(*model.parameters())  # push everything off the device
+    assert model[0].weight.untyped_storage().nbytes() == 0
+    y = model(x)  # outside a step: fetched on access
+    assert torch.isfinite(y).all()
+    mm.offload(*model.parameters())
+    sd = model.state_dict()  # the pre hook brings everything back before it is read
+    assert all(v.untyped_storage().nbytes() == v.numel() * v.element_size() for v in sd.values())
+    mm.detach()
+
+
+def test_budget_smaller_than_one_operator_names_it():
+    model = nn.Linear(256, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mm = dr.MemoryManager(64 << 10, policy="lru", device="cpu").attach(model, opt)
+    try:
+        with pytest.raises(BudgetError, match=r"one operator needs: operator aten::\w+.*Raise the budget to at least"):
+            with mm.step():
+                model(torch.randn(64, 256)).sum().backward()
+    finally:
+        mm.detach()
+
+
+def test_fraction_too_small_for_largest_operator_after_measuring_step():
+    with pytest.raises(BudgetError, match="smaller than what one operator needs"):
+        _train("tree_lstm", "lru", 0.2, steps=2)
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.5, -3, "lots", "1/0", True])
+def test_bad_budget_values(bad):
+    with pytest.raises(BudgetError):
+        dr.MemoryManager(bad, device="cpu")
+
+
+def test_unknown_policy_and_device():
+    with pytest.raises(PolicyError, match="unknown policy"):
+        dr.MemoryManager("1MiB", policy="magic", device="cpu")
+    with pytest.raises(ConfigError):
+        dr.MemoryManager("1MiB", device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            dr.MemoryManager("1MiB", device="cuda")
+
+
+def test_host_budget_exhausted_names_the_knob():
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mm = dr.MemoryManager(200 << 10, policy="lru", device="cpu", host_budget="64KiB").attach(model, opt)
+    try:
+        with pytest.raises(HostMemoryError, match="host_budget"):
+            with mm.step():
+                model(torch.randn(16, 128)).sum().backward()
+                opt.step()
+    finally:
+        mm.detach()
+
+
+class _Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("exc", [_Boom, KeyboardInterrupt])
+def test_exception_inside_step_leaves_everything_restorable(exc):
+    family = "moe"
+    wl = load_workload(family, preset="tiny", seed=0)
+    torch.manual_seed(0)
+    model = wl.model
+    opt = make_optimizer(wl, model.parameters())
+    _, _, peak = _baseline(family)
+    mm = dr.MemoryManager(int(peak * 0.25), policy="lru", device="cpu").attach(model, opt)
+    with pytest.raises(exc):
+        with mm.step():
+            loss = wl.loss(model, wl.make_batch(0))
+            loss.backward()
+            raise exc()
+    assert any(s.status == "host" for s in mm.st.values())  # something was off the device mid-step
+    opt.zero_grad(set_to_none=True)
+    # still usable: the same training continues and matches a run that never failed
+    wl2 = load_workload(family, preset="tiny", seed=0)
+    torch.manual_seed(0)
+    ref_model = wl2.model
+    ref_opt = make_optimizer(wl2, ref_model.parameters())
+    for step in range(2):
+        with mm.step():
+            loss = wl.loss(model, wl.make_batch(step))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        loss2 = wl2.loss(ref_model, wl2.make_batch(step))
+        loss2.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        assert loss.item() == loss2.item()
+    mm.detach()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+
+
+def test_compiled_module_is_left_alone_with_one_warning():
+    model = nn.Linear(8, 8)
+    compiled = torch.compile(model)
+    with pytest.warns(RuntimeWarning, match="torch.compile"):
+        mm = dr.MemoryManager("1MiB", policy="lru", device="cpu").attach(compiled)
+    assert mm.stats()["managed_storages"] == 0
+    mm.detach()
+
+
+def test_gradient_accumulation_and_autocast_bit_identical():
+    def run(managed):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 8))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        mm = dr.MemoryManager(192 << 10, policy="lru", device="cpu").attach(model, opt) if managed else None
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _step in range(3):
+            ctx = mm.step() if mm else torch.enable_grad()
+            with ctx:
+                for _ in range(2):  # two micro-batches per optimizer step
+                    x = torch.randn(16, 64, generator=g)
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        loss = model(x).float().pow(2).mean() / 2
+                    loss.backward()
+                    losses.append(loss.item())
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        stats = mm.stats() if mm else None
+        if mm:
+            mm.detach()
+        return losses, [p.detach().clone() for p in model.parameters()], stats
+
+    l0, p0, _ = run(False)
+    l1, p1, stats = run(True)
+    assert l0 == l1
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    assert stats["bytes_offloaded"] > 0 and stats["peak_device_bytes"] <= 192 << 10
+
+
+def test_torch_checkpoint_composes():
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = checkpoint(b, x, use_reentrant=False)
+            return x.sum()
+
+    def run(managed):
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        mm = dr.MemoryManager(80 << 10, policy="lru", device="cpu").attach(model, opt) if managed else None
+        for step in range(2):
+            ctx = mm.step() if mm else torch.enable_grad()
+            with ctx:
+                model(torch.full((32, 64), 0.1 * (step + 1))).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        if mm:
+            assert mm.stats()["bytes_offloaded"] > 0
+            mm.detach()
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+
+
+def test_step_misuse():
+    mm = dr.MemoryManager("1MiB", device="cpu")
+    with pytest.raises(ConfigError, match="attach"):
+        with mm.step():
+            pass
+    model = nn.Linear(4, 4)
+    mm.attach(model)
+    with pytest.raises(ConfigError, match="already attached"):
+        mm.attach(model)
+    with pytest.raises(ConfigError, match="nest"):
+        with mm.step():
+            with mm.step():
+                pass
+    mm.detach()
