@@ -221,6 +221,12 @@ class MemoryManager:
                     "seed and steps)."
                 ) from None
             raise
+        if self.policy.name == "dtr":
+            raise PolicyError(
+                "runtime: dtr is available in the simulator only. Rematerialising arbitrary ATen operators live "
+                "would have to keep every evicted tensor's producer inputs alive and re-run kernels whose results "
+                "are not bit-reproducible on CUDA (atomics), so it could not promise the same numbers. Use "
+                "policy='checkpoint' (torch.utils.checkpoint per block) or an offloading policy (lru, pilot).")
         self.cuda = self.device.type == "cuda"
         self.async_copies = bool(async_copies) and self.cuda
         self.hard_cap = hard_cap
@@ -303,6 +309,7 @@ class MemoryManager:
         self._largest_op: tuple[int, str] = (0, "")
         self._budget_problem = ""
         self._in_dispatch = False
+        self._checkpointed: list[nn.Module] = []
         self._peak_pos = 0
         self.measured_peak: int | None = None
         self._timeline: list[tuple[int, int, int, str]] = []  # (step, position, device bytes, phase)
@@ -338,6 +345,10 @@ class MemoryManager:
             if hasattr(optimizer, "register_state_dict_pre_hook"):
                 self._handles.append(optimizer.register_state_dict_pre_hook(lambda *a: self.restore_all()))
         self._handles.append(model.register_state_dict_pre_hook(lambda *a, **k: self.restore_all()))
+        if self.policy.name == "checkpoint":
+            # Live, the checkpoint policy is torch.utils.checkpoint itself around every repeated
+            # block: the blocks keep nothing for backward and re-run their forward when it needs it.
+            self._checkpointed = _checkpoint_blocks(model)
         self._modules = ModuleTracker(model)
         self._modules.on_root_forward = self._root_forward
         self._modules.install()
@@ -376,6 +387,9 @@ class MemoryManager:
             for h in self._handles:
                 h.remove()
             self._handles = []
+            for m in self._checkpointed:
+                del m.forward  # back to the class's forward
+            self._checkpointed = []
             self._sync()
             for s in self.st.values():
                 self._drop_host(s)
@@ -1298,6 +1312,31 @@ def _upper_bound(func: Any, args: tuple, kwargs: dict) -> int:
     # masked_select and friends: at most every element; otherwise the inputs' size, a guess that
     # the post-operator check corrects (recorded as an overshoot if it was short)
     return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
+    """Wrap each block of the outermost ``nn.ModuleList`` objects (the repeated blocks) in non-reentrant
+    ``torch.utils.checkpoint``; a model without one is checkpointed per top-level child."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    def run(fwd: Any, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return fwd(*args, **kwargs)
+        return checkpoint(fwd, *args, use_reentrant=False, **kwargs)
+
+    blocks: list[nn.Module] = []
+    lists: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and not any(name.startswith(w + ".") for w in lists):
+            lists.append(name)
+            blocks.extend(m)
+    if not blocks:
+        blocks = [c for c in model.children() if any(p.requires_grad for p in c.parameters())]
+    for b in blocks:
+        b.forward = functools.partial(run, b.forward)
+    return blocks
 
 
 def _is_compiled(model: nn.Module) -> bool:

@@ -320,3 +320,21 @@ def test_step_misuse():
             with mm.step():
                 pass
     mm.detach()
+
+
+@pytest.mark.parametrize("family", ["moe", "evoformer"])
+def test_checkpoint_policy_live_is_bit_identical_and_saves_memory(family):
+    _, _, peak = _baseline(family)
+    losses, state, stats = _train(family, "checkpoint", 1 << 40)
+    _assert_same(family, losses, state)
+    assert stats["peak_device_bytes"] < peak  # the blocks kept nothing for backward
+    wl = load_workload(family, preset="tiny", seed=0)
+    mm = dr.MemoryManager(1 << 40, policy="checkpoint", device="cpu").attach(wl.model)
+    assert mm._checkpointed
+    mm.detach()
+    assert all("forward" not in vars(m) for m in wl.model.modules())  # unwrapped again
+
+
+def test_dtr_is_refused_live_with_a_reason():
+    with pytest.raises(PolicyError, match="simulator only"):
+        dr.MemoryManager("1MiB", policy="dtr", device="cpu")
