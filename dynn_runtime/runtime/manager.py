@@ -469,6 +469,11 @@ class MemoryManager:
                 if s.status != ABSENT:
                     self.policy.on_alloc(sid, -1)
             self._map_oracle_persistent()
+            if not self._measure_step and self.used > self.budget:
+                # what the program holds between steps may exceed the budget (after the measuring
+                # step, or a budget lowered by hand): get within it before the step starts
+                self._make_room(0, set(), "the start of the step")
+            self._cur.peak_device_bytes = self.used
 
     def _end_step(self, ok: bool) -> None:
         self._in_step = False
