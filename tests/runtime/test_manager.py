@@ -66,7 +66,7 @@ def _assert_same(family, losses, state):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("policy", ["lru", "replay"])
+@pytest.mark.parametrize("policy", ["lru", "replay", "pilot"])
 def test_bit_identical_at_smallest_budget(family, policy):
     _, _, peak = _baseline(family)
     budget = int(peak * SMALLEST[family])
