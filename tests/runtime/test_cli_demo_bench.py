@@ -48,7 +48,8 @@ def test_train_budget_lru_is_bit_identical_and_within_budget(tmp_path, capsys):
     res, cmp = data["result"], data["comparison"]
     assert res["managed_steps"] == [False, True, True]
     assert 0 < res["max_managed_peak"] <= res["budget_bytes"]
-    assert res["budget_bytes"] == int(res["peak_bytes"][0] * 0.5)
+    # 1/2 of the measured peak: step 0's peak plus the optimizer state it created after that peak
+    assert int(res["peak_bytes"][0] * 0.5) < res["budget_bytes"] < res["peak_bytes"][0]
     # the budget forced the manager to move tensors, and the result is still PyTorch's, bit for bit
     assert res["stats"]["bytes_offloaded"] > 0 and res["stats"]["bytes_fetched_on_demand"] > 0
     assert cmp["losses_identical"] and cmp["params_identical"] and cmp["differing"] == []
