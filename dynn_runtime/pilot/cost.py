@@ -3,7 +3,8 @@
 :func:`inference_cost` runs the ``pilot`` policy in the simulator on one iteration of a trace under
 a budget that makes it engage, and reports the wall time spent in feature building plus inference
 per decision point, per iteration, and as a share of the iteration time the simulator projects on
-the device profile (the live runtime runs the pilot on the CPU, overlapped with GPU work).
+the device profile (the live runtime runs the pilot on the CPU, overlapped with GPU work); and,
+apart, the per-operator bookkeeping (feature-state update after every operator).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def inference_cost(trace: Any, model: Any = None, budget: float = 0.25, profile:
         rec = {
             "decisions": pol.decisions,
             "inference_s": pol.inference_s,
+            "bookkeeping_s": pol.bookkeeping_s,
             "per_decision_us": 1e6 * pol.inference_s / max(pol.decisions, 1),
             "candidates_mean": pol.candidates / max(pol.decisions, 1),
             "sim_wall_s": wall,
@@ -49,5 +51,6 @@ def inference_cost(trace: Any, model: Any = None, budget: float = 0.25, profile:
         "ops": len(trace.iterations[-1].ops), "profile": profile,
         "iteration_time_s": it_s, "budget_fraction": budget, "group": pol.decision_every if group is None else group,
         "fraction_of_iteration": best["inference_s"] / it_s if it_s else None,
+        "fraction_with_bookkeeping": (best["inference_s"] + best["bookkeeping_s"]) / it_s if it_s else None,
     })
     return best

@@ -102,6 +102,7 @@ CTX_FEATURES: tuple[str, ...] = (
 _C = {n: i for i, n in enumerate(CAND_FEATURES)}
 _X = {n: i for i, n in enumerate(CTX_FEATURES)}
 _BIG = 1 << 32
+_IV_CACHE: dict[tuple[int, ...], np.ndarray] = {}
 
 
 class FeatureState:
@@ -157,8 +158,14 @@ class FeatureState:
         self.consumer_iv = ext(g(self, "consumer_iv", None), 0, np.float32, 6)
         self.stack_idx = ext(g(self, "stack_idx", None), -1, np.int64)
         self.prev = ext(g(self, "prev", None), -1, np.int64)
+        # owned by the policy: cached predicted next-use position, and "moved since the last decision"
+        self.pred = ext(g(self, "pred", None), np.inf, np.float64)
+        self.touched = ext(g(self, "touched", None), True, bool)
         self._free.extend(range(cap - 1, old - 1, -1))
         self._cap = cap
+
+    def slot_of(self, sid: int) -> int | None:
+        return self._slot.get(sid)
 
     def _new_slot(self, sid: int) -> int:
         if not self._free:
@@ -167,6 +174,8 @@ class FeatureState:
         self._slot[sid] = s
         self.active[s] = True
         self.sid[s] = sid
+        self.pred[s] = np.inf
+        self.touched[s] = True
         return s
 
     # ---- notifications ------------------------------------------------------------------------
@@ -297,7 +306,9 @@ class FeatureState:
         else:
             new_phase = position == 0
         self.position = position
-        iv = np.asarray(op.idiom, dtype=np.float32) / 3.0
+        iv = _IV_CACHE.get(op.idiom)
+        if iv is None:
+            iv = _IV_CACHE[op.idiom] = np.asarray(op.idiom, dtype=np.float32) / 3.0
         f, sl = self.decays
         self._hist_fast = self._hist_fast * f + iv * (1 - f)
         self._hist_slow = self._hist_slow * sl + iv * (1 - sl)
@@ -345,10 +356,18 @@ class FeatureState:
         return False
 
     # ---- features at a decision point ---------------------------------------------------------
-    def features(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(sids, X, ctx)``: candidate storage ids, their feature rows, the shared context row."""
-        n = self._cap
-        idx = np.flatnonzero(self.active[:n])
+    def active_slots(self) -> np.ndarray:
+        """Slots of every live storage (the candidates), in slot order."""
+        return np.flatnonzero(self.active[: self._cap])
+
+    def features(self, idx: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(sids, X, ctx)``: candidate storage ids, their feature rows, the shared context row.
+
+        ``idx``: only these slots (a subset of :meth:`active_slots`); default every live storage.
+        """
+        n_live = int(self.active[: self._cap].sum()) if idx is not None else None
+        if idx is None:
+            idx = self.active_slots()
         pos = self.position
         m = len(idx)
         X = np.zeros((m, len(CAND_FEATURES)), dtype=np.float32)
@@ -434,7 +453,7 @@ class FeatureState:
         ctx[_X["hist_fast_iv0"]: _X["hist_fast_iv5"] + 1] = self._hist_fast
         ctx[_X["hist_slow_iv0"]: _X["hist_slow_iv5"] + 1] = self._hist_slow
         ctx[_X["hist_slow_allocs"]] = min(self._hist_allocs, 8.0) / 4.0
-        ctx[_X["log_candidates"]] = np.log1p(m) / 8.0
+        ctx[_X["log_candidates"]] = np.log1p(m if n_live is None else n_live) / 8.0
         return self.sid[idx].copy(), X, ctx
 
     def expected_length(self) -> int:
