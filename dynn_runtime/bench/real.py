@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import tempfile
@@ -150,23 +149,13 @@ class RealBenchReport:
 
 # ---- PyTorch's own tools ---------------------------------------------------------------------
 
-def _checkpointed(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    import torch.utils.checkpoint
-
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
-
-
 def checkpoint_blocks(model: Any) -> list[str]:
-    """Wrap every block of ``model``'s outermost ``nn.ModuleList``\\ s in non-reentrant
+    """Wrap every block of ``model``'s outermost ``nn.ModuleList`` objects in non-reentrant
     ``torch.utils.checkpoint``; returns the lists' names (empty: the model has no repeated block)."""
-    from torch import nn
+    from ..runtime.manager import checkpoint_modules, repeated_blocks
 
-    lists: list[str] = []
-    for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and not any(name.startswith(w + ".") for w in lists):
-            for child in m:
-                child.forward = functools.partial(_checkpointed, child.forward)
-            lists.append(name)
+    lists, blocks = repeated_blocks(model)
+    checkpoint_modules(blocks)
     return lists
 
 

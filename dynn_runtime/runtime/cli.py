@@ -144,12 +144,6 @@ def _frac(text: str) -> float | None:
 
 
 def _strict(x: Any) -> Any:
-    import math
+    from ..bench.harness import _strict as strict
 
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {str(k): _strict(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_strict(v) for v in x]
-    return x
+    return strict(x)

@@ -44,6 +44,7 @@ accounted, offloaded storages are truly released (resized to zero) and restored.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
 import warnings
@@ -752,8 +753,6 @@ class MemoryManager:
         acc = self._trace_acc.get(tsid)
         if not acc:
             return None
-        import bisect
-
         k = bisect.bisect_right(acc, self.position)
         if k < len(acc):
             return acc[k]
@@ -877,6 +876,8 @@ class MemoryManager:
     def _wait_copies(self) -> bool:
         """Block until in-flight offloads land (their device bytes go) and in-flight prefetches land
         (they become evictable); False if nothing was in flight."""
+        if not self.async_copies:
+            return False
         offl = [s for s in self.st.values() if s.status == OFFLOADING]
         fetch = [s for s in self.st.values() if s.status == FETCHING]
         if not offl and not fetch:
@@ -983,7 +984,8 @@ class MemoryManager:
             return
         self._reap()
         while self.used + need > budget:
-            pending = sum(s.nbytes for s in self.st.values() if s.status == OFFLOADING)
+            pending = (sum(s.nbytes for s in self.st.values() if s.status == OFFLOADING)
+                       if self.async_copies else 0)  # synchronous copies are never in flight
             short = self.used - pending + need - budget
             moved = False
             if short > 0:
@@ -1049,14 +1051,11 @@ class MemoryManager:
             return func(*args, **kwargs)
         if not self._in_step:
             return self._dispatch_between_steps(func, args, kwargs, name)
-        counted = True
         ins: list[int] = []
-        in_tensors: list[torch.Tensor] = []
         for a in _tensors(args, kwargs):
             sid = self._track(a, "input", fresh=False)
             if sid is not None and sid not in ins:
                 ins.append(sid)
-                in_tensors.append(a)
         need = set(ins)
         where = (f"operator {name} (position {self.position}, {self.phase})" if self._in_step
                  else f"operator {name} (between steps)")
@@ -1086,7 +1085,6 @@ class MemoryManager:
             self._drain()
         allocs: list[int] = []
         outs: list[int] = []
-        before = len(self._key_sid)
         for t in _tensors_out(out):
             key_known = self._sid(t)
             sid = self._track(t, "temp", fresh=True)
@@ -1096,7 +1094,6 @@ class MemoryManager:
                 allocs.append(sid)
             if sid not in outs:
                 outs.append(sid)
-        del before
         writes = self._note_writes(func, args, kwargs)
         if self.used > (self.budget or 1 << 62) and not self._measure_step:
             try:
@@ -1104,34 +1101,32 @@ class MemoryManager:
             except BudgetError:
                 pass  # the estimate was short: counted as an overshoot, not an error
         self._note_peak()
-        if not counted:
-            return out
         j = self.position
         now = time.perf_counter() - self._t0
         pol = self.policy
         t0 = time.perf_counter()
-        if True:  # the mode is popped while __torch_dispatch__ runs: policy work does not re-enter it
-            for sid in allocs:
-                pol.on_alloc(sid, j)
-            for sid in set(ins).union(outs):
-                s = self.st.get(sid)
-                if s is None:
-                    continue
-                s.last_access = j
-                s.last_access_t = now
-                s.count += 1
-                pol.on_access(sid, j)
-            phase = self._current_phase()
-            mod = self._modules.current(phase == "backward") if self._modules else 0
-            op = Op(name=name, idiom=self._idiom(func, name), phase=phase,
-                    module=self._modules.paths[mod] if self._modules else "", inputs=tuple(ins), outputs=tuple(outs),
-                    writes=tuple(writes), allocs=tuple(allocs), duration_s=0.0, flops=0, nbytes=0)
-            self._ops.append(op)
-            if self._trace is not None:
-                self._map_oracle_op(j, ins, allocs, name)
-            pol.on_op(j, op)
-            actions = pol.after_op(j) if self.budget is not None and not self._measure_step else []
-            self._apply(actions, need | set(outs))
+        # the mode is popped while __torch_dispatch__ runs: policy work does not re-enter it
+        for sid in allocs:
+            pol.on_alloc(sid, j)
+        for sid in set(ins).union(outs):
+            s = self.st.get(sid)
+            if s is None:
+                continue
+            s.last_access = j
+            s.last_access_t = now
+            s.count += 1
+            pol.on_access(sid, j)
+        phase = self._current_phase()
+        mod = self._modules.current(phase == "backward") if self._modules else 0
+        op = Op(name=name, idiom=self._idiom(func, name), phase=phase,
+                module=self._modules.paths[mod] if self._modules else "", inputs=tuple(ins), outputs=tuple(outs),
+                writes=tuple(writes), allocs=tuple(allocs), duration_s=0.0, flops=0, nbytes=0)
+        self._ops.append(op)
+        if self._trace is not None:
+            self._map_oracle_op(j, ins, allocs, name)
+        pol.on_op(j, op)
+        actions = pol.after_op(j) if self.budget is not None and not self._measure_step else []
+        self._apply(actions, need | set(outs))
         self._cur.policy_seconds += time.perf_counter() - t0
         self._timeline.append((self._step_index, j, self.used, self.phase))
         self.position = j + 1
@@ -1319,9 +1314,21 @@ def _upper_bound(func: Any, args: tuple, kwargs: dict) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-def _checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
-    """Wrap each block of the outermost ``nn.ModuleList`` objects (the repeated blocks) in non-reentrant
-    ``torch.utils.checkpoint``; a model without one is checkpointed per top-level child."""
+def repeated_blocks(model: nn.Module) -> tuple[list[str], list[nn.Module]]:
+    """The blocks of ``model``'s outermost ``nn.ModuleList`` objects (the repeated blocks; lists
+    nested in a block are not separate) and those lists' names."""
+    lists: list[str] = []
+    blocks: list[nn.Module] = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and not any(name.startswith(w + ".") for w in lists):
+            lists.append(name)
+            blocks.extend(m)
+    return lists, blocks
+
+
+def checkpoint_modules(modules: list[nn.Module]) -> None:
+    """Run each module's forward under non-reentrant ``torch.utils.checkpoint`` when gradients are
+    on (an instance attribute over the class's forward: ``del m.forward`` undoes it)."""
     import functools
 
     from torch.utils.checkpoint import checkpoint
@@ -1331,16 +1338,16 @@ def _checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
             return fwd(*args, **kwargs)
         return checkpoint(fwd, *args, use_reentrant=False, **kwargs)
 
-    blocks: list[nn.Module] = []
-    lists: list[str] = []
-    for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and not any(name.startswith(w + ".") for w in lists):
-            lists.append(name)
-            blocks.extend(m)
+    for m in modules:
+        m.forward = functools.partial(run, m.forward)
+
+
+def _checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
+    """Checkpoint every repeated block; a model without one is checkpointed per top-level child."""
+    blocks = repeated_blocks(model)[1]
     if not blocks:
         blocks = [c for c in model.children() if any(p.requires_grad for p in c.parameters())]
-    for b in blocks:
-        b.forward = functools.partial(run, b.forward)
+    checkpoint_modules(blocks)
     return blocks
 
 
