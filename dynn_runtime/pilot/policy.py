@@ -16,18 +16,28 @@ How a prediction is made and kept (why):
    last decision point gets a provisional prediction from a small prior table shipped with the
    weights (median next-use distance right after an access, by phase and storage class), so
    per-access cost is a dictionary write.
-3. After a decision point the eviction heap is rebuilt from the new predictions (entries pushed with
-   older predictions would otherwise be treated as stale and skipped), and the prefetch heap re-keyed.
+3. After a decision point only the rescored storages' entries change: their cache values are
+   updated and new entries pushed on the eviction (resident) or prefetch (offloaded) heap; the older
+   entries no longer match the cache, so ``NextUsePolicy`` skips them as stale, and a heap is compacted
+   when it holds more than twice the live storages. No O(live) rebuild per decision point.
 4. Weights load on first use (``attach``), not at import. Inference is numpy only: no torch operator
    runs inside the runtime's dispatch mode.
-5. Incremental scoring: a decision point rescores the storages allocated or accessed since the last
-   one, those whose predicted position has passed (the prediction was wrong), and a rotating
-   ``1/refresh_every`` share of the rest; the others keep their predicted position (a position,
-   not a distance, so it stays valid while nothing happens to the storage).
+5. Incremental rescoring (``incremental=True``, the default): a decision point rescores (a) the
+   storages allocated or accessed since the last one, (b) those whose predicted position has passed
+   (the prediction was wrong), (c) those whose predicted position has come within ``horizon``
+   operators and that were not scored since they entered it; the others keep their predicted
+   *position* (not a distance, so it stays valid while nothing happens to the storage). A far
+   prediction is coarse, and (c) makes it precise as it comes close, which rotating rescoring
+   did not (it lost up to 24% of simulated time). Every phase change rescores everything.
 6. Optional online refit (``online=True``): the feature rows of a sample of each decision point are
    kept; when the next iteration begins, ``context["history"][-1]`` (the iteration just finished)
    labels them, and every ``refit_every`` iterations the model is fine-tuned on them in numpy
-   (:class:`~dynn_runtime.pilot.online.OnlineRefit`).
+   (:class:`~dynn_runtime.pilot.online.OnlineRefit`); with it every decision point rescores everything.
+7. Optional cost governor (``max_share=0.02``): decision points are put off while the inference
+   time spent so far exceeds ``max_share`` of the elapsed device time, read from ``view.now()``
+   (simulated seconds in the simulator, wall seconds in the live runtime); a phase change's full
+   rescoring waits for the next allowed point. Between decision points storages keep their
+   provisional or last predictions.
 """
 
 from __future__ import annotations
@@ -35,20 +45,25 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections import deque
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import PolicyError
-from ..policies.base import register
+from ..policies.base import Action, register
 from ..policies.nextuse import NextUsePolicy
-from .features import FeatureState
+from .features import BUCKET_EDGES, FeatureState
 
 __all__ = ["PilotPolicy", "default_weights_path"]
 
 _WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 _CLASS_OF_KIND = {"param": 1, "buffer": 1, "opt_state": 1, "grad": 3, "activation": 2, "input": 4, "temp": 4}
+#: lower end (operators) of each fine bucket's distances; "not again" counted as twice the last edge
+_LOWER = np.asarray((1,) + BUCKET_EDGES[:-1] + (BUCKET_EDGES[-1], 2 * BUCKET_EDGES[-1]), dtype=np.float64)
 _PHASES = {"forward": 0, "backward": 1, "optimizer": 2}
 
 
@@ -96,35 +111,60 @@ class PilotPolicy(NextUsePolicy):
     #: zoo traces at 1/8 and 1/4: 32 simulates as fast as 16 (moe 2.17x vs 2.13x, skipnet 2.32x vs
     #: 2.33x) at half the inference cost; 64 starts to lose (varlen 2.20x vs 2.04x).
     decision_every: int = 32
-    #: storages not touched since the last decision point are rescored every this many decision
-    #: points (rotating; overdue ones at once). Off (1) by default: 4 halved the inference time but
-    #: cost up to 24% of simulated iteration time (evoformer small at 1/8: 2.14x vs 1.72x), since a
-    #: far prediction is coarse and gets precise only as it is rescored closer (docs/pilot.md).
-    refresh_every: int = 1
+    #: rule 5: rescore only what moved, what is overdue and what entered the horizon (True), or
+    #: every live storage at every decision point (False)
+    incremental: bool = True
+    #: rule 5: a storage not touched is rescored once the time since it was scored reaches this
+    #: fraction of a low quantile (``quantile``) of its predicted next-use distance
+    recheck: float = 0.35
+    quantile: float = 0.1
+    #: also rescore a rotating ``1/refresh_every`` share of the rest at every decision point (0: off).
+    #: Rotation alone (without the horizon rule) halved the inference time but cost up to 24% of
+    #: simulated iteration time (evoformer small at 1/8: 2.14x vs 1.72x).
+    refresh_every: int = 0
 
     def __init__(self, weights: str | Path | None = None, online: bool = False, refit_every: int = 4,
-                 model: Any = None, group: int | None = None, refresh_every: int | None = None) -> None:
+                 model: Any = None, group: int | None = None, refresh_every: int | None = None,
+                 incremental: bool | None = None, recheck: float | None = None, quantile: float | None = None, max_share: float | None = None,
+                 timer: Any = None) -> None:
         super().__init__()
         self._weights = Path(weights) if weights is not None else default_weights_path()
         if model is None and not self._weights.is_file():
             raise PolicyError(
                 f"policies: pilot needs trained weights; {str(self._weights)!r} does not exist. Train them with "
                 "`dynn pilot train --traces ... -o FILE` and pass weights=FILE.")
+        if max_share is not None and not 0 < float(max_share) <= 1:
+            raise PolicyError(f"policies: pilot max_share must be in (0, 1], got {max_share!r}.")
         self._model = model
         self._online = online
         self._group = group
         if refresh_every is not None:
-            self.refresh_every = max(1, int(refresh_every))
+            self.refresh_every = max(0, int(refresh_every))
+        if incremental is not None:
+            self.incremental = bool(incremental)
+        if recheck is not None:
+            self.recheck = float(recheck)
+        if quantile is not None:
+            self.quantile = float(quantile)
+        #: rule 7: inference time / elapsed device time (``view.now()``) kept at or under this
+        self.max_share = None if max_share is None else float(max_share)
+        self._timer = timer or time.perf_counter
         self._refit_every = refit_every
         self._refit = None
         self._state: FeatureState | None = None
         self._cache: dict[int, float | None] = {}
+        self._due = np.zeros(0, dtype=np.float64)
+        self._log_reps: tuple[int, np.ndarray] | None = None
         #: decision points, and seconds spent in feature building + inference (cost report)
         self.decisions = 0
         self.inference_s = 0.0
         #: seconds in the per-operator feature-state update (every operator, not only decisions)
         self.bookkeeping_s = 0.0
+        #: rows scored, summed over decision points; live storages at them, summed
         self.candidates = 0
+        self.live_total = 0
+        #: decision points the governor put off (rule 7)
+        self.deferred = 0
 
     @property
     def model(self) -> Any:
@@ -137,10 +177,16 @@ class PilotPolicy(NextUsePolicy):
         model = self.model  # first use: load the weights now, not at import
         self._state = FeatureState(view, group=self._group or self.decision_every)
         self._prior = np.exp(model.arrays["prior"].astype(np.float64))
+        self._clock0 = self._clock()
+        self._spent = 0.0
         if self._online and self._refit is None:
             from .online import OnlineRefit
 
             self._refit = OnlineRefit(model, refit_every=self._refit_every)
+
+    def _clock(self) -> float:
+        now = getattr(self.view, "now", None)
+        return float(now()) if now is not None else 0.0
 
     def begin_iteration(self, index: int, context: dict | None = None) -> None:
         history = (context or {}).get("history") or []
@@ -152,7 +198,11 @@ class PilotPolicy(NextUsePolicy):
         self._cache = {}
         self._res = []
         self._off = []
+        self._away: set[int] = set()
         self._expected_len = self._state.expected_length()
+        self._phase = -1
+        self._last_decision = -(1 << 30)
+        self._full_due = True
 
     # ---- notifications ------------------------------------------------------------------------
     def _provisional(self, sid: int, position: int, fresh: bool) -> float:
@@ -177,56 +227,144 @@ class PilotPolicy(NextUsePolicy):
         if s is not None:
             state.pred[s] = v
             state.touched[s] = True
+        self._away.discard(sid)
         super().on_access(sid, position)
 
     def on_free(self, sid: int) -> None:
         self._state.free(sid)
         self._cache.pop(sid, None)
+        self._away.discard(sid)
+
+    def _decide(self, position: int, tick: bool) -> bool:
+        """Whether operator ``position`` is a decision point: the feature state's rule (every
+        ``decision_every`` operators, phase changes), or under a governor (rule 7) the same points
+        put off while inference has used more than ``max_share`` of the elapsed device time."""
+        ph = self._state.phase
+        if ph != self._phase:
+            self._phase = ph
+            self._full_due = True
+            tick = True
+        if self.max_share is None:
+            return tick
+        due = self._full_due or position - self._last_decision >= self.decision_every
+        if not due:
+            return False
+        if self._spent > self.max_share * (self._clock() - self._clock0):
+            self.deferred += tick
+            return False
+        return True
 
     def on_op(self, position: int, op: Any) -> None:
-        t0 = time.perf_counter()
-        decide = self._state.op(position, op)
-        self.bookkeeping_s += time.perf_counter() - t0
-        if not decide:
+        timer = self._timer
+        t0 = timer()
+        tick = self._state.op(position, op)
+        self.bookkeeping_s += timer() - t0
+        if not self._decide(position, tick):
             return
-        t0 = time.perf_counter()
+        t0 = timer()
+        self._last_decision = position
         state = self._state
         live = state.active_slots()
         if not len(live):
             return
-        rows = live
-        if self.refresh_every > 1 and self._refit is None:
-            # rule 5: rescore what moved since the last decision point, what is overdue, and a
-            # rotating share of the rest; everything else keeps its predicted position
-            sel = state.touched[live] | (state.pred[live] <= position)
-            sel |= (live % self.refresh_every) == (self.decisions % self.refresh_every)
+        full = self._full_due or not self.incremental or self._refit is not None
+        self._full_due = False
+        cap = len(state.pred)
+        if len(self._due) < cap:
+            grown = np.zeros(cap, dtype=np.float64)
+            grown[: len(self._due)] = self._due
+            self._due = grown
+        due = self._due
+        if full:
+            rows = live
+        else:
+            # rule 5: rescore what moved since the last decision point, what is overdue, what came
+            # within the horizon since it was last scored; the rest keeps its predicted position
+            sel = state.touched[live] | (state.pred[live] <= position) | (due[live] <= position)
+            if self.refresh_every > 1:
+                sel |= (live % self.refresh_every) == (self.decisions % self.refresh_every)
             rows = live[sel]
-        state.touched[rows] = False
-        sids, X, ctx = state.features(rows)
         self.decisions += 1
-        self.candidates += len(sids)
-        if len(sids):
+        self.live_total += len(live)
+        if len(rows):
+            state.touched[rows] = False
+            sids, X, ctx = state.features(rows)
+            self.candidates += len(sids)
             model = self.model
             P = model.probs(X, ctx)
-            score = model.expected_log_distance(P, self._expected_len)
+            score = P.astype(np.float64) @ self._log_bucket_reps()
             # rule 1: "not again" only for storages that are not needed by the next iteration either
             never = (P.argmax(axis=1) == P.shape[1] - 1) & (X[:, :3].sum(axis=1) == 0)
-            state.pred[rows] = np.where(never, np.inf, position + np.exp(score))
-        if self._refit is not None:
-            self._refit.observe(position, sids, X, ctx)
-        all_sids = state.sid[live].tolist()
-        pred = state.pred[live]
-        self._cache = cache = dict(zip(all_sids, pred.tolist()))
-        self.inference_s += time.perf_counter() - t0
-        # rule 3: rebuild the eviction heap, re-key the prefetch heap
-        self._res = list(zip((-pred).tolist(), all_sids))
-        heapq.heapify(self._res)
-        off = [(cache[s], s) for s in dict.fromkeys(s for _, s in self._off) if s in cache]
-        heapq.heapify(off)
-        self._off = off
+            np.exp(score, out=score)
+            score += position
+            score[never] = np.inf
+            state.pred[rows] = score
+            # rule 5: rescore again once a low quantile of the distance could have elapsed
+            k = (np.cumsum(P, axis=1) >= self.quantile).argmax(axis=1)
+            due[rows] = position + self.recheck * _LOWER[k]
+            if self._refit is not None:
+                self._refit.observe(position, sids, X, ctx)
+            self._update(sids.tolist(), score.tolist(), len(live))
+        dt = timer() - t0
+        self.inference_s += dt
+        self._spent += dt
+
+    def _log_bucket_reps(self) -> np.ndarray:
+        n = self._expected_len
+        if self._log_reps is None or self._log_reps[0] != n:
+            from .model import bucket_reps
+
+            self._log_reps = (n, np.log(bucket_reps(n)))
+        return self._log_reps[1]
+
+    def _update(self, sids: list[int], preds: list[float], n_live: int) -> None:
+        """Rule 3: the cache and both heaps take the new predictions of the rescored storages only.
+        An older heap entry of a storage no longer matches its prediction, so NextUsePolicy skips it
+        as stale; the heaps are compacted when stale entries far outnumber the live storages."""
+        cache = self._cache
+        cache.update(zip(sids, preds))
+        res = self._res
+        # every rescored storage gets an eviction entry (one that is not resident is skipped there as
+        # stale); the ones this policy evicted and has not seen back get a prefetch entry
+        deque(map(partial(heapq.heappush, res), zip([-v for v in preds], sids)), maxlen=0)
+        away = self._away.intersection(sids)
+        if away:
+            off = self._off
+            for sid in away:
+                heapq.heappush(off, (cache[sid], sid))
+        limit = 4 * n_live + 1024
+        if len(res) > limit:
+            self._res = _compact(res, cache, -1.0)
+        if len(self._off) > limit:
+            self._off = _compact(self._off, cache, 1.0)
+
+    def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
+        away = self._away
+        for sid in super().victims(need_bytes, exclude):
+            away.add(sid)
+            yield sid
+
+    def after_op(self, position: int) -> list[Action]:
+        actions = super().after_op(position)
+        away = self._away
+        for a in actions:
+            away.discard(a.sid)
+        return actions
 
     def predict(self, sid: int) -> float | None:
         v = self._cache.get(sid)
         if v is None:
             return self.view.position + 1  # never announced: keep it
         return None if v == math.inf else v
+
+
+def _compact(heap: list[tuple[float, int]], cache: dict[int, float | None], sign: float) -> list[tuple[float, int]]:
+    """The entries of ``heap`` that still match the cached prediction, once each, as a heap."""
+    keep = {}
+    for key, sid in heap:
+        v = cache.get(sid)
+        if v is not None and key == sign * v:
+            keep[sid] = key
+    out = [(key, sid) for sid, key in keep.items()]
+    heapq.heapify(out)
+    return out
