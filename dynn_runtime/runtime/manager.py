@@ -77,13 +77,19 @@ _HOLDS_DEVICE = frozenset({RESIDENT, OFFLOADING, FETCHING})
 
 
 class _S:
-    """What the manager knows about one device storage."""
+    """What the manager knows about one device storage.
 
-    __slots__ = ("sid", "key", "ref", "nbytes", "kind", "saved", "status", "host", "host_valid", "event",
+    ``status`` is a property: a storage whose copy is in flight (``offloading``, ``fetching``) is
+    also listed in ``flight``, the manager's dict of in-flight copies (``None`` when copies are
+    synchronous), so reaping and waiting look at the copies in flight, not at every storage.
+    """
+
+    __slots__ = ("sid", "key", "ref", "nbytes", "kind", "saved", "_status", "host", "host_valid", "event",
                  "last_access", "last_access_t", "count", "name", "movable", "born_step", "fetch_event", "pf",
-                 "born_pos")
+                 "born_pos", "flight")
 
-    def __init__(self, sid: int, key: int, ref: Any, nbytes: int, kind: str, movable: bool, step: int) -> None:
+    def __init__(self, sid: int, key: int, ref: Any, nbytes: int, kind: str, movable: bool, step: int,
+                 flight: dict[int, _S] | None = None) -> None:
         self.sid = sid
         self.key = key
         self.pf = False  # prefetched, not used since
@@ -91,7 +97,8 @@ class _S:
         self.nbytes = nbytes
         self.kind = kind
         self.saved = False
-        self.status = RESIDENT
+        self.flight = flight
+        self._status = RESIDENT
         self.host: HostBuffer | None = None
         self.host_valid = False
         self.event: Any = None  # completion of the last copy into or out of ``host``
@@ -103,6 +110,20 @@ class _S:
         self.movable = movable
         self.born_step = step
         self.born_pos = 0
+
+    @property
+    def status(self) -> str:
+        return self._status
+
+    @status.setter
+    def status(self, value: str) -> None:
+        self._status = value
+        flight = self.flight
+        if flight is not None:
+            if value == OFFLOADING or value == FETCHING:
+                flight[self.sid] = self
+            else:
+                flight.pop(self.sid, None)
 
 
 @dataclass
@@ -305,6 +326,8 @@ class MemoryManager:
         self._seen_backward = False
         self._t0 = time.perf_counter()
         self._pending_stalls: list[tuple[Any, Any]] = []
+        #: storages whose copy is in flight (async copies only; kept by ``_S.status``)
+        self._flight: dict[int, _S] = {}
         self._oracle_map: dict[int, int] = {}
         self._oracle_warned = False
         self._largest_op: tuple[int, str] = (0, "")
@@ -633,7 +656,8 @@ class MemoryManager:
         # that reads raw memory outside the dispatcher (``.numpy()``, printing) never meets an
         # offloaded storage.
         movable = st.resizable() and (self._in_step or kind in _MOVABLE_ALWAYS)
-        s = _S(sid, key, ref, n, kind, movable=movable, step=self._step_index)
+        s = _S(sid, key, ref, n, kind, movable=movable, step=self._step_index,
+               flight=self._flight if self.async_copies else None)
         s.born_pos = self.position
         self.st[sid] = s
         self._key_sid[key] = sid
@@ -862,7 +886,7 @@ class MemoryManager:
         stay FETCHING until first use (the compute stream still has to wait on their event)."""
         if not self.async_copies:
             return
-        for s in list(self.st.values()):
+        for s in list(self._flight.values()):
             if s.status == OFFLOADING and s.event is not None and s.event.query():
                 st = s.ref()
                 if st is not None:
@@ -878,8 +902,8 @@ class MemoryManager:
         (they become evictable); False if nothing was in flight."""
         if not self.async_copies:
             return False
-        offl = [s for s in self.st.values() if s.status == OFFLOADING]
-        fetch = [s for s in self.st.values() if s.status == FETCHING]
+        offl = [s for s in self._flight.values() if s.status == OFFLOADING]
+        fetch = [s for s in self._flight.values() if s.status == FETCHING]
         if not offl and not fetch:
             return False
         t0 = time.perf_counter()
@@ -984,8 +1008,7 @@ class MemoryManager:
             return
         self._reap()
         while self.used + need > budget:
-            pending = (sum(s.nbytes for s in self.st.values() if s.status == OFFLOADING)
-                       if self.async_copies else 0)  # synchronous copies are never in flight
+            pending = sum(s.nbytes for s in self._flight.values() if s.status == OFFLOADING)
             short = self.used - pending + need - budget
             moved = False
             if short > 0:

@@ -338,3 +338,27 @@ def test_checkpoint_policy_live_is_bit_identical_and_saves_memory(family):
 def test_dtr_is_refused_live_with_a_reason():
     with pytest.raises(PolicyError, match="simulator only"):
         dr.MemoryManager("1MiB", policy="dtr", device="cpu")
+
+
+def test_in_flight_copies_are_registered_by_status():
+    # reaping and waiting on CUDA look only at the registry; a storage whose copy is in flight but
+    # missing from it would never release its device bytes, one left in it would be waited on forever
+    from dynn_runtime.runtime.manager import _S, ABSENT, FETCHING, HOST, OFFLOADING, RESIDENT
+
+    flight: dict = {}
+    s = _S(7, 0, None, 16, "activation", movable=True, step=0, flight=flight)
+    assert flight == {}
+    s.status = OFFLOADING
+    assert flight == {7: s}
+    s.status = HOST
+    assert flight == {}
+    s.status = FETCHING
+    assert flight == {7: s}
+    s.status = RESIDENT
+    assert flight == {}
+    s.status = OFFLOADING
+    s.status = ABSENT  # freed while its copy was in flight
+    assert flight == {}
+    sync = _S(8, 0, None, 16, "activation", movable=True, step=0)  # synchronous copies: no registry
+    sync.status = OFFLOADING
+    assert sync.status == OFFLOADING and sync.flight is None
