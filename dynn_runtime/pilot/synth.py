@@ -1,0 +1,261 @@
+"""Synthetic dynamic networks: extra, varied training traces for the pilot (never an evaluation family).
+
+Each zoo family is the only architecture of its kind, so a model trained on the others has never
+seen, say, a recursive cell or a recycling loop. :class:`SynthWorkload` builds, from a seed, a small
+random network out of the same dynamic idioms, so that the pilot's training data holds many
+architectures:
+
+* a trunk: MLP on vectors, a small convnet on images, or a recursive cell over random trees batched
+  level by level (per-level index tensors in the batch, children summed with ``index_add``);
+* then 1-4 random stages: gated residual blocks skipped per step (MLP or conv), early-exit heads
+  (later stages skipped when an exit fires), recycling loops with a per-step pass count (earlier
+  passes optionally without gradient), top-1 routing of rows among experts, plain layers.
+
+Every dynamic choice (tree shapes, skips, exits, passes, routes) is drawn per step from the batch's
+seeded generator, so a seed gives the same traces on every run and different steps differ. Sizes
+are tiny (width 8-24, batch 4): a 3-step trace records in well under a second on a CPU.
+
+    from dynn_runtime.pilot.synth import SynthWorkload, synth_traces
+    traces = synth_traces(range(16), steps=3)         # recorded once, cached like the zoo's
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["SynthNet", "SynthWorkload", "synth_traces", "SYNTH_FAMILY"]
+
+#: the workload name synthetic traces carry (never one of the zoo's families)
+SYNTH_FAMILY = "synthetic"
+TRUNKS = ("mlp", "conv", "tree")
+STAGES = ("skip", "exit", "recycle", "moe", "plain")
+
+
+class _Tree(nn.Module):
+    def __init__(self, vocab: int, w: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, w)
+        self.wx = nn.Linear(w, 2 * w)
+        self.uh = nn.Linear(w, 2 * w, bias=False)
+
+    def forward(self, b: dict[str, Any]) -> torch.Tensor:
+        x = self.emb(b["tokens"])
+        h = torch.zeros_like(x)
+        for nodes, child, slot in b["levels"]:
+            s = torch.zeros(len(nodes), x.shape[1], dtype=x.dtype).index_add(0, slot, h[child])
+            z = self.wx(x[nodes]) + self.uh(s)
+            g, c = z.chunk(2, dim=1)
+            h = h.index_copy(0, nodes, torch.sigmoid(g) * torch.tanh(c))
+        return h[b["roots"]]
+
+
+class _Block(nn.Module):
+    def __init__(self, w: int, conv: bool) -> None:
+        super().__init__()
+        self.conv = conv
+        self.a = nn.Conv2d(w, w, 3, padding=1) if conv else nn.Linear(w, w)
+        self.b = nn.Conv2d(w, w, 1) if conv else nn.Linear(w, w)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.b(F.relu(self.a(h)))
+
+
+class _Recycle(nn.Module):
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.p = nn.Linear(w, w)
+        self.q = nn.Linear(w, w)
+        self.o = nn.Linear(w, w)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        pair = torch.einsum("bi,bj->bij", self.p(h), self.q(h))  # a pair representation
+        att = torch.softmax(pair, dim=-1) @ h.unsqueeze(-1)
+        return h + self.o(att.squeeze(-1))
+
+
+class SynthNet(nn.Module):
+    """A random dynamic network drawn from ``seed`` (see the module docstring)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        r = random.Random(seed)
+        self.w = w = r.choice((8, 12, 16, 24))
+        self.trunk = r.choice(TRUNKS)
+        self.conv = self.trunk == "conv"
+        if self.trunk == "tree":
+            self.tree = _Tree(32, w)
+        elif self.conv:
+            self.stem = nn.Conv2d(3, w, 3, padding=1)
+            self.trunk_blocks = nn.ModuleList(_Block(w, True) for _ in range(r.randint(1, 3)))
+        else:
+            self.stem = nn.Linear(w, w)
+        self.stages: list[tuple[str, int]] = []
+        mods = nn.ModuleList()
+        for _ in range(r.randint(1, 4)):
+            kind = r.choice(STAGES)
+            n = r.randint(2, 6) if kind in ("skip", "exit", "moe") else r.randint(1, 3)
+            if kind == "skip":
+                m = nn.ModuleList(_Block(w, self.conv and r.random() < 0.7) for _ in range(n))
+            elif kind == "exit":
+                m = nn.ModuleList(nn.ModuleDict({"blk": _Block(w, False), "head": nn.Linear(w, 1)}) for _ in range(n))
+            elif kind == "recycle":
+                m = nn.ModuleList(_Recycle(w) for _ in range(n))
+            elif kind == "moe":
+                m = nn.ModuleDict({"gate": nn.Linear(w, n), "experts": nn.ModuleList(
+                    nn.Sequential(nn.Linear(w, 2 * w), nn.ReLU(), nn.Linear(2 * w, w)) for _ in range(n))})
+            else:
+                m = nn.Sequential(*(nn.Linear(w, w) for _ in range(n)))
+            self.stages.append((kind, n))
+            mods.append(m)
+        self.stage_mods = mods
+        self.no_grad_recycles = r.random() < 0.5
+        self.head = nn.Linear(w, 1)
+
+    def forward(self, b: dict[str, Any]) -> torch.Tensor:
+        if self.trunk == "tree":
+            h = self.tree(b)
+        else:
+            h = F.relu(self.stem(b["x"]))
+            if self.conv:
+                for blk in self.trunk_blocks:
+                    h = blk(h)
+        loss = h.new_zeros(())
+        plan = b["plan"]
+        for (kind, _n), m, p in zip(self.stages, self.stage_mods, plan):
+            if self.conv and kind not in ("skip",) and h.dim() == 4:
+                h = h.mean(dim=(2, 3))
+            if kind == "skip":
+                for blk, run in zip(m, p):
+                    if run:
+                        if blk.conv != (h.dim() == 4):
+                            continue
+                        h = blk(h)
+            elif kind == "exit":
+                for i, e in enumerate(m):
+                    h = e["blk"](h)
+                    loss = loss + e["head"](h).pow(2).mean()
+                    if i == p:
+                        return loss  # an exit fired: later stages do not run this step
+            elif kind == "recycle":
+                for k in range(p):
+                    last = k == p - 1
+                    with torch.set_grad_enabled(last or not self.no_grad_recycles):
+                        for blk in m:
+                            h = blk(h)
+                    if not last and self.no_grad_recycles:
+                        h = h.detach()
+            elif kind == "moe":
+                route = p
+                out = torch.zeros_like(h)
+                for e, exp in enumerate(m["experts"]):
+                    idx = route[e]
+                    if len(idx):
+                        g = torch.sigmoid(m["gate"](h[idx])[:, e: e + 1])
+                        out = out.index_add(0, idx, exp(h[idx]) * g)
+                h = h + out
+            else:
+                h = torch.relu(m(h))
+        if h.dim() == 4:
+            h = h.mean(dim=(2, 3))
+        return loss + self.head(h).pow(2).mean()
+
+
+class SynthWorkload:
+    """A :mod:`dynn_runtime.workload`-shaped wrapper: ``model``, ``make_batch(step)``, ``loss``."""
+
+    family = SYNTH_FAMILY
+
+    def __init__(self, seed: int, batch: int = 4) -> None:
+        torch.manual_seed(seed)
+        self.seed = seed
+        self.batch = batch
+        self.model = SynthNet(seed)
+
+    def _tree_batch(self, r: random.Random) -> dict[str, Any]:
+        parents: list[int] = []
+        roots = []
+        for _ in range(self.batch):
+            n = r.randint(2, 14)
+            base = len(parents)
+            roots.append(base)
+            parents.append(-1)
+            for i in range(1, n):
+                parents.append(base + (i - 1 if r.random() < 0.6 else r.randrange(i)))
+        height = [0] * len(parents)
+        for i in range(len(parents) - 1, 0, -1):  # children come after their parent
+            p = parents[i]
+            if p >= 0:
+                height[p] = max(height[p], height[i] + 1)
+        levels = []
+        for lv in range(max(height) + 1):
+            nodes = [i for i, hh in enumerate(height) if hh == lv]
+            pos = {v: k for k, v in enumerate(nodes)}
+            child = [i for i, p in enumerate(parents) if p >= 0 and p in pos]
+            slot = [pos[parents[i]] for i in child]
+            levels.append((torch.tensor(nodes), torch.tensor(child, dtype=torch.long),
+                           torch.tensor(slot, dtype=torch.long)))
+        return {"tokens": torch.tensor([r.randrange(32) for _ in parents]), "levels": levels,
+                "roots": torch.tensor(roots)}
+
+    def make_batch(self, step: int) -> dict[str, Any]:
+        r = random.Random(self.seed * 1000 + step)
+        m = self.model
+        g = torch.Generator().manual_seed(self.seed * 1000 + step)
+        if m.trunk == "tree":
+            b = self._tree_batch(r)
+        elif m.conv:
+            s = r.choice((4, 6, 8))
+            b = {"x": torch.randn(self.batch, 3, s, s, generator=g)}
+        else:
+            b = {"x": torch.randn(self.batch, m.w, generator=g)}
+        plan: list[Any] = []
+        for kind, n in m.stages:
+            if kind == "skip":
+                plan.append([r.random() < 0.6 for _ in range(n)])
+            elif kind == "exit":
+                plan.append(r.randrange(n + 1))  # n: no exit fires
+            elif kind == "recycle":
+                plan.append(r.randint(1, 4))
+            elif kind == "moe":
+                route = [r.randrange(n) for _ in range(self.batch)]
+                plan.append([torch.tensor([i for i, e in enumerate(route) if e == k], dtype=torch.long)
+                             for k in range(n)])
+            else:
+                plan.append(None)
+        b["plan"] = plan
+        return b
+
+    def loss(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        return model(batch)
+
+    def optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, lr=1e-3)
+
+
+def describe(seed: int) -> dict[str, Any]:
+    """What a seed's network is (trunk, width, stages): for tests and provenance."""
+    m = SynthNet(seed)
+    return {"trunk": m.trunk, "width": m.w, "stages": [k for k, _ in m.stages]}
+
+
+def synth_traces(seeds: Iterable[int], steps: int = 3, cache_dir: str | Path = ".dynn-cache/traces") -> list[Any]:
+    """Record (or reuse) one synthetic trace per seed; returns the loaded traces."""
+    from ..trace import read_trace, record
+
+    out = []
+    for seed in seeds:
+        path = Path(cache_dir) / f"{SYNTH_FAMILY}-seed{seed}-steps{steps}-v1.jsonl.gz"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(".tmp-" + path.name)
+            record(SynthWorkload(seed), tmp, steps=steps, preset="synthetic", seed=seed)
+            tmp.rename(path)
+        out.append(read_trace(path))
+    return out
