@@ -404,9 +404,12 @@ class FeatureState:
         on = (st >= 0) & (self.acc_phase[idx, 1] == 0)
         if on.any():
             rows = np.flatnonzero(on)
-            order = np.argsort(-st[rows], kind="stable")
-            depth = np.empty(len(rows), dtype=np.float32)
-            depth[order] = np.arange(len(rows), dtype=np.float32)
+            # depth among every live storage on the stack, not only among the rows asked for (idx may
+            # be a subset: the policy's incremental rescoring); stack indices are unique
+            cap = self._cap
+            st_all = self.stack_idx[:cap]
+            st_all = np.sort(st_all[self.active[:cap] & (st_all >= 0) & (self.acc_phase[:cap, 1] == 0)])
+            depth = (len(st_all) - np.searchsorted(st_all, st[rows], side="right")).astype(np.float32)
             X[rows, _C["on_stack"]] = 1.0
             X[rows, _C["log_stack_depth"]] = np.log1p(depth) / 6.0
             X[rows, _C["stack_top"]] = depth < 1
