@@ -41,6 +41,9 @@ class Family:
     #: the config field that scales the family's memory ("batch", "width", "residues", ...)
     size_knob: str
     dynamic: str = ""
+    #: the config field that sets the model's depth (layers, blocks), scanned by ``dynn bench
+    #: --max-size-knob depth``; None when depth is not a config field (the Tree-LSTM's comes from the data)
+    depth_knob: str | None = None
     #: data the generator needs that is fixed per (config, seed), e.g. class templates
     extras: Callable[[Any, int], dict] | None = None
 

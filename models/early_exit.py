@@ -159,5 +159,6 @@ FAMILY = Family(
     build_model=lambda cfg: MultiExitNet(cfg),
     workload_cls=EarlyExitWorkload,
     size_knob="batch",
+    depth_knob="convs_per_stage",
     extras=_extras,
 )

@@ -309,4 +309,5 @@ FAMILY = Family(
     build_model=lambda cfg: Evoformer(cfg),
     workload_cls=EvoformerWorkload,
     size_knob="residues_max",
+    depth_knob="blocks",
 )

@@ -202,5 +202,6 @@ FAMILY = Family(
     build_model=build_model,
     workload_cls=MoEWorkload,
     size_knob="batch",
+    depth_knob="layers",
     extras=_extras,
 )

@@ -160,5 +160,6 @@ FAMILY = Family(
     build_model=lambda cfg: SkipNet(cfg),
     workload_cls=SkipNetWorkload,
     size_knob="batch",
+    depth_knob="blocks_per_stage",
     extras=_extras,
 )

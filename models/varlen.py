@@ -129,5 +129,6 @@ FAMILY = Family(
     build_model=lambda cfg: Encoder(cfg),
     workload_cls=VarLenWorkload,
     size_knob="batch",
+    depth_knob="layers",
     extras=_extras,
 )

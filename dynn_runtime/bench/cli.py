@@ -62,6 +62,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-scale", type=int, default=None,
                    help="largest size-knob multiple of the max-size scan (default 64; --quick: 8; 0 skips it)")
     p.add_argument("--max-size-preset", default="tiny", help="preset the max-size scan scales (default tiny)")
+    p.add_argument("--max-size-knob", default="size", choices=("size", "depth"),
+                   help="what the max-size scan multiplies: size (batch, residues; default) or depth (layers, blocks)")
+    p.add_argument("--overhead-limit", type=float, default=1.5, metavar="X",
+                   help="a scale is trainable at <= X times the unlimited-memory time (default 1.5)")
     p.add_argument("--json", default=None, metavar="OUT.json",
                    help="results file (default OUT/bench-<profile>-<preset>-<date>.json)")
     p.add_argument("--out", default="out/bench", metavar="DIR", help="output directory (default out/bench)")
@@ -123,6 +127,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         families=list(args.families), policies=list(args.policies), budgets=args.budgets,
         preset=args.preset, seed=args.seed, steps=args.steps, device_profile=args.device_profile,
         quick=args.quick, max_scale=args.max_scale, max_size_preset=args.max_size_preset,
+        max_size_knob=args.max_size_knob, overhead_limit=args.overhead_limit,
         out_dir=args.out, json_path=args.json, cache_dir=args.cache_dir,
     )
     cfg.resolved()  # validate before any work

@@ -44,6 +44,7 @@ __all__ = [
     "write_outputs",
     "render_markdown",
     "scaled_overrides",
+    "scan_knob",
     "DEFAULT_BUDGETS",
     "QUICK_BUDGETS",
 ]
@@ -83,6 +84,10 @@ class BenchConfig:
     """Largest size-knob multiplier of the max-size scan (powers of two from 1); default 64 (quick: 8);
     0 skips the scan."""
     max_size_preset: str = "tiny"
+    max_size_knob: str = "size"
+    """What the max-size scan multiplies: ``size``, the family's memory knob (batch, residues: larger
+    activations), or ``depth``, its depth knob (layers, blocks: a larger model, the paper's "larger
+    DyNN"); families without a depth knob are left out of a depth scan."""
     """Preset whose size knob the max-size scan multiplies. Tiny by default: the ratio between policies
     is what the scan measures, and recording scaled-up small presets on a CPU takes long."""
     overhead_limit: float = 1.5
@@ -152,6 +157,9 @@ class BenchConfig:
         if self.max_scale is not None and (not isinstance(self.max_scale, int) or self.max_scale < 0):
             raise ConfigError(f"bench: max_scale must be an integer >= 0 (0 skips the max-size scan), "
                               f"got {self.max_scale!r}.")
+        if self.max_size_knob not in ("size", "depth"):
+            raise ConfigError(f"bench: max_size_knob is 'size' (batch, residues) or 'depth' (layers, blocks), "
+                              f"got {self.max_size_knob!r}.")
         if not self.overhead_limit >= 1:
             raise ConfigError(f"bench: overhead_limit must be >= 1 (a time ratio), got {self.overhead_limit!r}.")
 
@@ -181,8 +189,16 @@ def available_policies() -> tuple[list[str], dict[str, str]]:
     return ok, skipped
 
 
-def scaled_overrides(family: str, preset: str, scale: int) -> dict[str, int]:
-    """Config overrides that multiply ``family``'s size knob by ``scale`` (``{}`` at scale 1).
+def scan_knob(family: str, which: str = "size") -> str | None:
+    """The config field a max-size scan multiplies: the family's ``size`` or ``depth`` knob (None if it has none)."""
+    from .. import models
+
+    fam = models.family(family)
+    return fam.size_knob if which == "size" else fam.depth_knob
+
+
+def scaled_overrides(family: str, preset: str, scale: int, which: str = "size") -> dict[str, int]:
+    """Config overrides that multiply ``family``'s size (or depth) knob by ``scale`` (``{}`` at scale 1).
 
     A knob named ``X_max`` whose config also has ``X_min`` (evoformer's ``residues_max``) scales
     ``X_min`` too, so the sampled range moves up as a whole and ``X_min <= X_max`` holds.
@@ -193,7 +209,10 @@ def scaled_overrides(family: str, preset: str, scale: int) -> dict[str, int]:
         return {}
     fam = models.family(family)
     base = fam.config(preset)
-    knob = fam.size_knob
+    knob = scan_knob(family, which)
+    if knob is None:
+        raise ConfigError(f"bench: {family} has no {which} knob to scale; choices: size"
+                          f"{', depth' if fam.depth_knob else ''}.")
     out = {knob: getattr(base, knob) * scale}
     if knob.endswith("_max"):
         low = knob[: -len("_max")] + "_min"
@@ -369,7 +388,11 @@ def _scan_family(cfg: BenchConfig, family: str, scales: list[int], trace_for: An
     if not scales:
         return []
     preset = cfg.max_size_preset
-    knob = models.family(family).size_knob
+    which = cfg.max_size_knob
+    knob = scan_knob(family, which)
+    if knob is None:
+        logger.warning("bench: %s has no %s knob; left out of the max-size scan", family, which)
+        return []
     base_value = getattr(models.family(family).config(preset), knob)
     alive = list(cfg.policies)
     best: dict[str, dict[str, Any]] = {p: {"scale": 0, "iter_time_s": None, "overhead": None} for p in alive}
@@ -378,7 +401,7 @@ def _scan_family(cfg: BenchConfig, family: str, scales: list[int], trace_for: An
     for i, scale in enumerate(scales):
         if not alive:
             break
-        trace, _ = trace_for(family, preset, scaled_overrides(family, preset, scale))
+        trace, _ = trace_for(family, preset, scaled_overrides(family, preset, scale, which))
         if i == 0:
             capacity = unmanaged_peak(trace)
         ref_s = simulate(trace, "none", 1.0, cfg.device_profile).iter_time_s
@@ -398,7 +421,7 @@ def _scan_family(cfg: BenchConfig, family: str, scales: list[int], trace_for: An
     if none_scale is None:  # `none` not among the policies: scan it alone as the reference
         none_scale = 0
         for scale in scales:
-            trace, _ = trace_for(family, preset, scaled_overrides(family, preset, scale))
+            trace, _ = trace_for(family, preset, scaled_overrides(family, preset, scale, which))
             if not simulate(trace, "none", int(capacity), cfg.device_profile).feasible:
                 break
             none_scale = scale
@@ -454,7 +477,8 @@ def render_markdown(report: BenchReport) -> str:
             lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     if report.max_size:
         lines += [
-            "", f"## Max trainable size ({cfg.max_size_preset} preset, scales up to x{cfg.max_scale})", "",
+            "", f"## Max trainable size ({cfg.max_size_preset} preset, {cfg.max_size_knob} knob, scales up to x{cfg.max_scale}, "
+            f"<= {cfg.overhead_limit:g}x the unlimited-memory time)", "",
             "Largest multiple of the family's size knob that runs within a device capacity of the unmanaged "
             f"peak at x1, at most {cfg.overhead_limit:g}x the unlimited-memory time; shown as the ratio to "
             "`none`'s largest.", "",

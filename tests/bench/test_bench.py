@@ -145,6 +145,21 @@ def test_scaled_overrides():
     assert scaled_overrides("moe", "tiny", 4) == {"batch": 32}
     ev = scaled_overrides("evoformer", "tiny", 2)
     assert ev == {"residues_max": 32, "residues_min": 16}
+    # the depth scan multiplies layers / blocks; the Tree-LSTM's depth comes from its data
+    assert scaled_overrides("moe", "tiny", 4, "depth") == {"layers": 8}
+    assert scaled_overrides("evoformer", "tiny", 2, "depth") == {"blocks": 4}
+    with pytest.raises(ConfigError, match="tree_lstm has no depth knob"):
+        scaled_overrides("tree_lstm", "tiny", 2, "depth")
+
+
+def test_depth_scan_builds_deeper_models():
+    from dynn_runtime import models
+
+    fam = models.family("skipnet")
+    base = fam.build_model(fam.config("tiny"))
+    deeper = fam.build_model(fam.config("tiny", **scaled_overrides("skipnet", "tiny", 2, "depth")))
+    n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert n(deeper) > 1.5 * n(base)
 
 
 @pytest.mark.parametrize(
@@ -158,6 +173,7 @@ def test_scaled_overrides():
         (dict(budgets=[]), "at least one"),
         (dict(preset="huge"), "choices: tiny"),
         (dict(steps=1), ">= 2"),
+        (dict(max_size_knob="width"), "'size' (batch, residues) or 'depth'"),
     ],
 )
 def test_bad_input(tmp_path, kw, needle):
