@@ -74,21 +74,54 @@ def lofo() -> None:
     _dump("lofo", {"config": dataclasses.asdict(cfg), "train": TRAIN, "held_out": HELD_OUT, "results": res})
 
 
+#: the pilot variants the cost experiments compare: every live storage rescored at every decision
+#: point (the former default), incremental rescoring (the default), incremental under the cost governor
+VARIANTS = {"full": {"incremental": False}, "incremental": {}, "governed": {"max_share": 0.02}}
+BUDGETS = (0.5, 0.25, 0.125)
+
+
 def cost() -> None:
+    """Per family at `small` (seed 0, the bench's traces): decision points, rows scored per decision,
+    us per decision, inference share of the h100 iteration, for each variant (best of 3, budget 1/2:
+    feasible on every family);
+    then the simulated iteration time at 1/2, 1/4, 1/8 of each variant against the oracle."""
+    from dynn_runtime.pilot.cost import fit_decision_cost
+    from dynn_runtime.pilot.policy import PilotPolicy
+    from dynn_runtime.sim import simulate
+
     model = load_model(default_weights_path())
-    rows = []
-    for preset, seeds, steps in (("small", (0,), 2), ("tiny", (10,), 3)):
-        for _, tr in zoo_traces(FAMS, [preset], seeds, steps):
-            for group in (32,):
-                r = inference_cost(tr, model=model, repeats=3, group=group)
-                r["group"] = group
-                rows.append(r)
-                print(f"{r['workload']:<11} {preset:<6} G={group:<3} {r['decisions']:>4} decisions "
-                      f"{r['candidates_mean']:>6.0f} cands {r['per_decision_us']:>7.0f} us/decision "
-                      f"{1e3 * r['inference_s']:>7.2f} ms/iter vs {1e3 * r['iteration_time_s']:.2f} ms (h100) "
-                      f"= {100 * r['fraction_of_iteration']:.1f}%; + per-op bookkeeping "
-                      f"{1e3 * r['bookkeeping_s']:.2f} ms = {100 * r['fraction_with_bookkeeping']:.1f}%", flush=True)
-    _dump("cost", {"rows": rows, "numpy": np.__version__})
+    rows, sims = [], []
+    for _, tr in zoo_traces(FAMS, ["small"], (0,), 2):
+        fam = tr.header["workload"]
+        for name, opts in VARIANTS.items():
+            r = inference_cost(tr, model=model, budget=0.5, repeats=3, **opts)
+            r["variant"] = name
+            rows.append(r)
+            print(f"{fam:<11} {name:<11} {r['decisions']:>4} decisions ({r['deferred']} deferred) "
+                  f"{r['candidates_mean']:>5.0f} of {r['live_mean']:>5.0f} rows {r['per_decision_us']:>6.0f} us/decision "
+                  f"{1e3 * r['inference_s']:>7.2f} ms vs {1e3 * r['iteration_time_s']:.2f} ms (h100) "
+                  f"= {100 * r['fraction_of_iteration']:.1f}% (of the simulated 1/2 run: "
+                  f"{100 * (r['fraction_of_simulated'] or 0):.1f}%); bookkeeping {1e3 * r['bookkeeping_s']:.2f} ms",
+                  flush=True)
+        base = simulate(tr, "none", 1.0).iter_time_s
+        for b in BUDGETS:
+            rec = {"workload": fam, "budget": b}
+            o = simulate(tr, "oracle", b)
+            rec["oracle"] = o.iter_time_s / base if o.feasible else None
+            for name, opts in VARIANTS.items():
+                pol = PilotPolicy(model=model, **opts)
+                res = simulate(tr, pol, b)
+                rec[name] = res.iter_time_s / base if res.feasible else None
+                rec[name + "_rows"] = pol.candidates / max(pol.decisions, 1)
+                rec[name + "_decisions"] = pol.decisions
+            sims.append(rec)
+            print(f"{fam:<11} {b:<6} " + " ".join(
+                f"{k} {rec[k]:.3f}x" if rec[k] is not None else f"{k} OOM" for k in ("oracle", *VARIANTS)), flush=True)
+    fits = {name: fit_decision_cost([r for r in rows if r["variant"] == name]) for name in VARIANTS}
+    for name, (a, b) in fits.items():
+        print(f"{name}: per decision point ~ {1e6 * a:.0f} us + {1e6 * b:.2f} us per row scored")
+    _dump("cost", {"rows": rows, "sim": sims, "fit": {k: {"a_s": a, "b_s": b} for k, (a, b) in fits.items()},
+                   "numpy": np.__version__})
 
 
 class _Shifted:
@@ -162,28 +195,48 @@ LARGE_REDUCED = {
 
 
 def cost_large() -> None:
+    """`large`, estimated from reduced-knob recordings (LARGE_REDUCED): the simulated iteration time
+    scaled by the batch (x depth) ratio; decision points x depth, rows scored per decision point x
+    depth (an upper bound for the incremental variant: what was touched since the last decision point
+    does not grow with depth), costed with the per-decision fit a + b * rows of `cost` (or of this
+    run when `cost` has not been run). The governor's share is bounded by construction: reported is
+    the fraction of decision points it keeps."""
     from dynn_runtime.bench import TraceCache
+    from dynn_runtime.pilot.cost import fit_decision_cost
 
     model = load_model(default_weights_path())
     cache = TraceCache(".dynn-cache/traces")
+    fits = {}
+    if (OUT / "cost.json").exists():
+        fits = {k: (v["a_s"], v["b_s"]) for k, v in json.loads((OUT / "cost.json").read_text()).get("fit", {}).items()}
     rows = []
+    share = VARIANTS["governed"]["max_share"]
     for fam in sys.argv[2:] or FAMS:
         over, time_ratio, depth_ratio = LARGE_REDUCED[fam]
         t0 = time.time()
         tr = cache.get(fam, "large", 0, 2, over)
-        r = inference_cost(tr, model=model, repeats=2)
-        est_iter = r["iteration_time_s"] * time_ratio
-        # decision points and candidates per decision both grow with depth: per decision point the
-        # cost is a + b * candidates (fitted on the small/tiny runs of `cost`: a = 209 us, b = 0.66 us)
-        est_inf = r["decisions"] * depth_ratio * (209e-6 + 0.66e-6 * r["candidates_mean"] * depth_ratio)
-        r.update({"overrides": over, "time_ratio": time_ratio, "depth_ratio": depth_ratio,
-                  "estimated_large_iteration_s": est_iter, "estimated_large_inference_s": est_inf,
-                  "estimated_large_share": est_inf / est_iter, "record_and_measure_s": round(time.time() - t0, 1)})
-        rows.append(r)
-        print(f"{fam:<11} reduced {over}: {r['decisions']} decisions x {r['per_decision_us']:.0f} us, "
-              f"iteration {1e3 * r['iteration_time_s']:.1f} ms (h100); est. large: {1e3 * est_inf:.1f} ms of "
-              f"{1e3 * est_iter:.0f} ms = {100 * est_inf / est_iter:.2f}%", flush=True)
-        _dump("cost_large", {"rows": rows})
+        for name in ("full", "incremental"):
+            r = inference_cost(tr, model=model, budget=0.5, repeats=2, **VARIANTS[name])
+            a, b = fits.get(name) or fit_decision_cost([r])
+            est_iter = r["iteration_time_s"] * time_ratio
+            dec = r["decisions"] * depth_ratio
+            per_dec = a + b * r["candidates_mean"] * depth_ratio
+            est_inf = dec * per_dec
+            kept = min(1.0, share * est_iter / est_inf) if est_inf else 1.0
+            r.update({"variant": name, "overrides": over, "time_ratio": time_ratio, "depth_ratio": depth_ratio,
+                      "estimated_large_iteration_s": est_iter, "estimated_large_decisions": dec,
+                      "estimated_large_rows": r["candidates_mean"] * depth_ratio,
+                      "estimated_large_per_decision_s": per_dec, "estimated_large_inference_s": est_inf,
+                      "estimated_large_share": est_inf / est_iter,
+                      "governed_share": min(share, est_inf / est_iter), "governed_decisions_kept": kept,
+                      "record_and_measure_s": round(time.time() - t0, 1)})
+            rows.append(r)
+            print(f"{fam:<11} {name:<11} reduced {over}: {r['decisions']} decisions x {r['candidates_mean']:.0f} of "
+                  f"{r['live_mean']:.0f} rows, {r['per_decision_us']:.0f} us; iteration {1e3 * r['iteration_time_s']:.1f} ms"
+                  f" (h100); est. large: {dec:.0f} x {1e6 * per_dec:.0f} us = {1e3 * est_inf:.1f} ms of "
+                  f"{1e3 * est_iter:.0f} ms = {100 * est_inf / est_iter:.2f}%; governed ({100 * share:.0f}%): "
+                  f"{100 * kept:.0f}% of the decision points", flush=True)
+        _dump("cost_large", {"rows": rows, "fit": {k: list(v) for k, v in fits.items()}})
 
 
 if __name__ == "__main__":
