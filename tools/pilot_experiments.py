@@ -85,14 +85,18 @@ def cost() -> None:
     us per decision, inference share of the h100 iteration, for each variant (best of 3, budget 1/2:
     feasible on every family);
     then the simulated iteration time at 1/2, 1/4, 1/8 of each variant against the oracle."""
-    from dynn_runtime.pilot.cost import fit_decision_cost
+    from dynn_runtime.pilot.cost import decision_cost_curve, fit_decision_cost
     from dynn_runtime.pilot.policy import PilotPolicy
     from dynn_runtime.sim import simulate
 
     model = load_model(default_weights_path())
-    rows, sims = [], []
+    rows, sims, curves = [], [], []
     for _, tr in zoo_traces(FAMS, ["small"], (0,), 2):
         fam = tr.header["workload"]
+        c = decision_cost_curve(tr, model=model)
+        curves.append(c)
+        print(f"{fam:<11} one decision point, best of 100: " + ", ".join(
+            f"{p['candidates_mean']} rows {p['per_decision_us']:.0f} us" for p in c["points"]), flush=True)
         for name, opts in VARIANTS.items():
             r = inference_cost(tr, model=model, budget=0.5, repeats=3, **opts)
             r["variant"] = name
@@ -118,10 +122,12 @@ def cost() -> None:
             print(f"{fam:<11} {b:<6} " + " ".join(
                 f"{k} {rec[k]:.3f}x" if rec[k] is not None else f"{k} OOM" for k in ("oracle", *VARIANTS)), flush=True)
     fits = {name: fit_decision_cost([r for r in rows if r["variant"] == name]) for name in VARIANTS}
+    # whole runs on a shared CPU are load-sensitive; one decision point timed best-of-100 is less so
+    fits["micro"] = fit_decision_cost([p for c in curves for p in c["points"]])
     for name, (a, b) in fits.items():
         print(f"{name}: per decision point ~ {1e6 * a:.0f} us + {1e6 * b:.2f} us per row scored")
-    _dump("cost", {"rows": rows, "sim": sims, "fit": {k: {"a_s": a, "b_s": b} for k, (a, b) in fits.items()},
-                   "numpy": np.__version__})
+    _dump("cost", {"rows": rows, "sim": sims, "curves": curves,
+                   "fit": {k: {"a_s": a, "b_s": b} for k, (a, b) in fits.items()}, "numpy": np.__version__})
 
 
 class _Shifted:
@@ -198,8 +204,8 @@ def cost_large() -> None:
     """`large`, estimated from reduced-knob recordings (LARGE_REDUCED): the simulated iteration time
     scaled by the batch (x depth) ratio; decision points x depth, rows scored per decision point x
     depth (an upper bound for the incremental variant: what was touched since the last decision point
-    does not grow with depth), costed with the per-decision fit a + b * rows of `cost` (or of this
-    run when `cost` has not been run). The governor's share is bounded by construction: reported is
+    does not grow with depth), costed with the per-decision fit a + b * rows of `cost` (its best-of-100
+    one-decision timings; this run's own when `cost` has not been run). The governor's share is bounded by construction: reported is
     the fraction of decision points it keeps."""
     from dynn_runtime.bench import TraceCache
     from dynn_runtime.pilot.cost import fit_decision_cost
@@ -217,7 +223,7 @@ def cost_large() -> None:
         tr = cache.get(fam, "large", 0, 2, over)
         for name in ("full", "incremental"):
             r = inference_cost(tr, model=model, budget=0.5, repeats=2, **VARIANTS[name])
-            a, b = fits.get(name) or fit_decision_cost([r])
+            a, b = fits.get("micro") or fits.get(name) or fit_decision_cost([r])
             est_iter = r["iteration_time_s"] * time_ratio
             dec = r["decisions"] * depth_ratio
             per_dec = a + b * r["candidates_mean"] * depth_ratio

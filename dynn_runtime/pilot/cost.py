@@ -18,7 +18,7 @@ import numpy as np
 
 from .._log import logger
 
-__all__ = ["inference_cost", "fit_decision_cost"]
+__all__ = ["inference_cost", "fit_decision_cost", "decision_cost_curve"]
 
 
 def inference_cost(trace: Any, model: Any = None, budget: float = 0.25, profile: str = "h100",
@@ -81,3 +81,45 @@ def fit_decision_cost(rows: list[dict[str, Any]]) -> tuple[float, float]:
         return (float(y.mean()) if len(y) else 0.0), 0.0
     b, a = np.polyfit(x, y, 1)
     return float(a), float(b)
+
+
+def decision_cost_curve(trace: Any, model: Any = None, sizes: tuple[int, ...] = (16, 64, 128, 256, 512, 1024),
+                        repeats: int = 100, budget: float = 0.5, profile: str = "h100") -> dict[str, Any]:
+    """Seconds to score ``k`` rows at one decision point (features, model, predictions, cache and heap
+    updates), best of ``repeats`` per size, at the first decision point past the middle of
+    ``trace``'s last iteration; and the least-squares ``a + b * k`` over the sizes. Best-of-many on
+    one decision point is robust to a shared CPU's load, where whole-run timings are not."""
+    from ..sim import Simulator, unmanaged_peak
+    from .policy import PilotPolicy
+
+    class _Stop(Exception):
+        pass
+
+    half = len(trace.iterations[-1].ops) // 2
+
+    class _Capture(PilotPolicy):
+        def on_op(self, position: int, op: Any) -> None:
+            super().on_op(position, op)
+            if position >= half and self._last_decision == position:
+                raise _Stop
+
+    pol = _Capture(model=model, incremental=False)
+    try:
+        Simulator(trace, pol, max(1, int(unmanaged_peak(trace) * budget)), profile).run()
+    except _Stop:
+        pass
+    state = pol._state
+    live = state.active_slots()
+    pos = state.position
+    points = []
+    for k in sizes:
+        rows = np.resize(live, k)  # more rows than live storages: slots repeat (same cost per row)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            pol._score(rows, pos, len(live))
+            best = min(best, time.perf_counter() - t0)
+        points.append({"candidates_mean": k, "per_decision_us": 1e6 * best})
+    a, b = fit_decision_cost(points)
+    return {"workload": trace.header.get("workload"), "live": len(live), "position": pos, "points": points,
+            "a_s": a, "b_s": b}
