@@ -350,9 +350,13 @@ class PilotPolicy(NextUsePolicy):
 
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
         away = self._away
-        for sid in super().victims(need_bytes, exclude):
-            away.add(sid)
-            yield sid
+        inner = super().victims(need_bytes, exclude)
+        try:
+            for sid in inner:
+                away.add(sid)
+                yield sid
+        finally:
+            inner.close()  # its own finally puts back the entries it skipped, now, not at collection
 
     def after_op(self, position: int) -> list[Action]:
         actions = super().after_op(position)
