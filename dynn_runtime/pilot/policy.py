@@ -26,15 +26,17 @@ How a prediction is made and kept (why):
    storages allocated or accessed since the last one, (b) those whose predicted position has passed
    (the prediction was wrong), (c) those *due*: scored at ``t`` with bucket probabilities whose
    ``quantile`` (10%) falls in a bucket starting at ``L`` operators, a storage is due at
-   ``t + recheck * L`` (``recheck`` 0.35). The others keep their predicted *position* (not a
+   ``t + recheck * L`` (``recheck`` 0.25). The others keep their predicted *position* (not a
    distance, so it stays valid while nothing happens to the storage). A far prediction is coarse
    ("later this iteration" is anything past 256 operators) and gets precise only when rescored
    closer: keeping it until its predicted position comes within a fixed horizon (128) lost up to
    36% of simulated time (evoformer small at 1/4: 2.03x vs 1.49x; moe at 1/8: 2.80x vs 2.22x),
    rotating rescoring up to 24%; (c)
    rescores it again before the earliest time it could plausibly be needed. Every phase change
-   rescores everything. Measured on the small zoo traces at 1/2, 1/4, 1/8: within 1.5% of full
-   rescoring's simulated time, 2-3x fewer rows scored.
+   rescores everything. Measured at 1/2, 1/4, 1/8 on the small zoo traces: within 1.7% of full
+   rescoring's simulated time with 1.5-2x fewer rows scored; on the reduced-knob `large` recordings
+   of skipnet, tree_lstm and moe within 2.7%. ``recheck`` 0.35 scored 2.2-2.9x fewer rows and was
+   within 1.5% on the small traces, but lost 10% on skipnet's `large` recording at 1/2.
 6. Optional online refit (``online=True``): the feature rows of a sample of each decision point are
    kept; when the next iteration begins, ``context["history"][-1]`` (the iteration just finished)
    labels them, and every ``refit_every`` iterations the model is fine-tuned on them in numpy
@@ -122,7 +124,7 @@ class PilotPolicy(NextUsePolicy):
     incremental: bool = True
     #: rule 5: a storage not touched is rescored once the time since it was scored reaches this
     #: fraction of a low quantile (``quantile``) of its predicted next-use distance
-    recheck: float = 0.35
+    recheck: float = 0.25
     quantile: float = 0.1
     #: also rescore a rotating ``1/refresh_every`` share of the rest at every decision point (0: off).
     #: Rotation alone (without rule 5's due times) halved the inference time but cost up to 24% of
