@@ -477,9 +477,9 @@ def render_markdown(report: BenchReport) -> str:
             lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     if report.max_size:
         lines += [
-            "", f"## Max trainable size ({cfg.max_size_preset} preset, {cfg.max_size_knob} knob, scales up to x{cfg.max_scale}, "
-            f"<= {cfg.overhead_limit:g}x the unlimited-memory time)", "",
-            "Largest multiple of the family's size knob that runs within a device capacity of the unmanaged "
+            "", f"## Max trainable size ({cfg.max_size_preset} preset, {cfg.max_size_knob} knob, scales up to "
+            f"x{cfg.max_scale})", "",
+            f"Largest multiple of the family's {cfg.max_size_knob} knob that runs within a device capacity of the unmanaged "
             f"peak at x1, at most {cfg.overhead_limit:g}x the unlimited-memory time; shown as the ratio to "
             "`none`'s largest.", "",
             "| family | knob | capacity | " + " | ".join(cfg.policies) + " |",
