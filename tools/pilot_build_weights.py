@@ -2,8 +2,10 @@
 
 Data: zoo traces recorded on the CPU through the bench's trace cache (recorded if missing):
 training = tiny seeds 1-3 (4 steps) + small seed 1 (3 steps), every family; held out = tiny seed 10
-(3 steps), small seeds 0 (2 steps, what `dynn bench` simulates) and 10 (3 steps). The provenance
-record (data, config, metrics on the held-out traces, date, git commit) is written beside the weights.
+(3 steps), small seeds 0 (2 steps, what `dynn bench` simulates) and 10 (3 steps). Training also
+uses synthetic dynamic networks (dynn_runtime/pilot/synth.py: seeds 0-31, 4 steps; training data
+only, never evaluated as a family). The provenance record (data, config, metrics on the held-out
+traces, date, git commit) is written beside the weights.
 
     python tools/pilot_build_weights.py [--epochs 12] [--out dynn_runtime/pilot/weights]
 """
@@ -18,9 +20,17 @@ from pathlib import Path
 
 from dynn_runtime import models
 from dynn_runtime.pilot import PilotConfig, evaluate, render_table, save_model, train, zoo_traces
+from dynn_runtime.pilot.synth import SYNTH_FAMILY, synth_traces
 
 TRAIN = [("tiny", (1, 2, 3), 4), ("small", (1,), 3)]
 HELD_OUT = [("tiny", (10,), 3), ("small", (0,), 2), ("small", (10,), 3)]
+#: synthetic networks (training data only): seeds, steps
+SYNTH = (tuple(range(32)), 4)
+
+
+def synthetic(cache_dir: str = ".dynn-cache/traces") -> list:
+    """The synthetic training traces (recorded on first use, then read from the cache)."""
+    return synth_traces(SYNTH[0], steps=SYNTH[1], cache_dir=cache_dir)
 
 
 def main() -> None:
@@ -32,6 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     fams = list(models.FAMILIES)
     train_tr = [t for p, seeds, steps in TRAIN for _, t in zoo_traces(fams, [p], seeds, steps, args.cache_dir)]
+    train_tr += synthetic(args.cache_dir)
     test_tr = [t for p, seeds, steps in HELD_OUT for _, t in zoo_traces(fams, [p], seeds, steps, args.cache_dir)]
     t0 = time.time()
     model, info = train(train_tr, PilotConfig(epochs=args.epochs), log=print)
@@ -44,6 +55,8 @@ def main() -> None:
     record = {
         "weights": "zoo.npz",
         "training_data": [{"preset": p, "seeds": list(s), "steps": n, "families": fams} for p, s, n in TRAIN],
+        "synthetic_data": {"workload": SYNTH_FAMILY, "generator": "dynn_runtime/pilot/synth.py",
+                           "seeds": list(SYNTH[0]), "steps": SYNTH[1], "evaluated": False},
         "held_out_data": [{"preset": p, "seeds": list(s), "steps": n, "families": fams} for p, s, n in HELD_OUT],
         "config": dataclasses.asdict(model.config),
         "held_out_metrics": {k: v.as_dict() for k, v in metrics.items()},

@@ -27,9 +27,18 @@ Rules it keeps (why each is there):
    trust it from the other features.
 5. Backward consumes saved tensors roughly in reverse production order: each saved storage (not a
    parameter, buffer or optimizer state) produced in forward (for the batch: last used in forward)
-   and not yet read in backward has a *stack depth* (how many such storages came after it).
+   and not yet read in backward has a *stack depth* (how many such storages came after it) and a
+   *stack span*: the forward operators between its push and the forward position that backward has
+   reached (the push position of the storage it read last from the stack; in forward, now), times
+   the previous iteration's backward/forward operator ratio, as an estimate of its distance in
+   backward operators; one pushed after that position and still unread is *overdue*.
 6. Storages alive at the start that are new to the iteration (the batch) are matched, at their first
    access, to the previous iteration's storages that no operator allocated (in first-access order).
+   Before their first access they get, tentatively, the counterpart they will be matched to if they
+   are first accessed in the order they were announced (``ext_by_order``).
+7. Estimated distances (anchored replay, occurrence gap, stack span) also enter as cumulative
+   indicators "<= t operators" at the bucket and window edges, so that the network can draw sharp
+   boundaries where an exact replay is right.
 """
 
 from __future__ import annotations
@@ -77,6 +86,9 @@ def fine_bucket(dist: np.ndarray) -> np.ndarray:
     return b.astype(np.int64)
 
 
+#: cumulative "estimated distance <= t" indicators (sharp edges at the bucket and window boundaries)
+_THRESH: tuple[int, ...] = (8, 16, 32, 48, 64, 96, 128, 256)
+
 CAND_FEATURES: tuple[str, ...] = (
     *(f"kind_{k}" for k in KINDS),
     "saved", "persistent", "log_bytes",
@@ -91,15 +103,18 @@ CAND_FEATURES: tuple[str, ...] = (
     "matched", "prev_used_again", "log_prev_dist", "log_prev_count",
     "occ_has_next", "log_occ_remaining", "log_occ_gap",
     "age0",
+    "ext_by_order", "log_stack_span", "log_stack_est", "stack_overdue",
+    *(f"prev_le{t}" for t in _THRESH), *(f"occ_le{t}" for t in _THRESH), *(f"stack_le{t}" for t in _THRESH),
 )
 CTX_FEATURES: tuple[str, ...] = (
     *(f"phase_{p}" for p in PHASES),
     "log_in_phase", "has_history", "anchored_progress", "progress", "log_since_anchor",
     *(f"hist_fast_iv{i}" for i in range(6)),
     *(f"hist_slow_iv{i}" for i in range(6)),
-    "hist_slow_allocs", "log_candidates",
+    "hist_slow_allocs", "log_candidates", "log_bwd_fwd_ratio",
 )
 _C = {n: i for i, n in enumerate(CAND_FEATURES)}
+_THRESH_ARR = np.asarray(_THRESH, dtype=np.float64)
 _X = {n: i for i, n in enumerate(CTX_FEATURES)}
 _BIG = 1 << 32
 _IV_CACHE: dict[tuple[int, ...], np.ndarray] = {}
@@ -121,6 +136,8 @@ class FeatureState:
         self._free: list[int] = []
         self._grow(1024)
         self._stack_counter = 0
+        self._announced = 0
+        self._ratio = 1.5
         self._prev_ops: dict[tuple[str, str, int], int] = {}
         self._prev_len = 0
         self._prev_idx: dict[int, int] = {}
@@ -157,6 +174,8 @@ class FeatureState:
         self.has_producer = ext(g(self, "has_producer", None), 0, np.float32)
         self.consumer_iv = ext(g(self, "consumer_iv", None), 0, np.float32, 6)
         self.stack_idx = ext(g(self, "stack_idx", None), -1, np.int64)
+        self.stack_pos = ext(g(self, "stack_pos", None), -1, np.int64)
+        self.announce = ext(g(self, "announce", None), -1, np.int64)
         self.prev = ext(g(self, "prev", None), -1, np.int64)
         # owned by the policy: cached predicted next-use position, and "moved since the last decision"
         self.pred = ext(g(self, "pred", None), np.inf, np.float64)
@@ -191,6 +210,7 @@ class FeatureState:
         self._hist_slow = np.zeros(6, dtype=np.float32)
         self._hist_allocs = 0.0
         self._stack_counter = 0
+        self._frontier = -1
         n = self._cap
         self.last[:n] = -1
         self.last_phase[:n] = -1
@@ -199,6 +219,7 @@ class FeatureState:
         self.count_phase_of[:n] = -1
         self.acc_phase[:n] = 0
         self.stack_idx[:n] = -1
+        self.stack_pos[:n] = -1
         self.born[:n] = -1
         self.born_phase[:n] = -1
         self.prev[:n] = -1
@@ -214,12 +235,16 @@ class FeatureState:
         self._prev_len = 0
         self._prev_external: list[int] = []
         self._ext_next = 0
+        self._ratio = 1.5
         if prev is None:
             self._prev_keys = np.zeros(0, dtype=np.int64)
             self._prev_count = np.zeros(0, dtype=np.float32)
             return
         seen: dict[tuple[str, str], int] = {}
         acc: dict[int, list[int]] = {}
+        n_fwd = sum(1 for op in prev.ops if op.phase == "forward")
+        n_bwd = sum(1 for op in prev.ops if op.phase == "backward")
+        self._ratio = n_bwd / n_fwd if n_fwd and n_bwd else 1.5
         for j, op in enumerate(prev.ops):
             k = (op.name, op.module)
             c = seen.get(k, 0)
@@ -262,6 +287,9 @@ class FeatureState:
         self.count_phase[s] = 0
         self.acc_phase[s] = 0
         self.stack_idx[s] = -1
+        self.stack_pos[s] = -1
+        self.announce[s] = self._announced
+        self._announced += 1
         self.consumer_iv[s] = 0
         if position < 0:
             self.persistent[s] = 1.0
@@ -342,11 +370,14 @@ class FeatureState:
                 self.count_phase_of[s] = ph
                 self.count_phase[s] = 0
             self.count_phase[s] += 1
+            if ph == 1 and self.stack_idx[s] >= 0 and self.acc_phase[s, 1] == 0:
+                self._frontier = int(self.stack_pos[s])  # popped: backward has reached its push
             self.acc_phase[s, ph] = 1.0
             self.consumer_iv[s] = iv
             if ph == 0 and self.saved[s] > 0 and self.kind[s] > 2 and (self.born[s] < 0 or self.stack_idx[s] < 0):
                 # rule 5: produced storages by production order, the batch by its last forward use
                 self.stack_idx[s] = self._stack_counter
+                self.stack_pos[s] = position
                 self._stack_counter += 1
             if self.prev[s] < 0 and self.born[s] < 0 and self.count[s] == 1:
                 self._match_external(s)
@@ -413,11 +444,45 @@ class FeatureState:
             X[rows, _C["on_stack"]] = 1.0
             X[rows, _C["log_stack_depth"]] = np.log1p(depth) / 6.0
             X[rows, _C["stack_top"]] = depth < 1
+            # forward operators between its push and the forward position backward has reached (the
+            # push position of the storage it read last from the stack; in forward: now), scaled by
+            # the previous iteration's backward/forward operator ratio: backward replays forward in
+            # reverse. Pushed after that position and still unread: overdue.
+            if self.phase == 0:
+                front = pos
+            else:
+                front = self._frontier if self._frontier >= 0 else self.phase_start
+            span = (front - self.stack_pos[idx[rows]]).astype(np.float64)
+            X[rows, _C["stack_overdue"]] = span < 0
+            span = np.maximum(span, 0.0)
+            est = span * self._ratio
+            X[rows, _C["log_stack_span"]] = np.log1p(span) / 8.0
+            X[rows, _C["log_stack_est"]] = np.log1p(est) / 8.0
+            X[rows, _C["stack_le8"]: _C["stack_le256"] + 1] = est[:, None] <= _THRESH_ARR
         # anchored replay (rule 4)
         prev = self.prev[idx]
         p_here, q = self._anchor
         has_prev = prev >= 0
         X[:, _C["matched"]] = has_prev
+        # rule 6 ahead of time: an external storage not accessed yet gets the counterpart it will be
+        # matched to if externals are first accessed in the order they were announced
+        pend = ~has_prev & (self.born[idx] < 0) & (self.count[idx] == 0)
+        if self._prev_len and pend.any():
+            act = np.flatnonzero(self.active[: self._cap])
+            pa = act[(self.prev[act] < 0) & (self.born[act] < 0) & (self.count[act] == 0)]
+            rank_of = np.empty(self._cap, dtype=np.int64)
+            rank_of[pa[np.argsort(self.announce[pa], kind="stable")]] = np.arange(len(pa))
+            ext = self._prev_external
+            rem = [self._prev_idx[c] for c in ext[self._ext_next: self._ext_next + len(pa) + len(self._slot)]
+                   if c not in self._slot][: len(pa)]
+            rows = np.flatnonzero(pend)
+            rk = rank_of[idx[rows]]
+            ok = rk < len(rem)
+            if ok.any():
+                prev = prev.copy()
+                prev[rows[ok]] = np.asarray(rem, dtype=np.int64)[rk[ok]]
+                X[rows[ok], _C["ext_by_order"]] = 1.0
+                has_prev = prev >= 0
         if self._prev_len and has_prev.any():
             rows = np.flatnonzero(has_prev)
             pi = prev[rows]
@@ -430,6 +495,7 @@ class FeatureState:
             dist = np.where(ok, keys[kk] % _BIG - qm, 0)
             X[rows, _C["prev_used_again"]] = ok
             X[rows, _C["log_prev_dist"]] = np.where(ok, np.log1p(np.maximum(dist, 0)) / 8.0, 0.0)
+            X[rows, _C["prev_le8"]: _C["prev_le256"] + 1] = ok[:, None] & (dist[:, None] <= _THRESH_ARR)
             X[rows, _C["log_prev_count"]] = np.log1p(self._prev_count[pi]) / 4.0
             # occurrence-anchored: after its k-th access the counterpart was next used g operators later
             cnt = self.count[idx[rows]].astype(np.int64)
@@ -444,6 +510,7 @@ class FeatureState:
             X[rows, _C["occ_has_next"]] = okn
             X[rows, _C["log_occ_gap"]] = np.where(okn, np.log1p(np.maximum(gap, 0)) / 8.0, 0.0)
             X[rows, _C["log_occ_remaining"]] = np.where(okn, np.log1p(np.maximum(gap - age_r, 0)) / 8.0, 0.0)
+            X[rows, _C["occ_le8"]: _C["occ_le256"] + 1] = okn[:, None] & ((gap - age_r)[:, None] <= _THRESH_ARR)
         ctx = np.zeros(len(CTX_FEATURES), dtype=np.float32)
         ctx[self.phase] = 1.0
         ctx[_X["log_in_phase"]] = np.log1p(pos - self.phase_start) / 8.0
@@ -457,6 +524,7 @@ class FeatureState:
         ctx[_X["hist_slow_iv0"]: _X["hist_slow_iv5"] + 1] = self._hist_slow
         ctx[_X["hist_slow_allocs"]] = min(self._hist_allocs, 8.0) / 4.0
         ctx[_X["log_candidates"]] = np.log1p(m if n_live is None else n_live) / 8.0
+        ctx[_X["log_bwd_fwd_ratio"]] = np.log1p(self._ratio)
         return self.sid[idx].copy(), X, ctx
 
     def expected_length(self) -> int:

@@ -1,0 +1,92 @@
+"""The pilot's stack / ordering features on hand-built sequences, and the synthetic training networks."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dynn_runtime.pilot.features import CAND_FEATURES, FeatureState
+from dynn_runtime.pilot.synth import SynthWorkload, describe, synth_traces
+from dynn_runtime.trace.format import Iteration, Op
+
+C = {n: i for i, n in enumerate(CAND_FEATURES)}
+IV = (0, 1, 0, 0, 1, 0)
+
+
+class _View:
+    def __init__(self, kinds: dict[int, tuple[str, bool]]) -> None:
+        self.kinds = kinds
+
+    def nbytes(self, sid: int) -> int:
+        return 1024
+
+    def kind(self, sid: int) -> str:
+        return self.kinds[sid][0]
+
+    def saved(self, sid: int) -> bool:
+        return self.kinds[sid][1]
+
+
+def _op(name: str, phase: str, ins=(), allocs=()) -> Op:
+    return Op(name=name, idiom=IV, phase=phase, module="m", inputs=tuple(ins), outputs=tuple(allocs), writes=(),
+              allocs=tuple(allocs), duration_s=0.0, flops=0, nbytes=0)
+
+
+def _row(st: FeatureState, sid: int) -> np.ndarray:
+    sids, X, _ = st.features()
+    return X[list(sids).index(sid)]
+
+
+def test_stack_span_follows_the_backward_frontier():
+    kinds = {i: ("activation", True) for i in (1, 2, 3, 4)}
+    st = FeatureState(_View(kinds), group=1)
+    st.begin_iteration(0, [])
+    pushes = {0: 1, 1: 2, 4: 3, 5: 4}  # position -> saved activation produced there
+    for j in range(6):
+        sid = pushes.get(j)
+        if sid:
+            st.alloc(sid, j)
+        st.op(j, _op(f"f{j}", "forward", allocs=(sid,) if sid else ()))
+    # in forward the span is the forward operators produced after it
+    assert np.isclose(np.expm1(_row(st, 1)[C["log_stack_span"]] * 8), 5)
+    st.op(6, _op("b", "backward", ins=(3,)))  # backward reads 3 (pushed at 4): the frontier is 4
+    r1, r2, r4 = _row(st, 1), _row(st, 2), _row(st, 4)
+    assert np.isclose(np.expm1(r1[C["log_stack_span"]] * 8), 4)
+    assert np.isclose(np.expm1(r2[C["log_stack_span"]] * 8), 3)
+    assert np.isclose(np.expm1(r2[C["log_stack_est"]] * 8), 3 * 1.5, atol=1e-3)  # no history: ratio 1.5
+    assert r4[C["stack_overdue"]] == 1 and r2[C["stack_overdue"]] == 0
+    assert r2[C["stack_le8"]] == 1 and r2[C["stack_le256"]] == 1
+
+
+def test_unaccessed_externals_take_counterparts_in_announcement_order():
+    kinds = {i: ("input", False) for i in (10, 11, 20, 21)}
+    prev = Iteration(index=0)
+    prev.ops = [_op("x", "forward"), _op("a", "forward", ins=(10,))] + [_op("pad", "forward") for _ in range(18)] \
+        + [_op("b", "forward", ins=(11,))]
+    st = FeatureState(_View(kinds), group=1)
+    st.begin_iteration(1, [prev])
+    st.alloc(20, -1)
+    st.alloc(21, -1)
+    st.op(0, _op("x", "forward"))
+    r20, r21 = _row(st, 20), _row(st, 21)
+    assert r20[C["ext_by_order"]] == 1 and r21[C["ext_by_order"]] == 1 and r20[C["matched"]] == 0
+    assert r20[C["prev_le8"]] == 1  # counterpart 10: next used 1 operator after the anchor
+    assert r21[C["prev_le16"]] == 0 and r21[C["prev_le32"]] == 1  # counterpart 11: 20 operators after
+
+
+def test_synthetic_networks_are_deterministic_and_varied(tmp_path):
+    assert describe(3) == describe(3)
+    a, b = SynthWorkload(5), SynthWorkload(5)
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+    ba, bb = a.make_batch(1), b.make_batch(1)
+    assert repr(ba["plan"]) == repr(bb["plan"])
+    kinds = [describe(s) for s in range(24)]
+    assert {k["trunk"] for k in kinds} == {"mlp", "conv", "tree"}
+    assert {s for k in kinds for s in k["stages"]} == {"skip", "exit", "recycle", "moe", "plain"}
+    tr = synth_traces([1], steps=3, cache_dir=tmp_path)[0]
+    assert tr.header["workload"] == "synthetic"
+    lengths = [len(it.ops) for it in tr.iterations]
+    assert len(lengths) == 3 and len(set(lengths[1:] + lengths[:1])) > 1  # the structure changes per step
+    again = synth_traces([1], steps=3, cache_dir=tmp_path / "again")[0]
+    assert [[(o.name, o.module) for o in it.ops] for it in again.iterations] == \
+        [[(o.name, o.module) for o in it.ops] for it in tr.iterations]
