@@ -2,9 +2,10 @@
 
 Data: zoo traces recorded on the CPU through the bench's trace cache (recorded if missing):
 training = tiny seeds 1-3 (4 steps) + small seed 1 (3 steps), every family; held out = tiny seed 10
-(3 steps), small seeds 0 (2 steps, what `dynn bench` simulates) and 10 (3 steps). Training also
-uses synthetic dynamic networks (dynn_runtime/pilot/synth.py: seeds 0-31, 4 steps; training data
-only, never evaluated as a family). The provenance record (data, config, metrics on the held-out
+(3 steps), small seeds 0 (2 steps, what `dynn bench` simulates) and 10 (3 steps). With --synthetic,
+training also uses synthetic dynamic networks (dynn_runtime/pilot/synth.py: seeds 0-31, 4 steps;
+training data only, never evaluated as a family); the shipped weights are trained without them
+(measured: same held-out recall, slower simulated iterations; docs/pilot.md). The provenance record (data, config, metrics on the held-out
 traces, date, git commit) is written beside the weights.
 
     python tools/pilot_build_weights.py [--epochs 12] [--out dynn_runtime/pilot/weights]
@@ -39,10 +40,14 @@ def main() -> None:
     ap.add_argument("--out", default="dynn_runtime/pilot/weights")
     ap.add_argument("--cache-dir", default=".dynn-cache/traces")
     ap.add_argument("--every", type=int, default=2, help="evaluate every n-th decision point")
+    ap.add_argument("--synthetic", action="store_true",
+                    help="add the synthetic networks to the training data (off for the shipped weights: with them "
+                         "the provisional prior shifts and the simulated iteration is 3-10%% slower; see docs/pilot.md)")
     args = ap.parse_args()
     fams = list(models.FAMILIES)
     train_tr = [t for p, seeds, steps in TRAIN for _, t in zoo_traces(fams, [p], seeds, steps, args.cache_dir)]
-    train_tr += synthetic(args.cache_dir)
+    if args.synthetic:
+        train_tr += synthetic(args.cache_dir)
     test_tr = [t for p, seeds, steps in HELD_OUT for _, t in zoo_traces(fams, [p], seeds, steps, args.cache_dir)]
     t0 = time.time()
     model, info = train(train_tr, PilotConfig(epochs=args.epochs), log=print)
@@ -55,13 +60,15 @@ def main() -> None:
     record = {
         "weights": "zoo.npz",
         "training_data": [{"preset": p, "seeds": list(s), "steps": n, "families": fams} for p, s, n in TRAIN],
-        "synthetic_data": {"workload": SYNTH_FAMILY, "generator": "dynn_runtime/pilot/synth.py",
-                           "seeds": list(SYNTH[0]), "steps": SYNTH[1], "evaluated": False},
+        "synthetic_data": ({"workload": SYNTH_FAMILY, "generator": "dynn_runtime/pilot/synth.py",
+                            "seeds": list(SYNTH[0]), "steps": SYNTH[1], "evaluated": False}
+                           if args.synthetic else None),
         "held_out_data": [{"preset": p, "seeds": list(s), "steps": n, "families": fams} for p, s, n in HELD_OUT],
         "config": dataclasses.asdict(model.config),
         "held_out_metrics": {k: v.as_dict() for k, v in metrics.items()},
         "evaluated_every_nth_decision": args.every,
-        "command": "python tools/pilot_build_weights.py " + f"--epochs {args.epochs}",
+        "command": "python tools/pilot_build_weights.py " + f"--epochs {args.epochs}"
+                   + (" --synthetic" if args.synthetic else ""),
         **{k: v for k, v in info.items() if k != "data"},
         "trace_files": [d["path"].split("/")[-1] for d in info["data"]],
     }
