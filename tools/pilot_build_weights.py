@@ -4,11 +4,12 @@ Data: zoo traces recorded on the CPU through the bench's trace cache (recorded i
 training = tiny seeds 1-3 (4 steps) + small seed 1 (3 steps), every family; held out = tiny seed 10
 (3 steps), small seeds 0 (2 steps, what `dynn bench` simulates) and 10 (3 steps). With --synthetic,
 training also uses synthetic dynamic networks (dynn_runtime/pilot/synth.py: seeds 0-31, 4 steps;
-training data only, never evaluated as a family); the shipped weights are trained without them
-(measured: same held-out recall, slower simulated iterations; docs/pilot.md). The provenance record (data, config, metrics on the held-out
+training data only, never evaluated as a family), as the shipped weights are (`--synthetic`): they
+raise leave-one-family-out recall; the provisional prior is fitted on the zoo rows only
+(train.fit_prior). The provenance record (data, config, metrics on the held-out
 traces, date, git commit) is written beside the weights.
 
-    python tools/pilot_build_weights.py [--epochs 12] [--out dynn_runtime/pilot/weights]
+    python tools/pilot_build_weights.py --synthetic [--epochs 12] [--out dynn_runtime/pilot/weights]
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=".dynn-cache/traces")
     ap.add_argument("--every", type=int, default=2, help="evaluate every n-th decision point")
     ap.add_argument("--synthetic", action="store_true",
-                    help="add the synthetic networks to the training data (off for the shipped weights: with them "
-                         "the provisional prior shifts and the simulated iteration is 3-10%% slower; see docs/pilot.md)")
+                    help="add the synthetic networks to the training data (the shipped weights do)")
     args = ap.parse_args()
     fams = list(models.FAMILIES)
     train_tr = [t for p, seeds, steps in TRAIN for _, t in zoo_traces(fams, [p], seeds, steps, args.cache_dir)]

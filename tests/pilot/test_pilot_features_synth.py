@@ -90,3 +90,22 @@ def test_synthetic_networks_are_deterministic_and_varied(tmp_path):
     again = synth_traces([1], steps=3, cache_dir=tmp_path / "again")[0]
     assert [[(o.name, o.module) for o in it.ops] for it in again.iterations] == \
         [[(o.name, o.module) for o in it.ops] for it in tr.iterations]
+
+
+def test_prior_ignores_synthetic_rows_when_real_ones_exist():
+    # the provisional prior is a deployment-time default: synthetic rows (training data for the
+    # network only) must not move it, unless they are all there is
+    import numpy as np
+
+    from dynn_runtime.pilot.data import Rows, build_rows, zoo_traces
+    from dynn_runtime.pilot.synth import SYNTH_FAMILY
+    from dynn_runtime.pilot.train import fit_prior
+
+    [(_, tr)] = zoo_traces(["moe"], ["tiny"], [1], 4)
+    real = build_rows([tr], group=16, per_decision=64, seed=0)
+    fake = Rows(X=real.X.copy(), C=real.C.copy(), y=np.full(len(real), real.y.max()),  # everything "not again"
+                family=[SYNTH_FAMILY] * len(real))
+    both = Rows(X=np.concatenate([real.X, fake.X]), C=np.concatenate([real.C, fake.C]),
+                y=np.concatenate([real.y, fake.y]), family=real.family + fake.family)
+    assert np.array_equal(fit_prior(both), fit_prior(real))
+    assert not np.array_equal(fit_prior(fake), fit_prior(real))  # synthetic only: they are used
