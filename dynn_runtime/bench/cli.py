@@ -62,6 +62,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-scale", type=int, default=None,
                    help="largest size-knob multiple of the max-size scan (default 64; --quick: 8; 0 skips it)")
     p.add_argument("--max-size-preset", default="tiny", help="preset the max-size scan scales (default tiny)")
+    p.add_argument("--grid-depth", type=int, default=1, metavar="N",
+                   help="multiply each family's depth (layers, blocks) by N for the budget grid (default 1)")
     p.add_argument("--max-size-knob", default="size", choices=("size", "depth"),
                    help="what the max-size scan multiplies: size (batch, residues; default) or depth (layers, blocks)")
     p.add_argument("--overhead-limit", type=float, default=1.5, metavar="X",
@@ -127,7 +129,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         families=list(args.families), policies=list(args.policies), budgets=args.budgets,
         preset=args.preset, seed=args.seed, steps=args.steps, device_profile=args.device_profile,
         quick=args.quick, max_scale=args.max_scale, max_size_preset=args.max_size_preset,
-        max_size_knob=args.max_size_knob, overhead_limit=args.overhead_limit,
+        grid_depth=args.grid_depth, max_size_knob=args.max_size_knob, overhead_limit=args.overhead_limit,
         out_dir=args.out, json_path=args.json, cache_dir=args.cache_dir,
     )
     cfg.resolved()  # validate before any work

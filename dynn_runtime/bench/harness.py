@@ -84,6 +84,10 @@ class BenchConfig:
     """Largest size-knob multiplier of the max-size scan (powers of two from 1); default 64 (quick: 8);
     0 skips the scan."""
     max_size_preset: str = "tiny"
+    grid_depth: int = 1
+    """Multiplier of each family's depth knob (layers, blocks) for the budget grid's traces: on deeper
+    models a small budget fraction stays above the largest single operator. Families without a depth
+    knob (the Tree-LSTM) are left out of a grid with ``grid_depth > 1``."""
     max_size_knob: str = "size"
     """What the max-size scan multiplies: ``size``, the family's memory knob (batch, residues: larger
     activations), or ``depth``, its depth knob (layers, blocks: a larger model, the paper's "larger
@@ -157,6 +161,8 @@ class BenchConfig:
         if self.max_scale is not None and (not isinstance(self.max_scale, int) or self.max_scale < 0):
             raise ConfigError(f"bench: max_scale must be an integer >= 0 (0 skips the max-size scan), "
                               f"got {self.max_scale!r}.")
+        if not isinstance(self.grid_depth, int) or self.grid_depth < 1:
+            raise ConfigError(f"bench: grid_depth must be an integer >= 1, got {self.grid_depth!r}.")
         if self.max_size_knob not in ("size", "depth"):
             raise ConfigError(f"bench: max_size_knob is 'size' (batch, residues) or 'depth' (layers, blocks), "
                               f"got {self.max_size_knob!r}.")
@@ -352,7 +358,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchReport:
     results: list[dict[str, Any]] = []
     try:
         for family in cfg.families:
-            trace, tpath = trace_for(family, cfg.preset, {})
+            if cfg.grid_depth > 1 and scan_knob(family, "depth") is None:
+                logger.warning("bench: %s has no depth knob; left out of the grid at depth x%d", family, cfg.grid_depth)
+                bar.update(len(cfg.policies) * len(cfg.budgets))
+                continue
+            trace, tpath = trace_for(family, cfg.preset, scaled_overrides(family, cfg.preset, cfg.grid_depth, "depth"))
             ref = simulate(trace, "none", 1.0, profile)
             for policy in cfg.policies:
                 for frac in cfg.budgets:
@@ -455,7 +465,8 @@ def render_markdown(report: BenchReport) -> str:
     cfg = report.config
     prof = report.meta["profile"]["name"]
     lines = [
-        f"# dynn bench: {prof}, preset {cfg.preset}, seed {cfg.seed} ({report.meta['date']})",
+        f"# dynn bench: {prof}, preset {cfg.preset}{f', depth x{cfg.grid_depth}' if cfg.grid_depth > 1 else ''}, "
+        f"seed {cfg.seed} ({report.meta['date']})",
         "",
         "Iteration time over the unlimited-memory time (`none` at budget 1), simulated; budgets are fractions "
         "of the peak under `none`. `OOM`: the policy cannot run the iteration within the budget.",

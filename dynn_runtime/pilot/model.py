@@ -20,6 +20,7 @@ raises :class:`~dynn_runtime.errors.PilotError` naming the file and the fix.
 
 from __future__ import annotations
 
+import functools
 import json
 import zipfile
 from dataclasses import asdict, dataclass, field
@@ -72,6 +73,15 @@ def bucket_reps(expected_len: int) -> np.ndarray:
     reps.append(max(length / 2.0, 2.0 * BUCKET_EDGES[-1]))
     reps.append(4.0 * length)
     return np.asarray(reps, dtype=np.float64)
+
+
+@functools.lru_cache(maxsize=64)
+def _log_bucket_reps(expected_len: int) -> np.ndarray:
+    """``log(bucket_reps(n))``, computed once per length (every decision point of an iteration asks
+    for the same one). Read-only: the cached array is shared."""
+    out = np.log(bucket_reps(expected_len))
+    out.flags.writeable = False
+    return out
 
 
 @dataclass
@@ -163,7 +173,7 @@ class PilotModel:
 
     def expected_log_distance(self, P: np.ndarray, expected_len: int) -> np.ndarray:
         """Order key: the expected log next-use distance under the bucket probabilities ``P``."""
-        return P.astype(np.float64) @ np.log(bucket_reps(expected_len))
+        return P.astype(np.float64) @ _log_bucket_reps(expected_len)
 
     @staticmethod
     def coarse(P: np.ndarray) -> np.ndarray:

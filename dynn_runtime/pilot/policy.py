@@ -19,7 +19,7 @@ How a prediction is made and kept (why):
 3. After a decision point only the rescored storages' entries change: their cache values are
    updated and new entries pushed on the eviction (resident) or prefetch (offloaded) heap; the older
    entries no longer match the cache, so ``NextUsePolicy`` skips them as stale, and a heap is compacted
-   when it holds more than twice the live storages. No O(live) rebuild per decision point.
+   when it holds more than 4x the live storages (+1024). No O(live) rebuild per decision point.
 4. Weights load on first use (``attach``), not at import. Inference is numpy only: no torch operator
    runs inside the runtime's dispatch mode.
 5. Incremental rescoring (``incremental=True``, the default): a decision point rescores (a) the
@@ -30,9 +30,9 @@ How a prediction is made and kept (why):
    distance, so it stays valid while nothing happens to the storage). A far prediction is coarse
    ("later this iteration" is anything past 256 operators) and gets precise only when rescored
    closer: keeping it until its predicted position comes within a fixed horizon (128) lost up to
-   36% of simulated time (evoformer small at 1/4: 2.03x vs 1.49x; moe at 1/8: 2.80x vs 2.22x),
-   rotating rescoring up to 24%; (c)
-   rescores it again before the earliest time it could plausibly be needed. Every phase change
+   36% of simulated time (evoformer small at 1/4: 2.03x vs 1.49x; moe at 1/8: 2.80x vs 2.22x), and
+   rescoring a rotating share of the rest up to 24%; (c) rescores a storage before the earliest time
+   it could plausibly be needed. Every phase change
    rescores everything. Measured at 1/2, 1/4, 1/8 on the small zoo traces: within 1.7% of full
    rescoring's simulated time with 1.5-2x fewer rows scored; on the reduced-knob `large` recordings
    of skipnet, tree_lstm and moe within 2.7%. ``recheck`` 0.35 scored 2.2-2.9x fewer rows and was
@@ -53,9 +53,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import deque
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -126,14 +124,10 @@ class PilotPolicy(NextUsePolicy):
     #: fraction of a low quantile (``quantile``) of its predicted next-use distance
     recheck: float = 0.25
     quantile: float = 0.1
-    #: also rescore a rotating ``1/refresh_every`` share of the rest at every decision point (0: off).
-    #: Rotation alone (without rule 5's due times) halved the inference time but cost up to 24% of
-    #: simulated iteration time (evoformer small at 1/8: 2.14x vs 1.72x).
-    refresh_every: int = 0
 
     def __init__(self, weights: str | Path | None = None, online: bool = False, refit_every: int = 4,
-                 model: Any = None, group: int | None = None, refresh_every: int | None = None,
-                 incremental: bool | None = None, recheck: float | None = None, quantile: float | None = None, max_share: float | None = None,
+                 model: Any = None, group: int | None = None, incremental: bool | None = None,
+                 recheck: float | None = None, quantile: float | None = None, max_share: float | None = None,
                  timer: Any = None) -> None:
         super().__init__()
         self._weights = Path(weights) if weights is not None else default_weights_path()
@@ -146,8 +140,6 @@ class PilotPolicy(NextUsePolicy):
         self._model = model
         self._online = online
         self._group = group
-        if refresh_every is not None:
-            self.refresh_every = max(0, int(refresh_every))
         if incremental is not None:
             self.incremental = bool(incremental)
         if recheck is not None:
@@ -162,7 +154,6 @@ class PilotPolicy(NextUsePolicy):
         self._state: FeatureState | None = None
         self._cache: dict[int, float | None] = {}
         self._due = np.zeros(0, dtype=np.float64)
-        self._log_reps: tuple[int, np.ndarray] | None = None
         #: decision points, and seconds spent in feature building + inference (cost report)
         self.decisions = 0
         self.inference_s = 0.0
@@ -287,10 +278,7 @@ class PilotPolicy(NextUsePolicy):
         else:
             # rule 5: rescore what moved since the last decision point and what is due (overdue, or
             # its distance's low quantile may have elapsed); the rest keeps its predicted position
-            sel = state.touched[live] | (self._due[live] <= position)
-            if self.refresh_every > 1:
-                sel |= (live % self.refresh_every) == (self.decisions % self.refresh_every)
-            rows = live[sel]
+            rows = live[state.touched[live] | (self._due[live] <= position)]
         self.decisions += 1
         self.live_total += len(live)
         if len(rows):
@@ -307,7 +295,7 @@ class PilotPolicy(NextUsePolicy):
         sids, X, ctx = state.features(rows)
         self.candidates += len(sids)
         P = self.model.probs(X, ctx)
-        score = P.astype(np.float64) @ self._log_bucket_reps()
+        score = self.model.expected_log_distance(P, self._expected_len)
         # rule 1: "not again" only for storages that are not needed by the next iteration either
         never = (P.argmax(axis=1) == P.shape[1] - 1) & (X[:, :3].sum(axis=1) == 0)
         np.exp(score, out=score)
@@ -321,14 +309,6 @@ class PilotPolicy(NextUsePolicy):
             self._refit.observe(position, sids, X, ctx)
         self._update(sids.tolist(), score.tolist(), n_live)
 
-    def _log_bucket_reps(self) -> np.ndarray:
-        n = self._expected_len
-        if self._log_reps is None or self._log_reps[0] != n:
-            from .model import bucket_reps
-
-            self._log_reps = (n, np.log(bucket_reps(n)))
-        return self._log_reps[1]
-
     def _update(self, sids: list[int], preds: list[float], n_live: int) -> None:
         """Rule 3: the cache and both heaps take the new predictions of the rescored storages only.
         An older heap entry of a storage no longer matches its prediction, so NextUsePolicy skips it
@@ -338,7 +318,8 @@ class PilotPolicy(NextUsePolicy):
         res = self._res
         # every rescored storage gets an eviction entry (one that is not resident is skipped there as
         # stale); the ones this policy evicted and has not seen back get a prefetch entry
-        deque(map(partial(heapq.heappush, res), zip([-v for v in preds], sids)), maxlen=0)
+        for v, sid in zip(preds, sids):
+            heapq.heappush(res, (-v, sid))
         away = self._away.intersection(sids)
         if away:
             off = self._off

@@ -152,6 +152,19 @@ def test_scaled_overrides():
         scaled_overrides("tree_lstm", "tiny", 2, "depth")
 
 
+def test_grid_depth_simulates_deeper_models(tmp_path):
+    # the budget grid on depth-scaled traces: a deeper model has a larger peak at the same batch, and
+    # a family without a depth knob is left out rather than run at its usual depth
+    base = run_bench(_cfg(tmp_path, families=["moe"], policies=["none"], budgets=[1.0], max_scale=0),
+                     progress=False)
+    deep = run_bench(_cfg(tmp_path, families=["moe", "tree_lstm"], policies=["none"], budgets=[1.0], max_scale=0,
+                          grid_depth=2), progress=False)
+    assert [r["family"] for r in deep.results] == ["moe"]
+    assert deep.results[0]["unmanaged_peak_bytes"] > base.results[0]["unmanaged_peak_bytes"]
+    assert deep.results[0]["ops"] > base.results[0]["ops"]
+    assert "depth x2" in render_markdown(deep)
+
+
 def test_depth_scan_builds_deeper_models():
     from dynn_runtime import models
 
@@ -174,6 +187,7 @@ def test_depth_scan_builds_deeper_models():
         (dict(preset="huge"), "choices: tiny"),
         (dict(steps=1), ">= 2"),
         (dict(max_size_knob="width"), "'size' (batch, residues) or 'depth'"),
+        (dict(grid_depth=0), "grid_depth must be an integer >= 1"),
     ],
 )
 def test_bad_input(tmp_path, kw, needle):
