@@ -49,6 +49,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("weights", nargs="?", default="shipped", help="weights file (default: shipped)")
     c.add_argument("--traces", nargs="+", required=True, metavar="PATH", help="trace files or directories")
     c.add_argument("--device-profile", default="h100", help="device profile (default h100)")
+    c.add_argument("--backend", choices=("auto", "native", "numpy"), default="auto",
+                   help="inference path: the native C kernel, the numpy reference, or auto (native when "
+                        "a C compiler is available; default)")
     c.add_argument("--json", action="store_true", help="print JSON")
     c.set_defaults(func=_cmd_cost)
 
@@ -102,14 +105,16 @@ def _cmd_cost(args: argparse.Namespace) -> int:
     from .model import load_model
 
     model = load_model(_weights(args.weights))
-    rows = [inference_cost(tr, model=model, profile=args.device_profile) for tr in load_traces(args.traces)]
+    backend = None if args.backend == "auto" else args.backend
+    rows = [inference_cost(tr, model=model, profile=args.device_profile, backend=backend)
+            for tr in load_traces(args.traces)]
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     print(f"{'workload':<12} {'preset':<7} {'ops':>6} {'decisions':>9} {'cands':>6} {'us/decision':>11} "
-          f"{'ms/iter':>8} {'iter ms (' + args.device_profile + ')':>15} {'share':>7}")
+          f"{'ms/iter':>8} {'iter ms (' + args.device_profile + ')':>15} {'share':>7} {'backend':>8}")
     for r in rows:
         print(f"{r['workload']:<12} {r['preset']:<7} {r['ops']:>6} {r['decisions']:>9} {r['candidates_mean']:>6.0f} "
               f"{r['per_decision_us']:>11.0f} {1e3 * r['inference_s']:>8.2f} {1e3 * r['iteration_time_s']:>15.2f} "
-              f"{100 * r['fraction_of_iteration']:>6.1f}%")
+              f"{100 * r['fraction_of_iteration']:>6.1f}% {r['backend']:>8}")
     return 0

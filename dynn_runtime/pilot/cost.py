@@ -7,6 +7,10 @@ the device profile (the live runtime runs the pilot on the CPU, overlapped with 
 apart, the per-operator bookkeeping (feature-state update after every operator). ``options`` go to
 :class:`~dynn_runtime.pilot.policy.PilotPolicy` (``incremental=False`` for full rescoring,
 ``max_share=0.02`` for the cost governor), so the variants are measured the same way.
+
+``backend`` picks the inference path (``"native"``: the C kernel of :mod:`.native`; ``"numpy"``: the
+reference; None: native when available) and every record says which one ran, so both can be
+measured in one process; :func:`fit_decision_cost` fits one backend at a time.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ __all__ = ["inference_cost", "fit_decision_cost", "decision_cost_curve"]
 
 
 def inference_cost(trace: Any, model: Any = None, budget: float = 0.25, profile: str = "h100",
-                   repeats: int = 3, group: int | None = None, **options: Any) -> dict[str, Any]:
+                   repeats: int = 3, group: int | None = None, backend: str | None = None,
+                   **options: Any) -> dict[str, Any]:
     """Per-decision and per-iteration pilot cost on ``trace``'s last iteration (best of ``repeats``).
 
     ``fraction_of_iteration`` is against the unmanaged iteration time (no memory limit), as the
@@ -36,7 +41,7 @@ def inference_cost(trace: Any, model: Any = None, budget: float = 0.25, profile:
     budget_bytes = max(1, int(unmanaged_peak(trace) * budget))
     best: dict[str, Any] | None = None
     for _ in range(repeats):
-        pol = PilotPolicy(model=model, group=group, **options)
+        pol = PilotPolicy(model=model, group=group, backend=backend, **options)
         sim = Simulator(trace, pol, budget_bytes, profile)
         t0 = time.perf_counter()
         res = sim.run()
@@ -45,6 +50,7 @@ def inference_cost(trace: Any, model: Any = None, budget: float = 0.25, profile:
         wall = time.perf_counter() - t0
         n = max(pol.decisions, 1)
         rec = {
+            "backend": pol.backend,
             "decisions": pol.decisions,
             "deferred": pol.deferred,
             "inference_s": pol.inference_s,
@@ -73,8 +79,16 @@ def inference_cost(trace: Any, model: Any = None, budget: float = 0.25, profile:
     return best
 
 
-def fit_decision_cost(rows: list[dict[str, Any]]) -> tuple[float, float]:
-    """Least-squares ``(a, b)`` in seconds of ``per decision point = a + b * rows scored``."""
+def fit_decision_cost(rows: list[dict[str, Any]], backend: str | None = None) -> tuple[float, float]:
+    """Least-squares ``(a, b)`` in seconds of ``per decision point = a + b * rows scored``.
+
+    ``backend``: fit only the records of that backend; without it the records must not mix backends.
+    """
+    if backend is not None:
+        rows = [r for r in rows if r.get("backend") == backend]
+    elif len({r.get("backend") for r in rows}) > 1:
+        raise ValueError("fit_decision_cost: the records mix backends "
+                         f"{sorted({str(r.get('backend')) for r in rows})}; pass backend=")
     x = np.asarray([r["candidates_mean"] for r in rows], dtype=np.float64)
     y = np.asarray([r["per_decision_us"] * 1e-6 for r in rows], dtype=np.float64)
     if len(x) < 2 or np.ptp(x) == 0:
@@ -84,7 +98,8 @@ def fit_decision_cost(rows: list[dict[str, Any]]) -> tuple[float, float]:
 
 
 def decision_cost_curve(trace: Any, model: Any = None, sizes: tuple[int, ...] = (16, 64, 128, 256, 512, 1024),
-                        repeats: int = 100, budget: float = 0.5, profile: str = "h100") -> dict[str, Any]:
+                        repeats: int = 100, budget: float = 0.5, profile: str = "h100",
+                        backend: str | None = None) -> dict[str, Any]:
     """Seconds to score ``k`` rows at one decision point (features, model, predictions, cache and heap
     updates), best of ``repeats`` per size, at the first decision point past the middle of
     ``trace``'s last iteration; and the least-squares ``a + b * k`` over the sizes. Best-of-many on
@@ -103,7 +118,7 @@ def decision_cost_curve(trace: Any, model: Any = None, sizes: tuple[int, ...] = 
             if position >= half and self._last_decision == position:
                 raise _Stop
 
-    pol = _Capture(model=model, incremental=False)
+    pol = _Capture(model=model, incremental=False, backend=backend)
     try:
         Simulator(trace, pol, max(1, int(unmanaged_peak(trace) * budget)), profile).run()
     except _Stop:
@@ -119,7 +134,7 @@ def decision_cost_curve(trace: Any, model: Any = None, sizes: tuple[int, ...] = 
             t0 = time.perf_counter()
             pol._score(rows, pos, len(live))
             best = min(best, time.perf_counter() - t0)
-        points.append({"candidates_mean": k, "per_decision_us": 1e6 * best})
+        points.append({"candidates_mean": k, "per_decision_us": 1e6 * best, "backend": pol.backend})
     a, b = fit_decision_cost(points)
-    return {"workload": trace.header.get("workload"), "live": len(live), "position": pos, "points": points,
+    return {"workload": trace.header.get("workload"), "backend": pol.backend, "live": len(live), "position": pos, "points": points,
             "a_s": a, "b_s": b}

@@ -16,7 +16,9 @@ Rules it keeps (why each is there):
    previous one (rule 4), never as inputs.
 3. Storage ids are opaque ints; per-storage state lives in numpy arrays indexed by a slot that is
    recycled when the storage is freed, so the state stays as large as the live set, and a decision
-   point is a handful of vectorised numpy operations over it (no Python loop over candidates).
+   point is a handful of vectorised numpy operations over it (no Python loop over candidates), or
+   one call of the native kernel (:mod:`.native`), which reads the same arrays and returns the same
+   rows bit for bit.
 4. History alignment ("anchored replay"): every operator is keyed by (name, module, occurrence of
    that pair so far in the iteration) and matched to the previous iteration's operator with the same
    key. The last matched operator *anchors* the current position to a position in the previous
@@ -118,6 +120,7 @@ _THRESH_ARR = np.asarray(_THRESH, dtype=np.float64)
 _X = {n: i for i, n in enumerate(CTX_FEATURES)}
 _BIG = 1 << 32
 _IV_CACHE: dict[tuple[int, ...], np.ndarray] = {}
+_IVK_CACHE: dict[tuple[Any, ...], np.ndarray] = {}
 
 
 class FeatureState:
@@ -125,12 +128,26 @@ class FeatureState:
 
     ``view`` must answer ``nbytes``, ``kind`` and ``saved`` for a storage when it is announced.
     ``group``: decision points fall every ``group`` operators and at every phase change.
+    ``backend``: how :meth:`features` computes the rows: ``"native"`` (the C kernel,
+    :mod:`.native`), ``"numpy"`` (:meth:`features_numpy`, the reference), or None: native when it is
+    available. Both give the same rows bit for bit.
     """
 
-    def __init__(self, view: Any, group: int = 16, decays: tuple[float, float] = (0.5, 0.9)) -> None:
+    def __init__(self, view: Any, group: int = 16, decays: tuple[float, float] = (0.5, 0.9),
+                 backend: str | None = None) -> None:
+        from . import native
+
         self.view = view
         self.group = int(group)
         self.decays = decays
+        self.backend = native.resolve(backend)
+        self._kernel = native.kernel() if self.backend == "native" else None
+        self._native_tab = None
+        # the idiom histories, fast (6) then slow (6), updated in place (the native kernel reads them)
+        self._hist = np.zeros(12, dtype=np.float32)
+        self._hist_fast = self._hist[:6]
+        self._hist_slow = self._hist[6:]
+        self._set_decays()
         self._cap = 0
         self._slot: dict[int, int] = {}
         self._free: list[int] = []
@@ -145,6 +162,11 @@ class FeatureState:
         self._prev_count = np.zeros(0, dtype=np.float32)
         self._prev_allocs: dict[int, tuple[int, ...]] = {}
         self.begin_iteration(0, [])
+
+    def _set_decays(self) -> None:
+        f, sl = self._hist_decays = self.decays
+        self._hist_decay = np.asarray([f] * 6 + [sl] * 6, dtype=np.float32)
+        self._hist_keep = np.asarray([1 - f] * 6 + [1 - sl] * 6, dtype=np.float32)
 
     # ---- storage slots ------------------------------------------------------------------------
     def _grow(self, cap: int) -> None:
@@ -182,6 +204,7 @@ class FeatureState:
         self.touched = ext(g(self, "touched", None), True, bool)
         self._free.extend(range(cap - 1, old - 1, -1))
         self._cap = cap
+        self._native_tab = None  # the arrays moved: the native kernel's address table is stale
 
     def slot_of(self, sid: int) -> int | None:
         return self._slot.get(sid)
@@ -206,8 +229,7 @@ class FeatureState:
         self._op_seen: dict[tuple[str, str], int] = {}
         self._anchor = (-1, -1)  # (position here, matched position in the previous iteration)
         self._last_decision = -1
-        self._hist_fast = np.zeros(6, dtype=np.float32)
-        self._hist_slow = np.zeros(6, dtype=np.float32)
+        self._hist[:] = 0
         self._hist_allocs = 0.0
         self._stack_counter = 0
         self._frontier = -1
@@ -236,6 +258,7 @@ class FeatureState:
         self._prev_external: list[int] = []
         self._ext_next = 0
         self._ratio = 1.5
+        self._native_tab = None  # new previous-iteration index and ratio
         if prev is None:
             self._prev_keys = np.zeros(0, dtype=np.int64)
             self._prev_count = np.zeros(0, dtype=np.float32)
@@ -337,9 +360,17 @@ class FeatureState:
         iv = _IV_CACHE.get(op.idiom)
         if iv is None:
             iv = _IV_CACHE[op.idiom] = np.asarray(op.idiom, dtype=np.float32) / 3.0
+        if self.decays is not self._hist_decays:
+            self._set_decays()
         f, sl = self.decays
-        self._hist_fast = self._hist_fast * f + iv * (1 - f)
-        self._hist_slow = self._hist_slow * sl + iv * (1 - sl)
+        # fast = fast * f + iv * (1 - f), slow likewise with sl: the same float32 roundings, in place
+        key = (op.idiom, f, sl)
+        ivk = _IVK_CACHE.get(key)
+        if ivk is None:
+            ivk = _IVK_CACHE[key] = np.concatenate([iv, iv]) * self._hist_keep
+        h = self._hist
+        h *= self._hist_decay
+        h += ivk
         self._hist_allocs = self._hist_allocs * sl + len(op.allocs) * (1 - sl)
         # align with the previous iteration (rule 4)
         key = (op.name, op.module)
@@ -395,7 +426,32 @@ class FeatureState:
         """``(sids, X, ctx)``: candidate storage ids, their feature rows, the shared context row.
 
         ``idx``: only these slots (a subset of :meth:`active_slots`); default every live storage.
+        Computed by the native kernel when this state's ``backend`` is ``"native"``, else by
+        :meth:`features_numpy`; the results are equal bit for bit.
         """
+        if self._kernel is not None:
+            return self._kernel.features(self, idx)
+        return self.features_numpy(idx)
+
+    def _ext_rem(self, n: int) -> list[int]:
+        """Rule 6 ahead of time: the previous iteration's indices of the first ``n`` external storages
+        not matched yet and not alive now (what :meth:`features_numpy` builds as ``rem``)."""
+        ext = self._prev_external
+        slot = self._slot
+        out: list[int] = []
+        if n <= 0:
+            return out
+        stop = min(len(ext), self._ext_next + n + len(slot))
+        for i in range(self._ext_next, stop):
+            c = ext[i]
+            if c not in slot:
+                out.append(self._prev_idx[c])
+                if len(out) == n:
+                    break
+        return out
+
+    def features_numpy(self, idx: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`features` in numpy: the reference the native kernel is tested against."""
         n_live = int(self.active[: self._cap].sum()) if idx is not None else None
         if idx is None:
             idx = self.active_slots()

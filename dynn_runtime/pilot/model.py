@@ -7,10 +7,12 @@ Architecture (``hidden`` = 64 by default: 10.5k parameters)::
     logits = h2 @ W3 + b3                                                    # N_FINE next-use buckets
 
 The context term is computed once per decision point and broadcast, so a decision costs two
-``(n, hidden)`` matrix products. Everything is numpy: training (Adam, manual backprop) and
-inference. That keeps inference free of torch operators (the live runtime runs policies while its
-own ``TorchDispatchMode`` is active), makes a refit between iterations safe in the same place, and
-makes inference bit-for-bit deterministic for a given machine.
+``(n, hidden)`` matrix products. Training (Adam, manual backprop) and the reference inference
+(:meth:`PilotModel.logits`, :meth:`PilotModel.probs`) are numpy; :meth:`PilotModel.score` runs on
+the native C kernel (:mod:`.native`) when it is available, equal to numpy up to float32 summation
+order. That keeps inference free of torch operators (the live runtime runs policies while its own
+``TorchDispatchMode`` is active), makes a refit between iterations safe in the same place, and
+makes inference bit-for-bit deterministic for a given machine and backend.
 
 Weights files (``.npz``): the arrays above plus ``meta``, a JSON record with ``format``
 (``"dynn-pilot"``), ``version`` (:data:`WEIGHTS_VERSION`), the feature names the file was trained
@@ -175,6 +177,29 @@ class PilotModel:
         """Order key: the expected log next-use distance under the bucket probabilities ``P``."""
         return P.astype(np.float64) @ _log_bucket_reps(expected_len)
 
+    def score(self, X: np.ndarray, ctx: np.ndarray, expected_len: int, quantile: float = 0.1,
+              backend: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(P, eld, k)``: :meth:`probs`, :meth:`expected_log_distance`, and per row the first bucket
+        whose cumulative probability reaches ``quantile`` (what the policy needs of a decision point).
+
+        ``backend``: ``"native"`` (the C kernel, :mod:`.native`: equal to numpy up to float32
+        summation order), ``"numpy"`` (the methods above), or None: native when available and it
+        takes this model's shape.
+        """
+        from . import native
+
+        use = native.resolve(backend) == "native"
+        if use and not native.kernel().supports(self):
+            if backend == "native":
+                raise PilotError(f"pilot: the native kernel does not take this model's shape "
+                                 f"(hidden {self.arrays['W2'].shape[0]}); use backend='numpy'.")
+            use = False
+        if use:
+            P, eld, k, _ = native.kernel().score(self, X, ctx, _log_bucket_reps(expected_len), quantile)
+            return P, eld, k
+        P = self.probs(X, ctx)
+        return P, self.expected_log_distance(P, expected_len), (np.cumsum(P, axis=1) >= quantile).argmax(axis=1)
+
     @staticmethod
     def coarse(P: np.ndarray) -> np.ndarray:
         """Probabilities of the coarse (reported) buckets."""
@@ -334,4 +359,5 @@ def fit(
                 a[k] = (a[k] - lr * mh / (np.sqrt(vh) + eps)).astype(np.float32)
         losses.append(tot / max(n, 1))
     model.__dict__.pop("_fold", None)  # the arrays changed: the folded first layer is stale
+    model.__dict__.pop("_native", None)  # and the native kernel's weight table
     return model, losses

@@ -8,7 +8,9 @@ iteration's future.
 How a prediction is made and kept (why):
 
 1. At a decision point (every ``decision_every`` operators and at every phase change) every live storage is
-   scored in one batch (:meth:`PilotModel.probs`); the expected log next-use distance under the
+   scored in one batch (:meth:`PilotModel.probs`; by default features, network and the arithmetic
+   below run in one call of the native kernel, :mod:`.native`, ``backend="numpy"`` keeps it all in
+   numpy: same decisions); the expected log next-use distance under the
    bucket probabilities orders them, ``position + exp(that)`` is the cached predicted position. A
    storage whose most likely bucket is "not again this iteration" and that is not persistent
    (parameter, buffer, optimizer state) predicts ``None``.
@@ -128,7 +130,7 @@ class PilotPolicy(NextUsePolicy):
     def __init__(self, weights: str | Path | None = None, online: bool = False, refit_every: int = 4,
                  model: Any = None, group: int | None = None, incremental: bool | None = None,
                  recheck: float | None = None, quantile: float | None = None, max_share: float | None = None,
-                 timer: Any = None) -> None:
+                 timer: Any = None, backend: str | None = None) -> None:
         super().__init__()
         self._weights = Path(weights) if weights is not None else default_weights_path()
         if model is None and not self._weights.is_file():
@@ -137,6 +139,8 @@ class PilotPolicy(NextUsePolicy):
                 "`dynn pilot train --traces ... -o FILE` and pass weights=FILE.")
         if max_share is not None and not 0 < float(max_share) <= 1:
             raise PolicyError(f"policies: pilot max_share must be in (0, 1], got {max_share!r}.")
+        if backend not in (None, "auto", "native", "numpy"):
+            raise PolicyError(f"policies: pilot backend must be 'native', 'numpy' or None (auto), got {backend!r}.")
         self._model = model
         self._online = online
         self._group = group
@@ -151,6 +155,10 @@ class PilotPolicy(NextUsePolicy):
         self._timer = timer or time.perf_counter
         self._refit_every = refit_every
         self._refit = None
+        #: inference backend: "native" (the C kernel, dynn_runtime.pilot.native), "numpy", or None:
+        #: native when it is available; after attach, the one in use
+        self.backend = backend
+        self._kernel = None
         self._state: FeatureState | None = None
         self._cache: dict[int, float | None] = {}
         self._due = np.zeros(0, dtype=np.float64)
@@ -174,7 +182,21 @@ class PilotPolicy(NextUsePolicy):
     def attach(self, view: Any) -> None:
         super().attach(view)
         model = self.model  # first use: load the weights now, not at import
-        self._state = FeatureState(view, group=self._group or self.decision_every)
+        from . import native
+
+        backend = native.resolve(self.backend)
+        if backend == "native" and not native.kernel().supports(model):
+            if self.backend == "native":
+                raise PolicyError("policies: pilot backend 'native': the native kernel does not take this "
+                                  f"model's shape (hidden {model.arrays['W2'].shape[0]}); use backend='numpy'.")
+            backend = "numpy"
+        self._state = FeatureState(view, group=self._group or self.decision_every, backend=backend)
+        self.backend = backend
+        self._kernel = self._state._kernel
+        if self._kernel is not None:
+            from .native import PolicyTable
+
+            self._pt = PolicyTable(_LOWER, self.quantile, self.recheck)
         self._prior = np.exp(model.arrays["prior"].astype(np.float64))
         self._clock0 = self._clock()
         self._spent = 0.0
@@ -199,6 +221,12 @@ class PilotPolicy(NextUsePolicy):
         self._off = []
         self._away: set[int] = set()
         self._expected_len = self._state.expected_length()
+        if self._kernel is not None:
+            from .model import _log_bucket_reps
+
+            pt = self._pt
+            pt.set_logreps(_log_bucket_reps(self._expected_len))
+            pt.q.quantile, pt.q.recheck = self.quantile, self.recheck
         self._phase = -1
         self._last_decision = -(1 << 30)
         self._full_due = True
@@ -263,6 +291,13 @@ class PilotPolicy(NextUsePolicy):
         t0 = timer()
         self._last_decision = position
         state = self._state
+        if self._kernel is not None and self._refit is None:
+            if not self._on_decision_native(position):
+                return
+            dt = timer() - t0
+            self.inference_s += dt
+            self._spent += dt
+            return
         live = state.active_slots()
         if not len(live):
             return
@@ -287,15 +322,61 @@ class PilotPolicy(NextUsePolicy):
         self.inference_s += dt
         self._spent += dt
 
+    def _grow_due(self) -> None:
+        cap = len(self._state.pred)
+        if len(self._due) < cap:
+            grown = np.zeros(cap, dtype=np.float64)
+            grown[: len(self._due)] = self._due
+            self._due = grown
+        if self._kernel is not None:
+            self._pt.set_due(self._due)
+
+    def _on_decision_native(self, position: int) -> bool:
+        """on_op's decision point on the native kernel: the same rows as the numpy path (every live
+        storage, or rule 5's), scored in one call (:meth:`_score`'s work, fused). False when no
+        storage is live."""
+        state = self._state
+        full = self._full_due or not self.incremental
+        if len(self._due) < state._cap or self._pt.due is not self._due:
+            self._grow_due()
+        n_live, m = self._kernel.select(state, self._pt, position, full)
+        if not n_live:
+            return False
+        self._full_due = False
+        self.decisions += 1
+        self.live_total += n_live
+        if m:
+            self._score_native(None, m, n_live)
+        return True
+
+    def _score_native(self, rows_addr: int | None, m: int, n_live: int, count: bool = False) -> None:
+        """Score ``m`` slots (at ``rows_addr``; None: the ones select() chose) in one kernel call;
+        ``count``: the kernel counts the live storages for the context row (as features() does)."""
+        pt = self._pt
+        self._kernel.decide(self._state, self.model, pt, rows_addr, m, -1 if count else n_live)
+        self.candidates += m
+        self._update(pt.sids_out[:m].tolist(), pt.score_out[:m].tolist(), n_live, pt.neg_out[:m].tolist())
+
     def _score(self, rows: np.ndarray, position: int, n_live: int) -> None:
         """Score slots ``rows`` at decision point ``position``: features, model, predicted positions,
-        when each is due again (rule 5), cache and heaps (rule 3)."""
+        when each is due again (rule 5), cache and heaps (rule 3). On the native kernel in one call
+        (the rows and the context are not materialised) unless the online refit needs them."""
         state = self._state
+        if self._kernel is not None and self._refit is None and position == state.position:
+            if len(self._due) < state._cap or self._pt.due is not self._due:
+                self._grow_due()
+            rows = np.ascontiguousarray(rows, dtype=np.int64)
+            self._score_native(rows.ctypes.data, len(rows), n_live, count=True)
+            return
         state.touched[rows] = False
         sids, X, ctx = state.features(rows)
         self.candidates += len(sids)
-        P = self.model.probs(X, ctx)
-        score = self.model.expected_log_distance(P, self._expected_len)
+        if self._kernel is not None:
+            P, score, k = self.model.score(X, ctx, self._expected_len, self.quantile, backend="native")
+        else:
+            P = self.model.probs(X, ctx)
+            score = self.model.expected_log_distance(P, self._expected_len)
+            k = None
         # rule 1: "not again" only for storages that are not needed by the next iteration either
         never = (P.argmax(axis=1) == P.shape[1] - 1) & (X[:, :3].sum(axis=1) == 0)
         np.exp(score, out=score)
@@ -303,24 +384,31 @@ class PilotPolicy(NextUsePolicy):
         score[never] = np.inf
         state.pred[rows] = score
         # rule 5: due again when overdue, or once a low quantile of the distance could have elapsed
-        k = (np.cumsum(P, axis=1) >= self.quantile).argmax(axis=1)
+        if k is None:
+            k = (np.cumsum(P, axis=1) >= self.quantile).argmax(axis=1)
         self._due[rows] = np.minimum(score, position + self.recheck * _LOWER[k])
         if self._refit is not None:
             self._refit.observe(position, sids, X, ctx)
         self._update(sids.tolist(), score.tolist(), n_live)
 
-    def _update(self, sids: list[int], preds: list[float], n_live: int) -> None:
+    def _update(self, sids: list[int], preds: list[float], n_live: int, negs: list[float] | None = None) -> None:
         """Rule 3: the cache and both heaps take the new predictions of the rescored storages only.
         An older heap entry of a storage no longer matches its prediction, so NextUsePolicy skips it
-        as stale; the heaps are compacted when stale entries far outnumber the live storages."""
+        as stale; the heaps are compacted when stale entries far outnumber the live storages.
+        ``negs``: the predictions negated (the eviction heap's keys), when the caller has them."""
         cache = self._cache
         cache.update(zip(sids, preds))
         res = self._res
         # every rescored storage gets an eviction entry (one that is not resident is skipped there as
         # stale); the ones this policy evicted and has not seen back get a prefetch entry
-        for v, sid in zip(preds, sids):
-            heapq.heappush(res, (-v, sid))
-        away = self._away.intersection(sids)
+        push = heapq.heappush
+        if negs is None:
+            for v, sid in zip(preds, sids):
+                push(res, (-v, sid))
+        else:
+            for entry in zip(negs, sids):
+                push(res, entry)
+        away = self._away.intersection(sids) if self._away else None
         if away:
             off = self._off
             for sid in away:

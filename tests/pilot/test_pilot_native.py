@@ -1,0 +1,398 @@
+"""The pilot's native inference kernel (dynn_runtime/pilot/_native.c) against the numpy reference.
+
+Feature rows and context rows must be equal bit for bit at every decision point of real zoo traces
+(full and subset rows, forward and backward, pending external storages); probabilities agree to
+float32 rounding; a simulated run takes the same decisions. Without a C compiler these tests skip,
+except the fallback tests, which need none.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from dynn_runtime.errors import PilotError
+from dynn_runtime.pilot import PilotModel, native
+from dynn_runtime.pilot.features import CAND_FEATURES, FeatureState
+from dynn_runtime.pilot.model import _log_bucket_reps
+from dynn_runtime.pilot.policy import PilotPolicy
+from dynn_runtime.sim import Simulator, simulate, unmanaged_peak
+from dynn_runtime.trace.format import Op
+
+C = {n: i for i, n in enumerate(CAND_FEATURES)}
+FAMILIES = ("tree_lstm", "skipnet", "varlen")  # tiny recordings: a second or so each
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = native.kernel()
+    if k is None:
+        pytest.skip(f"native pilot kernel unavailable here: {native.reason()}")
+    return k
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    from dynn_runtime.trace import read_trace, record
+
+    d = tmp_path_factory.mktemp("pilot-native")
+    out = {}
+    for fam in FAMILIES:
+        path = d / f"{fam}.jsonl.gz"
+        record(fam, path, steps=2, preset="tiny", seed=5)
+        out[fam] = read_trace(path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model():
+    return PilotModel.init(rng=np.random.default_rng(7))
+
+
+@pytest.fixture()
+def fresh_native(monkeypatch):
+    """Environment changes are seen by the kernel loader; the module's state is restored after."""
+    native.reset()
+    yield monkeypatch
+    monkeypatch.undo()
+    native.reset()
+
+
+def _assert_same(a, b, where):
+    for name, x, y in zip(("sids", "X", "ctx"), a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape, (where, name)
+        if not np.array_equal(x, y):
+            bad = np.argwhere(x != y)[:5]
+            cols = [CAND_FEATURES[c[-1]] for c in bad] if name == "X" else bad.tolist()
+            raise AssertionError(f"{where}: {name} differs at {bad.tolist()} ({cols})")
+
+
+def test_feature_rows_equal_numpy_on_zoo_traces(kernel, traces, model):
+    seen = {"points": 0, "rows": 0, "backward": 0, "stack": 0, "ext_by_order": 0, "history": 0}
+    where = [""]
+
+    class Check(PilotPolicy):
+        def on_op(self, position, op):
+            super().on_op(position, op)
+            if self._last_decision != position:
+                return
+            st = self._state
+            live = st.active_slots()
+            if not len(live):
+                return
+            rng = np.random.default_rng(position)
+            subsets = [None, live, live[::-1], live[rng.random(len(live)) < 0.3], live[:1],
+                       np.resize(live, 2 * len(live) + 1)]  # repeated rows, as decision_cost_curve asks
+            for idx in subsets:
+                ref = st.features_numpy(idx)
+                got = kernel.features(st, idx)
+                _assert_same(ref, got, f"{where[0]} position {position} idx {None if idx is None else len(idx)}")
+            _, X, ctx = ref
+            seen["points"] += 1
+            seen["rows"] += len(X)
+            seen["backward"] += st.phase == 1
+            seen["stack"] += int(X[:, C["on_stack"]].sum() > 0)
+            seen["ext_by_order"] += int(X[:, C["ext_by_order"]].sum() > 0)
+            seen["history"] += st.expected_length() > 0
+
+    for fam, tr in traces.items():
+        where[0] = fam
+        pol = Check(model=model, backend="numpy", incremental=False, group=8)
+        Simulator(tr, pol, int(unmanaged_peak(tr) * 0.25)).run()
+    assert seen["points"] > 100 and seen["rows"] > 5000
+    assert seen["backward"] > 10 and seen["stack"] > 10 and seen["history"] > 50
+    assert seen["ext_by_order"] > 0, "no pending external storage matched ahead of time"
+
+
+class _View:
+    def __init__(self, kinds):
+        self.kinds = kinds
+
+    def nbytes(self, sid):
+        return 4096
+
+    def kind(self, sid):
+        return self.kinds[sid][0]
+
+    def saved(self, sid):
+        return self.kinds[sid][1]
+
+
+def _op(name, phase, ins=(), allocs=()):
+    return Op(name=name, idiom=(1, 0, 0, 2, 0, 1), phase=phase, module="m", inputs=tuple(ins),
+              outputs=tuple(allocs), writes=(), allocs=tuple(allocs), duration_s=0.0, flops=0, nbytes=0)
+
+
+def _iteration(st, index, history, batch, param, n_ops, first_use, keep_every=1, probe=None):
+    """Operators 0..n_ops-1 of one forward: the batch storages alive at the start (announced in
+    order; batch[i] first read at first_use[i]), a parameter read by every operator, one saved
+    activation produced per operator (only every keep_every-th stays alive). ``probe(position)``
+    after each operator."""
+    from dynn_runtime.trace.format import Iteration
+
+    it = Iteration(index=index)
+    st.begin_iteration(index, history)
+    for sid in batch:
+        st.alloc(sid, -1)
+    acts = []
+    for j in range(n_ops):
+        a = 100_000 * (index + 1) + j
+        st.alloc(a, j)
+        ins = [param] + [b for b, u in zip(batch, first_use) if u == j]
+        op = _op(f"f{j % 5}", "forward", ins=ins, allocs=(a,))
+        it.ops.append(op)
+        st.op(j, op)
+        if j % keep_every:
+            st.free(a)
+        else:
+            acts.append(a)
+        if probe is not None:
+            probe(j)
+    return it, acts
+
+
+class _Kinds(dict):
+    def __missing__(self, sid):
+        return ("activation", True) if sid >= 100_000 else ("input", False)
+
+
+def test_pending_externals_and_long_iterations(kernel):
+    """Rule 6 ahead of time (ext_by_order), and an iteration that outgrows the kernel's tables."""
+    kinds = _Kinds({7: ("param", False)})
+    st = FeatureState(_View(kinds), group=16, backend="native")
+    st.alloc(7, -1)
+    it0, acts = _iteration(st, 0, [], [10, 11, 12], 7, 40, [3, 1, 5])
+    for sid in (10, 11, 12, *acts):
+        st.free(sid)
+    # iteration 1: new batch storages not read yet: each gets the counterpart of the batch storage
+    # announced in the same rank (the previous iteration's externals in first-access order: 11, 10, 12)
+    it1, acts = _iteration(st, 1, [it0], [20, 21, 22], 7, 30, [35, 39, 38])
+    ref = st.features_numpy()
+    _assert_same(ref, st.features(), "pending")
+    assert ref[1][:, C["ext_by_order"]].sum() == 3
+    live = st.active_slots()
+    for idx in (live[::2], live[-3:], live[::-1]):
+        _assert_same(st.features_numpy(idx), st.features(idx), "pending subset")
+    for sid in (20, 21, 22, *acts):
+        st.free(sid)
+    # iteration 2 runs past the tables sized when it was first asked for features (4096 entries)
+    checked = []
+
+    def probe(j):
+        if j in (10, 2000, 4500, 6999):
+            _assert_same(st.features_numpy(), st.features(), f"long iteration at {j}")
+            checked.append(st._native_tab.ntab)
+
+    _, acts = _iteration(st, 2, [it0, it1], [30, 31], 7, 7000, [100, 6500], keep_every=500, probe=probe)
+    st.op(7000, _op("b0", "backward", ins=(acts[4],)))
+    ref = st.features_numpy()
+    _assert_same(ref, st.features(), "backward")
+    assert ref[1][:, C["on_stack"]].sum() > 5
+    assert checked[0] == 4096 and checked[-1] >= 8192
+
+
+def test_scores_agree_with_numpy(kernel, traces, model):
+    from dynn_runtime.pilot.policy import default_weights_path
+
+    models = [model]
+    try:
+        models.append(PilotPolicy(weights=default_weights_path()).model)
+    except Exception:  # weights being retrained for another feature set
+        pass
+    n = 0
+    class Grab(PilotPolicy):
+        def on_op(self, position, op):
+            super().on_op(position, op)
+            if self._last_decision == position and len(self._state.active_slots()):
+                self.got.append((self._state.features(), self._state.expected_length()))
+
+    for fam, tr in traces.items():
+        grab = Grab(model=model, incremental=False)
+        grab.got = []
+        simulate(tr, grab, 0.25)
+        for m in models:
+            for (_, X, ctx), n_exp in grab.got:
+                P0, e0, k0 = m.score(X, ctx, n_exp, 0.1, backend="numpy")
+                P1, e1, k1 = m.score(X, ctx, n_exp, 0.1, backend="native")
+                assert P1.dtype == np.float32 and e1.dtype == np.float64
+                np.testing.assert_allclose(P1, P0, rtol=1e-5, atol=2e-6)
+                np.testing.assert_allclose(e1, e0, rtol=0, atol=1e-4)
+                # identical unless numpy's own margin is below float32 rounding
+                a0, a1 = P0.argmax(axis=1), P1.argmax(axis=1)
+                top = np.sort(P0, axis=1)
+                assert np.all((a0 == a1) | (top[:, -1] - top[:, -2] < 1e-5)), fam
+                cs = np.cumsum(P0, axis=1)
+                near = np.abs(cs - np.float32(0.1)).min(axis=1) < 1e-5
+                assert np.all((k0 == k1) | near), fam
+                assert np.array_equal(e0, m.expected_log_distance(P0, n_exp))
+                n += len(X)
+    assert n > 2000
+
+
+def test_simulated_runs_match_numpy(kernel, traces):
+    try:
+        PilotPolicy().model  # noqa: B018 (loads the shipped weights)
+    except Exception as exc:
+        pytest.skip(f"shipped weights unusable here: {exc}")
+    for fam, tr in traces.items():
+        for budget in (0.5, 0.25):
+            runs = {}
+            for backend in ("numpy", "native"):
+                pol = PilotPolicy(backend=backend)
+                res = simulate(tr, pol, budget)
+                assert pol.backend == backend
+                runs[backend] = (res, pol)
+            (r0, p0), (r1, p1) = runs["numpy"], runs["native"]
+            assert r0.feasible == r1.feasible, fam
+            if r0.feasible:
+                assert r1.iter_time_s == pytest.approx(r0.iter_time_s, rel=1e-6), (fam, budget)
+            assert (p1.decisions, p1.candidates, p1.live_total) == (p0.decisions, p0.candidates, p0.live_total)
+
+
+def test_explicit_rows_and_cost_report(kernel, traces, model):
+    """decision_cost_curve scores given rows (repeated slots included) through the same kernel, and
+    the cost records say which backend ran."""
+    from dynn_runtime.pilot.cost import decision_cost_curve, fit_decision_cost, inference_cost
+
+    tr = traces["varlen"]
+    curves = {b: decision_cost_curve(tr, model=model, sizes=(8, 64), repeats=2, backend=b) for b in ("numpy", "native")}
+    for b, c in curves.items():
+        assert c["backend"] == b and all(p["backend"] == b for p in c["points"])
+    rows = [inference_cost(tr, model=model, budget=0.5, repeats=1, backend=b) for b in ("native", "numpy")]
+    assert [r["backend"] for r in rows] == ["native", "numpy"]
+    assert rows[0]["decisions"] == rows[1]["decisions"] and rows[0]["candidates_mean"] == rows[1]["candidates_mean"]
+    with pytest.raises(ValueError, match="mix backends"):
+        fit_decision_cost(rows)
+    a, b = fit_decision_cost(curves["native"]["points"] + curves["numpy"]["points"], backend="native")
+    assert np.isfinite(a) and np.isfinite(b)
+
+
+def test_online_refit_uses_the_unfused_path(kernel, traces, model):
+    tr = traces["varlen"]
+    res = {b: simulate(tr, PilotPolicy(model=model.copy(), online=True, refit_every=1, backend=b), 0.5)
+           for b in ("numpy", "native")}
+    assert res["native"].iter_time_s == pytest.approx(res["numpy"].iter_time_s, rel=1e-6)
+
+
+def test_a_model_the_kernel_does_not_take_runs_on_numpy(kernel, traces):
+    from dynn_runtime.errors import PolicyError
+    from dynn_runtime.pilot import PilotConfig
+
+    wide = PilotModel.init(PilotConfig(hidden=320), rng=np.random.default_rng(1))
+    assert not kernel.supports(wide)
+    pol = PilotPolicy(model=wide)
+    assert simulate(traces["varlen"], pol, 0.5).feasible and pol.backend == "numpy"
+    with pytest.raises(PolicyError, match="shape"):
+        simulate(traces["varlen"], PilotPolicy(model=wide, backend="native"), 0.5)
+    X = np.zeros((3, len(CAND_FEATURES)), np.float32)
+    ctx = np.zeros(wide.arrays["W1x"].shape[0], np.float32)
+    assert wide.score(X, ctx, 100)[0].shape == (3, 10)  # auto: numpy
+    with pytest.raises(PilotError, match="shape"):
+        wide.score(X, ctx, 100, backend="native")
+
+
+def test_compiled_once_per_cache_key(kernel, fresh_native, tmp_path):
+    fresh_native.setenv("DYNN_CACHE_DIR", str(tmp_path))
+    assert native.available(), native.reason()
+    built = sorted(tmp_path.glob("pilot_native-*.so"))
+    assert len(built) == 1 and str(built[0]) in native.reason()
+    assert not list(tmp_path.glob("*.tmp"))
+    stamp = built[0].stat().st_mtime_ns
+    native.reset()
+    assert native.available() and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the stand-in compiler is a shell script")
+def test_compiler_refusing_march_native_and_a_broken_cache(kernel, fresh_native, tmp_path):
+    """A compiler that refuses -march=native gets the portable flags (and is not asked again); a
+    cached library that does not load is rebuilt."""
+    import shlex
+    import shutil
+
+    real = shutil.which("cc") or shutil.which("gcc")
+    if real is None:
+        pytest.skip("no cc on PATH")
+    log = tmp_path / "calls.log"
+    cc = tmp_path / "picky-cc"
+    cc.write_text(f'#!/bin/sh\necho "$@" >> {shlex.quote(str(log))}\n'
+                  'for a in "$@"; do if [ "$a" = "-march=native" ]; then echo "picky-cc: no -march" >&2; exit 1; fi; done\n'
+                  f'exec {shlex.quote(real)} "$@"\n')
+    cc.chmod(cc.stat().st_mode | stat.S_IXUSR)
+    fresh_native.setenv("CC", str(cc))
+    fresh_native.setenv("DYNN_CACHE_DIR", str(tmp_path / "cache"))
+    assert native.available(), native.reason()
+    assert "-march=native" not in native.reason()
+    assert len(list((tmp_path / "cache").glob("*.failed"))) == 1
+    compiles = [ln for ln in log.read_text().splitlines() if "-o" in ln.split()]
+    assert len(compiles) == 2
+    native.reset()
+    assert native.available()
+    assert [ln for ln in log.read_text().splitlines() if "-o" in ln.split()] == compiles  # nothing rebuilt
+    # a cache holding a file of the library's name that is no library (a library this process has
+    # loaded must not be overwritten: its pages are mapped)
+    (lib,) = (tmp_path / "cache").glob("*.so")
+    (marker,) = (tmp_path / "cache").glob("*.failed")
+    other = tmp_path / "cache2"
+    other.mkdir()
+    (other / lib.name).write_bytes(b"not a library")
+    (other / marker.name).write_text(marker.read_text())
+    fresh_native.setenv("DYNN_CACHE_DIR", str(other))
+    native.reset()
+    assert native.available(), native.reason()
+    assert str(other / lib.name) in native.reason()
+    assert len([ln for ln in log.read_text().splitlines() if "-o" in ln.split()]) == 3
+
+
+# ---- fallback: no C compiler needed -------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["env", "missing", "failing"])
+def test_fallback_to_numpy(fresh_native, tmp_path, traces, model, how):
+    fresh_native.setenv("DYNN_CACHE_DIR", str(tmp_path / "cache"))
+    if how == "env":
+        fresh_native.setenv("DYNN_PILOT_NATIVE", "0")
+        expect = "DYNN_PILOT_NATIVE=0"
+    elif how == "missing":
+        fresh_native.setenv("CC", str(tmp_path / "nonexistent-cc"))
+        expect = "no usable C compiler"
+    else:
+        if os.name != "posix":
+            pytest.skip("the stand-in compiler is a shell script")
+        cc = tmp_path / "broken-cc"
+        cc.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo broken-cc 1.0; exit 0; fi\n'
+                      'echo "broken-cc: cannot compile" >&2\nexit 1\n')
+        cc.chmod(cc.stat().st_mode | stat.S_IXUSR)
+        fresh_native.setenv("CC", str(cc))
+        expect = "cannot compile"
+    assert not native.available()
+    assert expect in native.reason()
+    assert native.resolve(None) == "numpy"
+    with pytest.raises(PilotError, match="not available"):
+        native.resolve("native")
+    with pytest.raises(PilotError):
+        PilotPolicy(model=model, backend="native").attach(_View({}))
+    pol = PilotPolicy(model=model)
+    res = simulate(traces["varlen"], pol, 0.5)
+    assert res.feasible and pol.backend == "numpy" and pol.decisions > 0
+    assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob("*.so"))
+
+
+def test_bad_backend_name():
+    with pytest.raises(ValueError, match="backend"):
+        native.resolve("cuda")
+
+
+def test_log_bucket_reps_pointer_is_stable():
+    # the policy hands the kernel the address of this cached array once per iteration
+    assert _log_bucket_reps(123) is _log_bucket_reps(123)
+
+
+def test_rows_out_of_range_raise(kernel):
+    st = FeatureState(_View(_Kinds({7: ("param", False)})), backend="native")
+    st.alloc(7, -1)
+    st.op(0, _op("f", "forward", ins=(7,)))
+    assert st.features(np.array([st.slot_of(7)]))[0].tolist() == [7]
+    with pytest.raises(IndexError):
+        st.features(np.array([st._cap]))
