@@ -2,7 +2,11 @@
 
 Data: zoo traces recorded on the CPU through the bench's trace cache (recorded if missing):
 training = tiny seeds 1-3 (4 steps) + small seed 1 (3 steps), every family; held out = tiny seed 10
-(3 steps), small seeds 0 (2 steps, what `dynn bench` simulates) and 10 (3 steps). With --synthetic,
+(3 steps), small seeds 0 (2 steps, what `dynn bench` simulates) and 10 (3 steps). Training also
+holds the families' depth-scaled models (tiny x2 and x4 depth, seeds 1-2, 3 steps): with only tiny and
+small the network had never seen iterations of thousands of operators, and on deeper models it
+extrapolated its distance features (evoformer at x8 depth: 55% window recall). The held-out record
+adds x8 depth (seed 0, what `dynn bench --grid-depth 8` simulates), deeper than any training trace. With --synthetic,
 training also uses synthetic dynamic networks (dynn_runtime/pilot/synth.py: seeds 0-31, 4 steps;
 training data only, never evaluated as a family), as the shipped weights are (`--synthetic`): they
 raise leave-one-family-out recall; the provisional prior is fitted on the zoo rows only
@@ -28,6 +32,22 @@ TRAIN = [("tiny", (1, 2, 3), 4), ("small", (1,), 3)]
 HELD_OUT = [("tiny", (10,), 3), ("small", (0,), 2), ("small", (10,), 3)]
 #: synthetic networks (training data only): seeds, steps
 SYNTH = (tuple(range(32)), 4)
+#: depth-scaled zoo models (``scaled_overrides(..., "depth")``, tiny preset): scales, seeds, steps
+TRAIN_DEPTH = ((2, 4), (1, 2), 3)
+HELD_OUT_DEPTH = ((8,), (0,), 2)
+#: decision points per training iteration at most (the deepest evoformer iterations are thinned;
+#: every tiny and small iteration has fewer)
+MAX_DECISIONS = 320
+
+
+def depth_traces(spec: tuple, cache_dir: str = ".dynn-cache/traces") -> list:
+    """The tiny zoo models made deeper (families with a depth knob), recorded on first use."""
+    from dynn_runtime.bench.harness import TraceCache, scaled_overrides
+
+    cache = TraceCache(cache_dir)
+    scales, seeds, steps = spec
+    return [cache.get(fam, "tiny", seed, steps, scaled_overrides(fam, "tiny", k, "depth"))
+            for k in scales for seed in seeds for fam in models.FAMILIES if models.family(fam).depth_knob]
 
 
 def synthetic(cache_dir: str = ".dynn-cache/traces") -> list:
@@ -46,14 +66,18 @@ def main() -> None:
     args = ap.parse_args()
     fams = list(models.FAMILIES)
     train_tr = [t for p, seeds, steps in TRAIN for _, t in zoo_traces(fams, [p], seeds, steps, args.cache_dir)]
+    train_tr += depth_traces(TRAIN_DEPTH, args.cache_dir)
     if args.synthetic:
         train_tr += synthetic(args.cache_dir)
     test_tr = [t for p, seeds, steps in HELD_OUT for _, t in zoo_traces(fams, [p], seeds, steps, args.cache_dir)]
     t0 = time.time()
-    model, info = train(train_tr, PilotConfig(epochs=args.epochs), log=print)
+    model, info = train(train_tr, PilotConfig(epochs=args.epochs), log=print, max_decisions=MAX_DECISIONS)
     print(f"trained in {time.time() - t0:.1f} s; losses {info['losses']}")
     metrics = evaluate(model, test_tr, every=args.every)
     print(render_table(metrics))
+    deeper = evaluate(model, depth_traces(HELD_OUT_DEPTH, args.cache_dir), every=4 * args.every)
+    print("deeper than any training trace (tiny, x8 depth):")
+    print(render_table(deeper))
     out = Path(args.out)
     model.meta["held_out"] = {k: v.as_dict() for k, v in metrics.items()}
     save_model(model, out / "zoo.npz")
@@ -66,6 +90,11 @@ def main() -> None:
         "held_out_data": [{"preset": p, "seeds": list(s), "steps": n, "families": fams} for p, s, n in HELD_OUT],
         "config": dataclasses.asdict(model.config),
         "held_out_metrics": {k: v.as_dict() for k, v in metrics.items()},
+        "depth_data": {"preset": "tiny", "train": {"scales": list(TRAIN_DEPTH[0]), "seeds": list(TRAIN_DEPTH[1]),
+                                                   "steps": TRAIN_DEPTH[2]},
+                       "held_out": {"scales": list(HELD_OUT_DEPTH[0]), "seeds": list(HELD_OUT_DEPTH[1]),
+                                    "steps": HELD_OUT_DEPTH[2]}},
+        "held_out_deeper_metrics": {k: v.as_dict() for k, v in deeper.items()},
         "evaluated_every_nth_decision": args.every,
         "command": "python tools/pilot_build_weights.py " + f"--epochs {args.epochs}"
                    + (" --synthetic" if args.synthetic else ""),

@@ -32,7 +32,16 @@ from dynn_runtime.pilot import (
 from dynn_runtime.pilot.policy import default_weights_path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pilot_build_weights import HELD_OUT, SYNTH, TRAIN, synthetic  # noqa: E402
+from pilot_build_weights import (  # noqa: E402
+    HELD_OUT,
+    HELD_OUT_DEPTH,
+    MAX_DECISIONS,
+    SYNTH,
+    TRAIN,
+    TRAIN_DEPTH,
+    depth_traces,
+    synthetic,
+)
 
 OUT = Path("out/pilot")
 FAMS = list(models.FAMILIES)
@@ -53,8 +62,12 @@ def metrics() -> None:
     t0 = time.time()
     m = evaluate(model, _traces(HELD_OUT))
     print(render_table(m))
+    deeper = evaluate(model, depth_traces(HELD_OUT_DEPTH), every=4)
+    print("deeper than any training trace (tiny, x8 depth, every 4th decision point):")
+    print(render_table(deeper))
     _dump("metrics", {"weights": str(default_weights_path()), "held_out": HELD_OUT, "wall_s": time.time() - t0,
-                      "families": {k: v.as_dict() for k, v in m.items()}})
+                      "families": {k: v.as_dict() for k, v in m.items()},
+                      "held_out_deeper": HELD_OUT_DEPTH, "deeper": {k: v.as_dict() for k, v in deeper.items()}})
 
 
 def lofo() -> None:
@@ -67,11 +80,13 @@ def lofo() -> None:
     # rows are built once per family (what train() does for the traces it is given) and reused
     # `lofo --no-synthetic`: the zoo minus the left-out family only (the shipped weights' recipe)
     with_synth = "--no-synthetic" not in sys.argv
-    train_tr, test_tr = _traces(TRAIN) + (synthetic() if with_synth else []), _traces(HELD_OUT)
+    train_tr = _traces(TRAIN) + depth_traces(TRAIN_DEPTH) + (synthetic() if with_synth else [])
+    test_tr = _traces(HELD_OUT)
     rows = {}
     for i, name in enumerate(dict.fromkeys(trace_family(t) for t in train_tr)):
         rows[name] = build_rows([t for t in train_tr if trace_family(t) == name], group=cfg.group,
-                                per_decision=cfg.candidates_per_decision, seed=cfg.seed + i)
+                                per_decision=cfg.candidates_per_decision, seed=cfg.seed + i,
+                                max_decisions=MAX_DECISIONS)
     res = {}
     for fam in FAMS:
         t0 = time.time()
@@ -87,7 +102,7 @@ def lofo() -> None:
               f"rho {p['rank_correlation']:.3f} | replay recall {100 * r['window_recall']:.1f}% "
               f"({res[fam]['wall_s']} s)", flush=True)
     _dump("lofo" if with_synth else "lofo_zoo_only", {
-                   "config": dataclasses.asdict(cfg), "train": TRAIN,
+                   "config": dataclasses.asdict(cfg), "train": TRAIN, "train_depth": TRAIN_DEPTH,
                    "synthetic": {"seeds": list(SYNTH[0]), "steps": SYNTH[1]} if with_synth else None,
                    "held_out": HELD_OUT, "evaluated_every_nth_decision": 2, "results": res})
 

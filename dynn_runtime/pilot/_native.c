@@ -30,7 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define DYNN_PILOT_ABI 1
+#define DYNN_PILOT_ABI 2
 
 #if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
 #define MADD(a, b, c) fmaf((a), (b), (c))
@@ -129,12 +129,21 @@ typedef struct {
 #define POLICY_WORDS 8
 
 /* the folded model (PilotModel._folded): w1 (F, H), wx (C, H), bx (H), W2 (H, H), b2, and W3 (H, KP),
- * b3 (KP) with the K outputs zero-padded to KP, a multiple of 16 columns */
+ * b3 (KP) with the K outputs zero-padded to KP, a multiple of 16 columns; then the input range the
+ * rows and the context are clamped to (PilotModel.bounds: lo, hi (F), lo_ctx, hi_ctx (C)) */
 typedef struct {
     const float *w1, *wx, *bx, *w2, *b2, *w3, *b3;
     int64_t nf, nc, h, k, kp;
+    const float *lo, *hi, *lo_ctx, *hi_ctx;
 } dynn_model;
-#define MODEL_WORDS 12
+#define MODEL_WORDS 16
+
+/* numpy's clip: min(max(v, lo), hi) */
+static inline float clampf(float v, float lo, float hi)
+{
+    v = v < lo ? lo : v;
+    return v > hi ? hi : v;
+}
 
 #define MAX_H 256
 #define MAX_K 64
@@ -441,7 +450,7 @@ static void context_term(const dynn_model *M, const float *ctx, float *restrict 
     const int64_t H = M->h;
     for (int64_t j = 0; j < H; j++) c[j] = 0.0f;
     for (int64_t i = 0; i < M->nc; i++) {
-        const float a = ctx[i];
+        const float a = clampf(ctx[i], M->lo_ctx[i], M->hi_ctx[i]);
         if (a == 0.0f) continue;
         const float *restrict w = M->wx + i * H;
         for (int64_t j = 0; j < H; j++) c[j] = MADD(a, w[j], c[j]);
@@ -622,9 +631,10 @@ static inline void head(const float *restrict z, int64_t K, int64_t KP, const do
 /* logits z (padded to KP) of one row: relu(relu(x @ w1 + c) @ W2 + b2) @ W3 + b3 */
 static void mlp_row(const dynn_model *M, const float *restrict x, const float *restrict c, float *restrict z)
 {
-    float h1[MAX_H], h2[MAX_H];
+    float h1[MAX_H], h2[MAX_H], xc[NF];
     const int64_t H = M->h;
-    dense_relu(x, M->nf, M->w1, c, h1, H);
+    for (int64_t i = 0; i < NF; i++) xc[i] = clampf(x[i], M->lo[i], M->hi[i]);
+    dense_relu(xc, M->nf, M->w1, c, h1, H);
     dense_relu(h1, H, M->w2, M->b2, h2, H);
     dense_out(h2, H, M->w3, M->b3, z, M->kp);
 }

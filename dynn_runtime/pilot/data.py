@@ -210,10 +210,12 @@ class Rows:
 
 
 def build_rows(traces: Iterable[Trace], group: int = 16, per_decision: int = 96, seed: int = 0,
-               first_iteration: bool = True) -> Rows:
+               first_iteration: bool = True, max_decisions: int | None = None) -> Rows:
     """Sample ``per_decision`` candidates per decision point of every iteration of every trace.
 
     The first iteration (no history) is included when ``first_iteration``: the policy meets it too.
+    ``max_decisions``: from an iteration with more decision points than this (about ``ops / group``),
+    keep every n-th only, so that a few very long iterations do not outweigh the rest.
     """
     rng = np.random.default_rng(seed)
     xs, cs, ys, fams = [], [], [], []
@@ -221,7 +223,10 @@ def build_rows(traces: Iterable[Trace], group: int = 16, per_decision: int = 96,
         fam = trace_family(tr)
         start = 0 if first_iteration else 1
         for i in range(start, len(tr.iterations)):
-            for d in walk(tr, i, group=group, baselines=False):
+            every = 1
+            if max_decisions:
+                every = max(1, -(-len(tr.iterations[i].ops) // (group * max_decisions)))
+            for d in walk(tr, i, group=group, baselines=False, every=every):
                 n = len(d.sids)
                 if not n:
                     continue

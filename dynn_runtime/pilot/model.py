@@ -16,7 +16,9 @@ makes inference bit-for-bit deterministic for a given machine and backend.
 
 Weights files (``.npz``): the arrays above plus ``meta``, a JSON record with ``format``
 (``"dynn-pilot"``), ``version`` (:data:`WEIGHTS_VERSION`), the feature names the file was trained
-with, the config and the provisional-prediction prior. :func:`load_model` checks all of it and
+with, the config, the provisional-prediction prior and (version 2) the range of every input in the
+training rows (``lo``/``hi``, ``lo_ctx``/``hi_ctx``), to which inference clamps its inputs.
+:func:`load_model` checks all of it and
 raises :class:`~dynn_runtime.errors.PilotError` naming the file and the fix.
 """
 
@@ -38,8 +40,11 @@ __all__ = ["PilotConfig", "PilotModel", "load_model", "save_model", "WEIGHTS_VER
            "fit", "bucket_reps"]
 
 WEIGHTS_FORMAT = "dynn-pilot"
-WEIGHTS_VERSION = 1
-_ARRAYS = ("W1c", "W1x", "b1", "W2", "b2", "W3", "b3", "mu", "sd", "mu_ctx", "sd_ctx", "prior")
+WEIGHTS_VERSION = 2
+_ARRAYS = ("W1c", "W1x", "b1", "W2", "b2", "W3", "b3", "mu", "sd", "mu_ctx", "sd_ctx", "lo", "hi", "lo_ctx",
+           "hi_ctx", "prior")
+#: the input range of a model that was never fitted (no clamping in effect)
+_BOUND = np.float32(1e30)
 
 
 @dataclass(kw_only=True)
@@ -115,6 +120,8 @@ class PilotModel:
             "b3": np.zeros(N_FINE, np.float32),
             "mu": np.zeros(fc, np.float32), "sd": np.ones(fc, np.float32),
             "mu_ctx": np.zeros(fx, np.float32), "sd_ctx": np.ones(fx, np.float32),
+            "lo": np.full(fc, -_BOUND), "hi": np.full(fc, _BOUND),
+            "lo_ctx": np.full(fx, -_BOUND), "hi_ctx": np.full(fx, _BOUND),
             "prior": np.full((3, 5), 8.0, np.float32),
         }
         return cls(arrays=arrays, config=cfg)
@@ -137,6 +144,14 @@ class PilotModel:
             f = self.__dict__["_fold"] = (w, b, wx, bx)
         return f
 
+    def bounds(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(lo, hi, lo_ctx, hi_ctx)``: the input range inference clamps to (the training rows' range;
+        unbounded for arrays built by hand without it)."""
+        a = self.arrays
+        fc, fx = a["W1c"].shape[0], a["W1x"].shape[0]
+        return (a.get("lo", np.full(fc, -_BOUND)), a.get("hi", np.full(fc, _BOUND)),
+                a.get("lo_ctx", np.full(fx, -_BOUND)), a.get("hi_ctx", np.full(fx, _BOUND)))
+
     #: rows per matrix product at inference. OpenBLAS runs a product of fewer than 2^18
     #: multiply-adds on the calling thread; larger ones wake its thread pool, which on a busy CPU
     #: (the training process's own threads, other jobs) was measured to stall for milliseconds
@@ -147,10 +162,13 @@ class PilotModel:
         """Bucket logits for candidate rows ``X`` (n, F) under one context row ``ctx`` (C,)."""
         a = self.arrays
         w1, _, wx, bx = self._folded()
-        c = np.asarray(ctx, dtype=np.float32) @ wx
+        # inputs are clamped to the range seen in training: a ReLU network extrapolates linearly, and
+        # distance features of iterations longer than any training one (x8 deeper evoformer) pushed
+        # every prediction to "later" (window recall 55% unclamped, 88% clamped, same weights)
+        lo, hi, lo_ctx, hi_ctx = self.bounds()
+        c = np.clip(np.asarray(ctx, dtype=np.float32), lo_ctx, hi_ctx) @ wx
         c += bx
-        if X.dtype != np.float32:
-            X = X.astype(np.float32)
+        X = np.clip(X, lo, hi, dtype=np.float32)
         w2, b2, w3, b3 = a["W2"], a["b2"], a["W3"], a["b3"]
         out = np.empty((len(X), w3.shape[1]), dtype=np.float32)
         step = self.chunk_rows
@@ -272,7 +290,8 @@ def load_model(path: str | Path) -> PilotModel:
         raise PilotError(f"pilot: {p}: config record does not match this version ({exc}). {fix}") from None
     fc, fx, h = len(CAND_FEATURES), len(CTX_FEATURES), cfg.hidden
     shapes = {"W1c": (fc, h), "W1x": (fx, h), "b1": (h,), "W2": (h, h), "b2": (h,), "W3": (h, N_FINE),
-              "b3": (N_FINE,), "mu": (fc,), "sd": (fc,), "mu_ctx": (fx,), "sd_ctx": (fx,), "prior": (3, 5)}
+              "b3": (N_FINE,), "mu": (fc,), "sd": (fc,), "mu_ctx": (fx,), "sd_ctx": (fx,), "lo": (fc,), "hi": (fc,),
+              "lo_ctx": (fx,), "hi_ctx": (fx,), "prior": (3, 5)}
     for k, shape in shapes.items():
         if arrays[k].shape != shape:
             raise PilotError(f"pilot: {p}: array {k} has shape {arrays[k].shape}, expected {shape} "
@@ -309,6 +328,11 @@ def fit(
         a["sd"] = np.maximum(X.std(axis=0), 1e-3).astype(np.float32)
         a["mu_ctx"] = C.mean(axis=0).astype(np.float32)
         a["sd_ctx"] = np.maximum(C.std(axis=0), 1e-3).astype(np.float32)
+        a["lo"], a["hi"] = X.min(axis=0).astype(np.float32), X.max(axis=0).astype(np.float32)
+        a["lo_ctx"], a["hi_ctx"] = C.min(axis=0).astype(np.float32), C.max(axis=0).astype(np.float32)
+    # inference clamps its inputs to the training range (a refit's rows too)
+    X = np.clip(X, a["lo"], a["hi"])
+    C = np.clip(C, a["lo_ctx"], a["hi_ctx"])
     Xn = ((X - a["mu"]) / a["sd"]).astype(np.float32)
     Cn = ((C - a["mu_ctx"]) / a["sd_ctx"]).astype(np.float32)
     params = ["W1c", "W1x", "b1", "W2", "b2", "W3", "b3"]

@@ -50,8 +50,8 @@ FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-fPIC", "-shared", "-std=c99", "-ffp-contract=off"),
 )
 LIBS = ("-lm",)
-_ABI = 1
-_STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS = 38, 13, 12, 8
+_ABI = 2
+_STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS = 38, 13, 16, 8
 _LANES = 16
 _MAX_H, _MAX_K = 256, 64  # widest hidden layer and most (padded) outputs the kernel takes
 
@@ -363,11 +363,15 @@ class ModelTable:
         b3 = np.zeros(kp, dtype=np.float32)
         b3[:k] = a["b3"]
         arrays = [np.ascontiguousarray(x, dtype=np.float32) for x in (w1, wx, bx, a["W2"], a["b2"], w3, b3)]
+        bounds = [np.ascontiguousarray(x, dtype=np.float32) for x in model.bounds()]
         words = np.zeros(_MODEL_WORDS, dtype=np.uint64)
         for i, x in enumerate(arrays):
             words[i] = x.ctypes.data
         nf, h = arrays[0].shape
         words[7:12] = (nf, arrays[1].shape[0], h, k, kp)
+        for i, x in enumerate(bounds):  # the input clamp: lo, hi, lo_ctx, hi_ctx
+            words[12 + i] = x.ctypes.data
+        arrays += bounds
         self.fold = fold
         self.keep = arrays
         self.words = words

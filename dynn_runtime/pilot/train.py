@@ -76,10 +76,13 @@ def train(
     config: PilotConfig | None = None,
     exclude_families: Sequence[str] = (),
     log: Any = None,
+    max_decisions: int | None = None,
 ) -> tuple[PilotModel, dict[str, Any]]:
     """Train a pilot model on every iteration of ``traces`` (paths, directories or loaded traces).
 
-    ``exclude_families``: leave these workloads out (leave-one-family-out experiments). Returns the
+    ``exclude_families``: leave these workloads out (leave-one-family-out experiments).
+    ``max_decisions``: decision points sampled per iteration at most (long iterations are thinned
+    evenly; see :func:`~dynn_runtime.pilot.data.build_rows`). Returns the
     model and a provenance record (data, config, loss per epoch, time, version, commit), also stored
     in the model's ``meta`` so that it is saved with the weights.
     """
@@ -92,7 +95,8 @@ def train(
         raise PilotError("pilot: no traces to train on (after leaving out "
                          f"{list(exclude_families) or 'nothing'}). Record some with `dynn trace WORKLOAD -o FILE`.")
     t0 = time.perf_counter()
-    rows = build_rows(loaded, group=cfg.group, per_decision=cfg.candidates_per_decision, seed=cfg.seed)
+    rows = build_rows(loaded, group=cfg.group, per_decision=cfg.candidates_per_decision, seed=cfg.seed,
+                      max_decisions=max_decisions)
     if not len(rows):
         raise PilotError("pilot: the traces hold no decision points (no operators?); nothing to train on.")
     t_rows = time.perf_counter() - t0
@@ -106,6 +110,7 @@ def train(
         "data": data,
         "families": sorted({d["workload"] for d in data}),
         "excluded_families": list(exclude_families),
+        "max_decisions": max_decisions,
         "rows": len(rows),
         "label_counts": np.bincount(rows.y, minlength=10).tolist(),
         "losses": [round(x, 5) for x in losses],

@@ -21,6 +21,7 @@ from dynn_runtime.pilot import (
     walk,
 )
 from dynn_runtime.pilot.data import build_rows
+from dynn_runtime.pilot.model import WEIGHTS_VERSION
 from dynn_runtime.policies import make_policy
 from dynn_runtime.sim import simulate
 from dynn_runtime.trace.format import SCHEMA_VERSION, Iteration, Op, Storage, Trace
@@ -102,6 +103,33 @@ def synth_model():
     return model
 
 
+def test_inputs_are_clamped_to_the_training_range(synth_model):
+    """Rows beyond the range seen in training score as the clamped rows do (a ReLU network would
+    extrapolate linearly); the range is what the training rows spanned, and it survives save/load."""
+    rows = build_rows([synthetic_trace(4, seed=3)], group=4, per_decision=64)
+    lo, hi, lo_ctx, hi_ctx = synth_model.bounds()
+    assert np.all(lo <= hi) and np.any(lo < hi) and np.all(lo_ctx <= hi_ctx)
+    X, ctx = rows.X[:50].copy(), rows.C[0].copy()
+    far = X.copy()
+    far[:, 0] = hi[0] + 50.0  # far above the range: clamped back to hi
+    far[:, 1] = lo[1] - 50.0
+    ctx_far = ctx.copy()
+    ctx_far[-1] = hi_ctx[-1] + 100.0
+    near = np.clip(far, lo, hi)
+    ctx_near = np.clip(ctx_far, lo_ctx, hi_ctx)
+    np.testing.assert_array_equal(synth_model.probs(far, ctx_far), synth_model.probs(near, ctx_near))
+    unclamped = synth_model.copy()
+    for k in ("lo", "hi", "lo_ctx", "hi_ctx"):
+        del unclamped.arrays[k]
+    assert not np.array_equal(unclamped.probs(far, ctx_far), synth_model.probs(far, ctx_far))
+
+
+def test_input_range_survives_save_and_load(tmp_path, synth_model):
+    back = load_model(save_model(synth_model, tmp_path / "m.npz"))
+    for a, b in zip(synth_model.bounds(), back.bounds()):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_learns_a_known_rule_and_beats_replay(synth_model):
     m = evaluate(synth_model, [synthetic_trace(8, seed=7)])["synthetic"].methods
     pilot, replay = m["pilot"], m["replay"]
@@ -180,8 +208,13 @@ def test_bad_weights_files_say_what_and_how_to_fix(tmp_path, synth_model):
         load_model(cut)
     old = tmp_path / "v99.npz"
     _rewrite_meta(good, old, version=99)
-    with pytest.raises(PilotError, match=r"v99\.npz.*version 99.*reads version 1.*Upgrade"):
+    with pytest.raises(PilotError, match=rf"v99\.npz.*version 99.*reads version {WEIGHTS_VERSION}.*Upgrade"):
         load_model(old)
+    older = tmp_path / "v1.npz"  # before the input ranges were stored: retrain, not upgrade
+    _rewrite_meta(good, older, version=1)
+    with pytest.raises(PilotError, match=r"v1\.npz.*version 1,.*retrain it") as err:
+        load_model(older)
+    assert "Upgrade" not in str(err.value)
     wide = tmp_path / "wide.npz"
     _rewrite_meta(good, wide, cand_features=list(CAND_FEATURES) + ["extra"])
     with pytest.raises(PilotError, match=rf"wide\.npz.*{len(CAND_FEATURES) + 1} cand features.*width.*dynn pilot train"):
@@ -287,3 +320,13 @@ def test_cli_train_eval_json(tmp_path, capsys):
     assert 0 <= fam["methods"]["pilot"]["window_recall"] <= 1
     assert main(["pilot", "eval", str(tmp_path / "missing.npz"), "--traces", str(t2)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_long_iterations_are_thinned_when_building_rows():
+    tr = synthetic_trace(3, seed=2)
+    n_ops = len(tr.iterations[1].ops)
+    full = build_rows([tr], group=4, per_decision=8, first_iteration=False)
+    thin = build_rows([tr], group=4, per_decision=8, first_iteration=False, max_decisions=max(1, n_ops // 16))
+    assert 0 < len(thin) < len(full) / 2
+    same = build_rows([tr], group=4, per_decision=8, first_iteration=False, max_decisions=10 * n_ops)
+    np.testing.assert_array_equal(same.X, full.X)

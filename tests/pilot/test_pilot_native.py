@@ -232,6 +232,28 @@ def test_scores_agree_with_numpy(kernel, traces, model):
     assert n > 2000
 
 
+def test_kernel_clamps_inputs_like_numpy(kernel, traces, model):
+    """Rows and context beyond the training range: the kernel clamps them as PilotModel.logits does."""
+    from dynn_runtime.pilot.data import walk
+
+    d = next(d for d in walk(next(iter(traces.values())), 1, group=model.config.group) if len(d.sids) > 8)
+    model = model.copy()  # with a range, as fit() records it: these rows' own
+    a = model.arrays
+    a["lo"], a["hi"] = d.X.min(axis=0), d.X.max(axis=0)
+    a["lo_ctx"], a["hi_ctx"] = d.ctx - 0.5, d.ctx + 0.5
+    lo, hi, lo_ctx, hi_ctx = model.bounds()
+    X, ctx = d.X.copy(), d.ctx.copy()
+    X[:, ::3] = hi[::3] + 40.0
+    X[:, 1::3] = lo[1::3] - 40.0
+    ctx[::2] = hi_ctx[::2] + 40.0
+    P0, e0, _ = model.score(X, ctx, d.expected_len, 0.1, backend="numpy")
+    P1, e1, _ = model.score(X, ctx, d.expected_len, 0.1, backend="native")
+    np.testing.assert_allclose(P1, P0, rtol=1e-5, atol=2e-6)
+    Pc, _, _ = model.score(np.clip(X, lo, hi), np.clip(ctx, lo_ctx, hi_ctx), d.expected_len, 0.1, backend="native")
+    np.testing.assert_array_equal(P1, Pc)
+    assert not np.allclose(P1, model.score(d.X, d.ctx, d.expected_len, 0.1, backend="native")[0])
+
+
 def test_simulated_runs_match_numpy(kernel, traces):
     try:
         PilotPolicy().model  # noqa: B018 (loads the shipped weights)
