@@ -43,6 +43,7 @@ WEIGHTS_FORMAT = "dynn-pilot"
 WEIGHTS_VERSION = 2
 _ARRAYS = ("W1c", "W1x", "b1", "W2", "b2", "W3", "b3", "mu", "sd", "mu_ctx", "sd_ctx", "lo", "hi", "lo_ctx",
            "hi_ctx", "prior")
+_RANGE = ("lo", "hi", "lo_ctx", "hi_ctx")
 #: the input range of a model that was never fitted (no clamping in effect)
 _BOUND = np.float32(1e30)
 
@@ -239,7 +240,8 @@ def save_model(model: PilotModel, path: str | Path) -> Path:
     }
     with open(p, "wb") as f:
         np.savez_compressed(f, meta=np.array(json.dumps(meta, sort_keys=True)),
-                            **{k: model.arrays[k] for k in _ARRAYS})
+                            **{k: model.arrays[k] for k in _ARRAYS if k not in _RANGE},
+                            **dict(zip(_RANGE, model.bounds())))
     return p
 
 
@@ -331,8 +333,9 @@ def fit(
         a["lo"], a["hi"] = X.min(axis=0).astype(np.float32), X.max(axis=0).astype(np.float32)
         a["lo_ctx"], a["hi_ctx"] = C.min(axis=0).astype(np.float32), C.max(axis=0).astype(np.float32)
     # inference clamps its inputs to the training range (a refit's rows too)
-    X = np.clip(X, a["lo"], a["hi"])
-    C = np.clip(C, a["lo_ctx"], a["hi_ctx"])
+    lo, hi, lo_ctx, hi_ctx = model.bounds()
+    X = np.clip(X, lo, hi)
+    C = np.clip(C, lo_ctx, hi_ctx)
     Xn = ((X - a["mu"]) / a["sd"]).astype(np.float32)
     Cn = ((C - a["mu_ctx"]) / a["sd_ctx"]).astype(np.float32)
     params = ["W1c", "W1x", "b1", "W2", "b2", "W3", "b3"]

@@ -128,6 +128,14 @@ def test_input_range_survives_save_and_load(tmp_path, synth_model):
     back = load_model(save_model(synth_model, tmp_path / "m.npz"))
     for a, b in zip(synth_model.bounds(), back.bounds()):
         np.testing.assert_array_equal(a, b)
+    bare = synth_model.copy()  # arrays built by hand without a range: saved unbounded, loads, refits
+    for k in ("lo", "hi", "lo_ctx", "hi_ctx"):
+        del bare.arrays[k]
+    back = load_model(save_model(bare, tmp_path / "bare.npz"))
+    assert np.all(back.bounds()[1] > 1e29)
+    rows = build_rows([synthetic_trace(2, seed=4)], group=4, per_decision=16)
+    refit, _ = fit(rows.X, rows.C, rows.y, init=bare, epochs=1)
+    assert np.all(np.isfinite(refit.probs(rows.X[:5], rows.C[0])))
 
 
 def test_learns_a_known_rule_and_beats_replay(synth_model):
