@@ -303,11 +303,7 @@ class PilotPolicy(NextUsePolicy):
             return
         full = self._full_due or not self.incremental or self._refit is not None
         self._full_due = False
-        cap = len(state.pred)
-        if len(self._due) < cap:
-            grown = np.zeros(cap, dtype=np.float64)
-            grown[: len(self._due)] = self._due
-            self._due = grown
+        self._grow_due()
         if full:
             rows = live
         else:
