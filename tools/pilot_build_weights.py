@@ -35,6 +35,16 @@ SYNTH = (tuple(range(32)), 4)
 #: depth-scaled zoo models (``scaled_overrides(..., "depth")``, tiny preset): scales, seeds, steps
 TRAIN_DEPTH = ((2, 4), (1, 2), 3)
 HELD_OUT_DEPTH = ((8,), (0,), 2)
+#: The shipped weights' training seed, chosen on validation data: seeds 0-3 trained alike, each
+#: simulated on the seed-10 traces (`small` and `tiny`, every family, budgets 1/4 and 1/8, the
+#: feasible ones; never the seed-0 traces the bench and docs report), pilot / oracle iteration time.
+SHIPPED_SEED = 2
+SEED_SELECTION = {
+    "candidates": [0, 1, 2, 3],
+    "validation": "seed-10 traces, small and tiny, budgets 1/4 and 1/8 (11 feasible cases), h100 profile",
+    "geomean_pilot_over_oracle": {"0": 1.1098, "1": 1.1075, "2": 1.0829, "3": 1.1154},
+    "worst_pilot_over_oracle": {"0": 1.181, "1": 1.160, "2": 1.113, "3": 1.152},
+}
 #: decision points per training iteration at most (the deepest evoformer iterations are thinned;
 #: every tiny and small iteration has fewer)
 MAX_DECISIONS = 320
@@ -63,6 +73,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=2, help="evaluate every n-th decision point")
     ap.add_argument("--synthetic", action="store_true",
                     help="add the synthetic networks to the training data (the shipped weights do)")
+    ap.add_argument("--seed", type=int, default=SHIPPED_SEED,
+                    help=f"initialisation and shuffling seed (default {SHIPPED_SEED}: see SHIPPED_SEED)")
     args = ap.parse_args()
     fams = list(models.FAMILIES)
     train_tr = [t for p, seeds, steps in TRAIN for _, t in zoo_traces(fams, [p], seeds, steps, args.cache_dir)]
@@ -71,7 +83,8 @@ def main() -> None:
         train_tr += synthetic(args.cache_dir)
     test_tr = [t for p, seeds, steps in HELD_OUT for _, t in zoo_traces(fams, [p], seeds, steps, args.cache_dir)]
     t0 = time.time()
-    model, info = train(train_tr, PilotConfig(epochs=args.epochs), log=print, max_decisions=MAX_DECISIONS)
+    model, info = train(train_tr, PilotConfig(epochs=args.epochs, seed=args.seed), log=print,
+                        max_decisions=MAX_DECISIONS)
     print(f"trained in {time.time() - t0:.1f} s; losses {info['losses']}")
     metrics = evaluate(model, test_tr, every=args.every)
     print(render_table(metrics))
@@ -96,8 +109,9 @@ def main() -> None:
                                     "steps": HELD_OUT_DEPTH[2]}},
         "held_out_deeper_metrics": {k: v.as_dict() for k, v in deeper.items()},
         "evaluated_every_nth_decision": args.every,
-        "command": "python tools/pilot_build_weights.py " + f"--epochs {args.epochs}"
+        "command": "python tools/pilot_build_weights.py " + f"--epochs {args.epochs} --seed {args.seed}"
                    + (" --synthetic" if args.synthetic else ""),
+        "seed_selection": SEED_SELECTION if args.seed == SHIPPED_SEED else None,
         **{k: v for k, v in info.items() if k != "data"},
         "trace_files": [d["path"].split("/")[-1] for d in info["data"]],
     }

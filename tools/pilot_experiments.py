@@ -219,63 +219,61 @@ def shift() -> None:
     _dump("shift", out)
 
 
-#: `large` does not fit this machine: record it with the batch (and depth) cut, and scale the
-#: simulated iteration time back up by the batch (x depth) ratio; decision points and candidates
-#: per decision point scale with depth (not with the batch), so the inference estimate is
-#: decisions * depth * (a + b * candidates * depth).
+#: `large` does not fit this machine: it is recorded with the batch cut (and, where the model is
+#: deep, at two reduced depths d1 < d2 of its depth knob), per family:
+#: (overrides at d1, depth knob, d1, d2, full depth, full batch / recorded batch x size ratio).
 LARGE_REDUCED = {
-    "moe": ({"layers": 2, "batch": 1}, 32 * 12 / (1 * 2), 12 / 2),
-    "varlen": ({"layers": 2, "batch": 1}, 32 * 24 / (1 * 2), 24 / 2),
-    "skipnet": ({"batch": 2}, 128 / 2, 1.0),
-    "early_exit": ({"batch": 4}, 256 / 4, 1.0),
-    "tree_lstm": ({"batch": 64}, 2048 / 64, 1.0),
-    "evoformer": ({"blocks": 1, "residues_min": 64, "residues_max": 96}, 4 * (160 / 80) ** 2, 4.0),
+    "moe": ({"layers": 1, "batch": 1}, "layers", 1, 2, 12, 32.0),
+    "varlen": ({"layers": 2, "batch": 1}, "layers", 2, 4, 24, 32.0),
+    "evoformer": ({"blocks": 1, "residues_min": 64, "residues_max": 96}, "blocks", 1, 2, 4, (160 / 80) ** 2),
+    "skipnet": ({"batch": 2}, None, 1, 1, 1, 128 / 2),
+    "early_exit": ({"batch": 4}, None, 1, 1, 1, 256 / 4),
+    "tree_lstm": ({"batch": 64}, None, 1, 1, 1, 2048 / 64),
 }
 
 
 def cost_large() -> None:
-    """`large`, estimated from reduced-knob recordings (LARGE_REDUCED): the simulated iteration time
-    scaled by the batch (x depth) ratio; decision points x depth, rows scored per decision point x
-    depth (an upper bound for the incremental variant: what was touched since the last decision point
-    does not grow with depth), costed with the per-decision fit a + b * rows of `cost` (its best-of-100
-    one-decision timings; this run's own when `cost` has not been run). The governor's share is bounded by construction: reported is
-    the fraction of decision points it keeps."""
+    """`large`, estimated from reduced recordings (LARGE_REDUCED), each run whole (the default
+    incremental rescoring, best of 2, budget 1/2). The iteration time is the simulated one at the
+    deeper reduced depth d2 scaled by the size ratio and by full depth / d2 (operators scale with
+    depth; per-operator time with the batch, as the h100 profile is compute-bound at `large`). The
+    inference time is measured at d1 and d2 and extrapolated to the full depth D with
+    ``t(d) = a d + b d^2`` through both points (decision points grow with depth; rows scored per
+    decision point and the heap upkeep per row at most with depth); skipnet, early_exit and tree_lstm
+    are recorded at full depth (only the batch is cut), so theirs is measured, not extrapolated."""
     from dynn_runtime.bench import TraceCache
-    from dynn_runtime.pilot.cost import fit_decision_cost
 
     model = load_model(default_weights_path())
     cache = TraceCache(".dynn-cache/traces")
-    fits = {}
-    if (OUT / "cost.json").exists():
-        fits = {k: (v["a_s"], v["b_s"]) for k, v in json.loads((OUT / "cost.json").read_text()).get("fit", {}).items()}
     rows = []
-    share = VARIANTS["governed"]["max_share"]
     for fam in sys.argv[2:] or FAMS:
-        over, time_ratio, depth_ratio = LARGE_REDUCED[fam]
+        over, knob, d1, d2, depth, size_ratio = LARGE_REDUCED[fam]
         t0 = time.time()
-        tr = cache.get(fam, "large", 0, 2, over)
-        for name in ("full", "incremental"):
-            r = inference_cost(tr, model=model, budget=0.5, repeats=2, **VARIANTS[name])
-            a, b = fits.get("micro") or fits.get(name) or fit_decision_cost([r])
-            est_iter = r["iteration_time_s"] * time_ratio
-            dec = r["decisions"] * depth_ratio
-            per_dec = a + b * r["candidates_mean"] * depth_ratio
-            est_inf = dec * per_dec
-            kept = min(1.0, share * est_iter / est_inf) if est_inf else 1.0
-            r.update({"variant": name, "overrides": over, "time_ratio": time_ratio, "depth_ratio": depth_ratio,
-                      "estimated_large_iteration_s": est_iter, "estimated_large_decisions": dec,
-                      "estimated_large_rows": r["candidates_mean"] * depth_ratio,
-                      "estimated_large_per_decision_s": per_dec, "estimated_large_inference_s": est_inf,
-                      "estimated_large_share": est_inf / est_iter,
-                      "governed_share": min(share, est_inf / est_iter), "governed_decisions_kept": kept,
-                      "record_and_measure_s": round(time.time() - t0, 1)})
-            rows.append(r)
-            print(f"{fam:<11} {name:<11} reduced {over}: {r['decisions']} decisions x {r['candidates_mean']:.0f} of "
-                  f"{r['live_mean']:.0f} rows, {r['per_decision_us']:.0f} us; iteration {1e3 * r['iteration_time_s']:.1f} ms"
-                  f" (h100); est. large: {dec:.0f} x {1e6 * per_dec:.0f} us = {1e3 * est_inf:.1f} ms of "
-                  f"{1e3 * est_iter:.0f} ms = {100 * est_inf / est_iter:.2f}%; governed ({100 * share:.0f}%): "
-                  f"{100 * kept:.0f}% of the decision points", flush=True)
-        _dump("cost_large", {"rows": rows, "fit": {k: list(v) for k, v in fits.items()}})
+        runs = []
+        for d in sorted({d1, d2}):
+            o = dict(over, **({knob: d} if knob else {}))
+            r = inference_cost(cache.get(fam, "large", 0, 2, o), model=model, budget=0.5, repeats=2)
+            r.update({"overrides": o, "depth": d})
+            runs.append(r)
+        if len(runs) == 2:
+            t1, t2, r2 = runs[0]["inference_s"], runs[1]["inference_s"], runs[1]
+            b = max((t2 / d2 - t1 / d1) / (d2 - d1), 0.0)
+            a = t1 / d1 - b * d1
+            est_inf = a * depth + b * depth * depth
+        else:
+            r2 = runs[0]
+            est_inf = r2["inference_s"]
+        est_iter = r2["iteration_time_s"] * size_ratio * depth / d2
+        rec = {"family": fam, "runs": runs, "depth_knob": knob, "full_depth": depth, "size_ratio": size_ratio,
+               "estimated_large_iteration_s": est_iter, "estimated_large_inference_s": est_inf,
+               "estimated_large_decisions": r2["decisions"] * depth / d2,
+               "estimated_large_share": est_inf / est_iter, "record_and_measure_s": round(time.time() - t0, 1)}
+        rows.append(rec)
+        meas = ", ".join(f"depth {r['depth']}: {r['decisions']} decisions x {r['candidates_mean']:.0f} of "
+                         f"{r['live_mean']:.0f} rows, {1e3 * r['inference_s']:.1f} ms" for r in runs)
+        print(f"{fam:<11} {meas}; est. large (depth {depth}): {1e3 * est_inf:.1f} ms of {1e3 * est_iter:.0f} ms "
+              f"= {100 * est_inf / est_iter:.2f}%", flush=True)
+        _dump("cost_large", {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -70,13 +70,18 @@ _KIND_IDX = {k: i for i, k in enumerate(KINDS)}
 _PHASE_IDX = {p: i for i, p in enumerate(PHASES)}
 
 #: upper edges (in operators after the decision point, inclusive) of the fine buckets the model
-#: predicts; after them come "later this iteration" and "not again this iteration".
-BUCKET_EDGES: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256)
+#: predicts; after them come "later this iteration" (past the last edge) and "not again this
+#: iteration". Octaves up to 16384 operators: a far next use is predicted to an octave too, so the
+#: policy rescores a storage about when its use could come near (rule 5 of :mod:`.policy`) instead of
+#: every 64 operators, which with one "later" bucket past 256 made the rows scored per decision
+#: point grow with the model's depth (evoformer x4: 97% of them were far storages due again).
+BUCKET_EDGES: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_FINE = len(BUCKET_EDGES) + 2
 #: coarse buckets (reported): with the default group of 16 operators they are next group,
 #: within 4 groups, within 16 groups, later this iteration, not again this iteration
 COARSE_NAMES = ("next group", "within 4 groups", "within 16 groups", "later", "not again")
-COARSE_OF_FINE = np.array([0, 0, 0, 0, 1, 1, 2, 2, 3, 4], dtype=np.int64)
+COARSE_OF_FINE = np.asarray([0 if e <= 16 else 1 if e <= 64 else 2 if e <= 256 else 3 for e in BUCKET_EDGES]
+                            + [3, 4], dtype=np.int64)
 N_COARSE = len(COARSE_NAMES)
 
 

@@ -19,7 +19,7 @@ from .._version import __version__
 from ..errors import PilotError
 from ..trace.format import Trace
 from .data import Rows, build_rows, load_traces, trace_family
-from .features import CAND_FEATURES, CTX_FEATURES
+from .features import CAND_FEATURES, CTX_FEATURES, N_FINE
 from .model import PilotConfig, PilotModel, fit
 
 __all__ = ["train", "fit_prior", "git_commit"]
@@ -112,7 +112,7 @@ def train(
         "excluded_families": list(exclude_families),
         "max_decisions": max_decisions,
         "rows": len(rows),
-        "label_counts": np.bincount(rows.y, minlength=10).tolist(),
+        "label_counts": np.bincount(rows.y, minlength=N_FINE).tolist(),
         "losses": [round(x, 5) for x in losses],
         "train_s": round(time.perf_counter() - t0, 2),
         "n_params": model.n_params,

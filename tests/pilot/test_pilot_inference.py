@@ -72,6 +72,29 @@ def test_incremental_with_everything_due_is_the_full_path(trace, model):
     assert inc.live_total == pol.live_total
 
 
+def test_a_far_prediction_is_rescored_less_often_than_a_near_one(trace, model):
+    """Rule 5 scales with the predicted distance past 256 operators too (octave buckets up to 16384):
+    a storage predicted ~6000 operators away is not rescored every ~64 operators, which made the
+    rows scored per decision point grow with the model's depth."""
+    from dynn_runtime.pilot.features import BUCKET_EDGES
+
+    def biased(edge: int) -> PilotModel:
+        m = model.copy()
+        m.arrays["W3"][:] = 0.0
+        m.arrays["b3"][:] = 0.0
+        m.arrays["b3"][BUCKET_EDGES.index(edge)] = 12.0  # every storage: that bucket, confidently
+        return m
+
+    rows, decisions = {}, {}
+    for edge in (256, 8192):
+        pol = PilotPolicy(model=biased(edge))
+        r = simulate(trace, pol, 0.5)
+        assert r.feasible
+        rows[edge], decisions[edge] = pol.candidates, pol.decisions  # rows scored, over all decision points
+    assert decisions[256] == decisions[8192] > 0
+    assert rows[8192] < 0.5 * rows[256], rows
+
+
 def test_shipped_weights_incremental_stays_close_to_full(trace):
     try:
         full_pol = PilotPolicy(incremental=False)

@@ -16,7 +16,7 @@ import pytest
 
 from dynn_runtime.errors import PilotError
 from dynn_runtime.pilot import PilotModel, native
-from dynn_runtime.pilot.features import CAND_FEATURES, FeatureState
+from dynn_runtime.pilot.features import CAND_FEATURES, N_FINE, FeatureState
 from dynn_runtime.pilot.model import _log_bucket_reps
 from dynn_runtime.pilot.policy import PilotPolicy
 from dynn_runtime.sim import Simulator, simulate, unmanaged_peak
@@ -311,7 +311,7 @@ def test_a_model_the_kernel_does_not_take_runs_on_numpy(kernel, traces):
         simulate(traces["varlen"], PilotPolicy(model=wide, backend="native"), 0.5)
     X = np.zeros((3, len(CAND_FEATURES)), np.float32)
     ctx = np.zeros(wide.arrays["W1x"].shape[0], np.float32)
-    assert wide.score(X, ctx, 100)[0].shape == (3, 10)  # auto: numpy
+    assert wide.score(X, ctx, 100)[0].shape == (3, N_FINE)  # auto: numpy
     with pytest.raises(PilotError, match="shape"):
         wide.score(X, ctx, 100, backend="native")
 
