@@ -30,8 +30,10 @@ How a prediction is made and kept (why):
    ``quantile`` (10%) falls in a bucket starting at ``L`` operators, a storage is due at
    ``t + recheck * L`` (``recheck`` 0.25). The others keep their predicted *position* (not a
    distance, so it stays valid while nothing happens to the storage). A far prediction is coarse
-   ("later this iteration" is anything past 256 operators) and gets precise only when rescored
-   closer: keeping it until its predicted position comes within a fixed horizon (128) lost up to
+   (an octave: the buckets go up to 16384 operators; with one "later" bucket past 256, far
+   storages were due every 64 operators and the rows scored per decision point grew with the
+   model's depth) and gets precise only when rescored closer: keeping it until its predicted
+   position comes within a fixed horizon (128; measured with the former buckets) lost up to
    36% of simulated time (evoformer small at 1/4: 2.03x vs 1.49x; moe at 1/8: 2.80x vs 2.22x), and
    rescoring a rotating share of the rest up to 24%; (c) rescores a storage before the earliest time
    it could plausibly be needed. Every phase change
