@@ -232,19 +232,31 @@ LARGE_REDUCED = {
 }
 
 
+#: whole-run cost per decision point, seconds: a + b * rows, the policy's heap upkeep in Python
+#: included (fitted over the six small families on a quiet CPU, session 4, docs/pilot.md)
+WHOLE_RUN_FIT = (40e-6, 0.94e-6)
+
+
 def cost_large() -> None:
-    """`large`, estimated from reduced recordings (LARGE_REDUCED), each run whole (the default
-    incremental rescoring, best of 2, budget 1/2). The iteration time is the simulated one at the
-    deeper reduced depth d2 scaled by the size ratio and by full depth / d2 (operators scale with
-    depth; per-operator time with the batch, as the h100 profile is compute-bound at `large`). The
-    inference time is measured at d1 and d2 and extrapolated to the full depth D with
-    ``t(d) = a d + b d^2`` through both points (decision points grow with depth; rows scored per
-    decision point and the heap upkeep per row at most with depth); skipnet, early_exit and tree_lstm
-    are recorded at full depth (only the batch is cut), so theirs is measured, not extrapolated."""
+    """`large`, estimated from reduced recordings (LARGE_REDUCED), each simulated whole (the default
+    incremental rescoring, budget 1/2). Counted, not timed: decision points scale with depth, rows
+    scored per decision point are extrapolated linearly in depth through the two reduced depths (an
+    upper bound: on the tiny depth scans they grow more slowly); the h100 iteration is the simulated
+    one at d2 scaled by the size ratio and full depth / d2 (operators scale with depth, per-operator
+    time with the batch: the h100 profile is compute-bound at `large`). The cost per decision point
+    is the best-of-100 one-decision fit a + b * rows of `cost` (out/pilot/cost.json, "micro"; this
+    run's own when `cost` has not been run), and WHOLE_RUN_FIT beside it. Counting instead of timing
+    whole runs keeps the estimate out of a shared CPU's load. skipnet, early_exit and tree_lstm are
+    recorded at full depth (only the batch is cut)."""
     from dynn_runtime.bench import TraceCache
+    from dynn_runtime.pilot.cost import fit_decision_cost
 
     model = load_model(default_weights_path())
     cache = TraceCache(".dynn-cache/traces")
+    micro = None
+    if (OUT / "cost.json").exists():
+        f = json.loads((OUT / "cost.json").read_text()).get("fit", {}).get("micro")
+        micro = (f["a_s"], f["b_s"]) if f else None
     rows = []
     for fam in sys.argv[2:] or FAMS:
         over, knob, d1, d2, depth, size_ratio = LARGE_REDUCED[fam]
@@ -252,28 +264,30 @@ def cost_large() -> None:
         runs = []
         for d in sorted({d1, d2}):
             o = dict(over, **({knob: d} if knob else {}))
-            r = inference_cost(cache.get(fam, "large", 0, 2, o), model=model, budget=0.5, repeats=2)
+            r = inference_cost(cache.get(fam, "large", 0, 2, o), model=model, budget=0.5, repeats=1)
             r.update({"overrides": o, "depth": d})
             runs.append(r)
-        if len(runs) == 2:
-            t1, t2, r2 = runs[0]["inference_s"], runs[1]["inference_s"], runs[1]
-            b = max((t2 / d2 - t1 / d1) / (d2 - d1), 0.0)
-            a = t1 / d1 - b * d1
-            est_inf = a * depth + b * depth * depth
-        else:
-            r2 = runs[0]
-            est_inf = r2["inference_s"]
+        r1, r2 = runs[0], runs[-1]
+        per_depth = (r2["candidates_mean"] - r1["candidates_mean"]) / (d2 - d1) if d2 > d1 else 0.0
+        est_rows = r2["candidates_mean"] + per_depth * (depth - d2)
+        est_dec = r2["decisions"] * depth / d2
         est_iter = r2["iteration_time_s"] * size_ratio * depth / d2
+        a, b = micro or fit_decision_cost(runs)
+        wa, wb = WHOLE_RUN_FIT
+        est_inf, est_whole = est_dec * (a + b * est_rows), est_dec * (wa + wb * est_rows)
         rec = {"family": fam, "runs": runs, "depth_knob": knob, "full_depth": depth, "size_ratio": size_ratio,
-               "estimated_large_iteration_s": est_iter, "estimated_large_inference_s": est_inf,
-               "estimated_large_decisions": r2["decisions"] * depth / d2,
-               "estimated_large_share": est_inf / est_iter, "record_and_measure_s": round(time.time() - t0, 1)}
+               "fit": [a, b], "whole_run_fit": [wa, wb], "estimated_large_iteration_s": est_iter,
+               "estimated_large_decisions": est_dec, "estimated_large_rows": est_rows,
+               "estimated_large_inference_s": est_inf, "estimated_large_share": est_inf / est_iter,
+               "estimated_large_share_whole_run": est_whole / est_iter,
+               "record_and_measure_s": round(time.time() - t0, 1)}
         rows.append(rec)
         meas = ", ".join(f"depth {r['depth']}: {r['decisions']} decisions x {r['candidates_mean']:.0f} of "
-                         f"{r['live_mean']:.0f} rows, {1e3 * r['inference_s']:.1f} ms" for r in runs)
-        print(f"{fam:<11} {meas}; est. large (depth {depth}): {1e3 * est_inf:.1f} ms of {1e3 * est_iter:.0f} ms "
-              f"= {100 * est_inf / est_iter:.2f}%", flush=True)
-        _dump("cost_large", {"rows": rows})
+                         f"{r['live_mean']:.0f} rows" for r in runs)
+        print(f"{fam:<11} {meas}; est. large (depth {depth}): {est_dec:.0f} x {est_rows:.0f} rows, "
+              f"{1e3 * est_inf:.1f} ms of {1e3 * est_iter:.0f} ms = {100 * est_inf / est_iter:.2f}% "
+              f"(whole-run fit {100 * est_whole / est_iter:.2f}%)", flush=True)
+    _dump("cost_large", {"rows": rows})
 
 
 if __name__ == "__main__":
