@@ -30,7 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define DYNN_PILOT_ABI 2
+#define DYNN_PILOT_ABI 3
 
 #if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
 #define MADD(a, b, c) fmaf((a), (b), (c))
@@ -705,10 +705,11 @@ int64_t dynn_pilot_decide(const dynn_state *S, const dynn_point *D, const dynn_m
 }
 
 /* PilotPolicy.on_op's rows: every live slot (full) or those touched since they were scored or due
- * (due[s] <= position), in slot order, to rows (room for cap). Returns the number of live slots;
- * the number of rows goes to *n_rows. */
+ * (due[s] <= position), except the slots marked in skip (the policy's small storages; NULL: none),
+ * in slot order, to rows (room for cap). Returns the number of live slots; the number of rows goes
+ * to *n_rows. */
 int64_t dynn_pilot_select(const dynn_state *S, const double *due, int64_t position, int64_t full,
-                          int64_t *rows, int64_t *n_rows)
+                          const uint8_t *skip, int64_t *rows, int64_t *n_rows)
 {
     const int64_t cap = S->cap;
     const double pd = (double)position;
@@ -716,7 +717,7 @@ int64_t dynn_pilot_select(const dynn_state *S, const double *due, int64_t positi
     for (int64_t s = 0; s < cap; s++) {
         if (!S->active[s]) continue;
         n_live++;
-        if (full || S->touched[s] || due[s] <= pd) rows[n++] = s;
+        if ((full || S->touched[s] || due[s] <= pd) && !(skip && skip[s])) rows[n++] = s;
     }
     *n_rows = n;
     return n_live;

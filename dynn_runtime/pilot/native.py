@@ -50,7 +50,7 @@ FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-fPIC", "-shared", "-std=c99", "-ffp-contract=off"),
 )
 LIBS = ("-lm",)
-_ABI = 2
+_ABI = 3
 _STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS = 38, 13, 16, 8
 _LANES = 16
 _MAX_H, _MAX_K = 256, 64  # widest hidden layer and most (padded) outputs the kernel takes
@@ -450,7 +450,7 @@ class NativeKernel:
         lib.dynn_pilot_score.restype = _I
         lib.dynn_pilot_decide.argtypes = [_V, _V, _V, _V]
         lib.dynn_pilot_decide.restype = _I
-        lib.dynn_pilot_select.argtypes = [_V, _V, _I, _I, _V, _V]
+        lib.dynn_pilot_select.argtypes = [_V, _V, _I, _I, _V, _V, _V]
         lib.dynn_pilot_select.restype = _I
         self.path = path
         self.lib = lib
@@ -587,14 +587,16 @@ class NativeKernel:
         return P, eld, kq, amax
 
     # ---- PilotPolicy ------------------------------------------------------------------------------
-    def select(self, st: Any, pt: PolicyTable, position: int, full: bool) -> tuple[int, int]:
+    def select(self, st: Any, pt: PolicyTable, position: int, full: bool, skip_addr: int | None = None
+               ) -> tuple[int, int]:
         """The live storages, and how many of them the policy scores now (their slots go to the
         state table's ``rows``): every one when ``full``, else those touched since scored or due
-        (``pt.due``, as long as the state's arrays)."""
+        (``pt.due``, as long as the state's arrays); none whose byte is set in the uint8 array at
+        ``skip_addr`` (as long as the state's arrays; None: skip none)."""
         t = st._native_tab
         if t is None:
             t = self.table(st)
-        n_live = self._select(t.addr, pt.due_addr, position, full, t.rows_addr, self._n_rows_addr)
+        n_live = self._select(t.addr, pt.due_addr, position, full, skip_addr, t.rows_addr, self._n_rows_addr)
         return n_live, self._n_rows.value
 
     def decide(self, st: Any, model: Any, pt: PolicyTable, rows_addr: int | None, m: int, n_live: int) -> None:

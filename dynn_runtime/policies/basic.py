@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import ClassVar
 
-from .base import Action, Policy, register
+from .base import Action, Policy, SmallStorages, register
 
 
 @register
@@ -23,26 +23,46 @@ class LRUPolicy(Policy):
 
     name = "lru"
     description = "evict least recently used on pressure, fetch on demand"
+    #: storages under this fraction of the largest footprint go last (:class:`SmallStorages`; 0: off)
+    small_fraction: ClassVar[float] = 1e-4
 
     def __init__(self) -> None:
         super().__init__()
         self._order: OrderedDict[int, None] = OrderedDict()
+        self._small = SmallStorages(self.small_fraction)
+
+    def begin_iteration(self, index: int, context: dict | None = None) -> None:
+        if self.small_fraction:
+            self._small.begin_iteration(context)
 
     def on_alloc(self, sid: int, position: int) -> None:
         self._order[sid] = None
         self._order.move_to_end(sid)
+        if self.small_fraction:
+            self._small.alloc(sid, self.view.nbytes(sid))
 
     def on_access(self, sid: int, position: int) -> None:
         self._order[sid] = None
         self._order.move_to_end(sid)
+        if self.small_fraction:
+            self._small.access(sid)
 
     def on_free(self, sid: int) -> None:
         self._order.pop(sid, None)
+        self._small.free(sid)
 
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
         view = self.view
+        small = self._small
+        later = []
         for sid in self._order:  # evictions do not reorder it: safe to walk lazily
             if sid not in exclude and view.status(sid) == "resident":
+                if small.small(sid):
+                    later.append(sid)
+                    continue
+                yield sid
+        for sid in later:  # second tier: the small ones, least recently used first
+            if view.status(sid) == "resident":
                 yield sid
 
 
@@ -94,3 +114,4 @@ class UVMPolicy(LRUPolicy):
     description = "unified memory: page-granular demand migration with fault cost"
     sync_copies: ClassVar[bool] = True
     page_bytes: ClassVar[int | None] = 64 << 10
+    small_fraction: ClassVar[float] = 0.0  # the driver's page LRU knows no storage sizes

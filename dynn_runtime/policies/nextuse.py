@@ -18,7 +18,7 @@ import bisect
 import heapq
 from collections.abc import Iterator
 
-from .base import Action, Policy, register
+from .base import Action, Policy, SmallStorages, register
 
 _INF = float("inf")
 
@@ -33,11 +33,17 @@ class NextUsePolicy(Policy):
     lookahead: int | None = 32
     #: at most this many moves per decision point (keeps one decision cheap)
     max_actions: int = 64
+    #: storages under this fraction of the largest footprint are offered as victims only after every
+    #: larger one (:class:`~dynn_runtime.policies.base.SmallStorages`; 0: one tier, Belady's order)
+    small_fraction: float = 1e-4
 
     def __init__(self) -> None:
         super().__init__()
         self._res: list[tuple[float, int]] = []  # max-heap of resident by predicted next use: (-nu, sid)
         self._off: list[tuple[float, int]] = []  # min-heap of offloaded by predicted next use: (nu, sid)
+        self._small = SmallStorages(self.small_fraction)
+        #: a small storage had to be offered as a victim in this run (the pilot then scores them too)
+        self.small_evicted = False
 
     # subclasses: predicted next use (operator position) of sid after the current position
     def predict(self, sid: int) -> float:  # pragma: no cover - abstract
@@ -47,10 +53,21 @@ class NextUsePolicy(Policy):
         nu = self.predict(sid)
         return _INF if nu is None else float(nu)
 
+    def begin_iteration(self, index: int, context: dict | None = None) -> None:
+        if self.small_fraction:
+            self._small.begin_iteration(context)
+
     def on_alloc(self, sid: int, position: int) -> None:
+        if self.small_fraction:
+            self._small.alloc(sid, self.view.nbytes(sid))
         heapq.heappush(self._res, (-self._nu(sid), sid))
 
+    def on_free(self, sid: int) -> None:
+        self._small.free(sid)
+
     def on_access(self, sid: int, position: int) -> None:
+        if self.small_fraction:
+            self._small.access(sid)
         heapq.heappush(self._res, (-self._nu(sid), sid))
 
     def _rebuild(self) -> None:
@@ -59,12 +76,23 @@ class NextUsePolicy(Policy):
         heapq.heapify(self._res)
 
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
+        """Resident storages, furthest predicted next use first: the larger ones (first tier), then,
+        when those run out, the small ones (:class:`SmallStorages`) in the same order."""
         view = self.view
+        small = self._small
+        tiered = bool(small.fraction)
         skipped = []
+        later = []  # small storages put off to the second tier
         rebuilt = False
         try:
             while True:
                 if not self._res:
+                    if tiered and later:
+                        for item in later:
+                            heapq.heappush(self._res, item)
+                        later = []
+                        tiered = False  # second tier: the small ones too
+                        continue
                     if rebuilt:
                         return
                     for item in skipped:
@@ -83,10 +111,17 @@ class NextUsePolicy(Policy):
                 if sid in exclude:
                     skipped.append((neg, sid))
                     continue
+                if small.small(sid):
+                    if tiered:
+                        later.append((neg, sid))
+                        continue
+                    self.small_evicted = True
                 heapq.heappush(self._off, (-neg, sid))
                 yield sid
         finally:
             for item in skipped:
+                heapq.heappush(self._res, item)
+            for item in later:
                 heapq.heappush(self._res, item)
 
     def after_op(self, position: int) -> list[Action]:
@@ -149,6 +184,7 @@ class ReplayPolicy(NextUsePolicy):
     def begin_iteration(self, index: int, context: dict | None = None) -> None:
         # The plan is matched as storages appear (on_alloc), never by looking at this iteration's
         # operators ahead of time: the live runtime does not know them either.
+        super().begin_iteration(index, context)
         self._plan: dict[int, list[int]] = {}
         self._prev_acc: dict[int, list[int]] = {}
         self._prev_slot: dict[tuple[int, int], int] = {}

@@ -186,6 +186,23 @@ class Iteration:
     phase_starts: dict[str, int] = field(default_factory=dict)
     facts: dict = field(default_factory=dict)
 
+    def footprint_peak(self, trace: Trace) -> int:
+        """Most bytes of live storages at once in this iteration (everything resident: PyTorch
+        alone), by walking its allocations and frees: the simulator's ``none`` peak without the
+        simulation (it counts the same storages)."""
+        sizes = trace.storages
+        live = sum(sizes[sid].nbytes for sid in self.live_at_start(trace))
+        peak = live
+        frees = self.frees
+        for j, op in enumerate(self.ops):
+            for sid in frees.get(j, ()):
+                live -= sizes[sid].nbytes
+            for sid in op.allocs:
+                live += sizes[sid].nbytes
+            if live > peak:
+                peak = live
+        return peak
+
     def live_at_start(self, trace: Trace) -> list[int]:
         """Storages alive when this iteration's first op runs: allocated in an earlier iteration, or
         pre-existing (parameters, the batch) and first seen in this one; and not freed before it."""

@@ -145,3 +145,46 @@ def test_governor_bounds_the_share_on_a_synthetic_clock(trace, model):
     assert 0 < gov.decisions < free.decisions and gov.deferred > 0
     with pytest.raises(Exception, match="max_share"):
         PilotPolicy(model=model, max_share=0)
+
+
+class _ScoresSmall(PilotPolicy):
+    """Rule 8 off: small storages are scored like the others."""
+
+    def _skip_small(self) -> bool:
+        return False
+
+
+class _Rows(PilotPolicy):
+    """Records, per decision point, whether a small storage was scored and whether one had been
+    offered as a victim before it."""
+
+    def attach(self, view):
+        super().attach(view)
+        self.log = []
+
+    def _update(self, sids, preds, n_live, negs=None):
+        self.log.append((self.small_evicted, any(self._small.small(s) for s in sids)))
+        super()._update(sids, preds, n_live, negs)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "native"])
+def test_small_storages_are_not_scored_until_one_is_offered(trace, model, backend):
+    """Rule 8: while no small storage leaves, leaving them out of scoring changes nothing the
+    simulator sees (same decisions, same time) and scores fewer rows; once one is offered as a
+    victim, every later decision point scores them too."""
+    from dynn_runtime.pilot import native
+
+    if backend == "native" and not native.available():
+        pytest.skip(f"native kernel unavailable: {native.reason()}")
+    skip, every = PilotPolicy(model=model, backend=backend), _ScoresSmall(model=model, backend=backend)
+    a, b = simulate(trace, skip, 0.5), simulate(trace, every, 0.5)
+    assert not skip.small_evicted
+    assert a.as_dict() == b.as_dict()
+    assert skip.decisions == every.decisions and skip.candidates < 0.7 * every.candidates
+    pol = _Rows(model=model, backend=backend)
+    r = simulate(trace, pol, 0.08)  # tight enough that small ones must leave (at 0.1 none does)
+    assert r.feasible and pol.small_evicted
+    before = [small for offered, small in pol.log if not offered]
+    after = [small for offered, small in pol.log if offered]
+    assert before and not any(before)  # not scored while none had left
+    assert after and any(after)
