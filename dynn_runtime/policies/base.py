@@ -153,13 +153,15 @@ class SmallStorages:
         return self.fraction * self._peak
 
     def begin_iteration(self, context: dict | None) -> None:
-        """Take the previous iteration's footprint into the running maximum when the context has it
-        (``history`` and a ``trace`` with the storage table: the simulator, which replays one
-        iteration with a fresh policy; a live policy has already counted it as it ran)."""
+        """Seed the running maximum with the previous iteration's footprint when this policy has
+        counted nothing yet and the context has it (``history`` and a ``trace`` with the storage
+        table: the simulator, which replays one iteration with a fresh policy)."""
+        if self._peak:
+            return  # counted as it ran (a live policy): no walk over a growing trace every iteration
         history = (context or {}).get("history") or []
         trace = (context or {}).get("trace")
         if history and getattr(trace, "storages", None):
-            self._peak = max(self._peak, history[-1].footprint_peak(trace))
+            self._peak = history[-1].footprint_peak(trace)
 
     def alloc(self, sid: int, nbytes: int) -> bool:
         """Count ``sid`` live (again, when it is announced again) and class it; returns whether it

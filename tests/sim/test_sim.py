@@ -233,6 +233,8 @@ def test_small_storages_classed_by_footprint_and_not_while_away():
     tr = small_big_trace(False)
     fresh.begin_iteration({"history": tr.iterations[:1], "trace": tr})
     assert fresh.threshold == pytest.approx(201.0) and fresh.alloc(7, 200) and not fresh.alloc(8, 202)
+    s.begin_iteration({"history": tr.iterations[:1], "trace": tr})  # has counted its own: no walk
+    assert s.threshold == pytest.approx(105.1)
 
 
 def test_footprint_peak_walk_equals_the_unmanaged_simulation():
