@@ -19,14 +19,21 @@ Rules it keeps (why each is there):
    point is a handful of vectorised numpy operations over it (no Python loop over candidates), or
    one call of the native kernel (:mod:`.native`), which reads the same arrays and returns the same
    rows bit for bit.
-4. History alignment ("anchored replay"): every operator is keyed by (name, module, occurrence of
-   that pair so far in the iteration) and matched to the previous iteration's operator with the same
-   key. The last matched operator *anchors* the current position to a position in the previous
-   iteration; a candidate's counterpart there (itself for persistent storages, the storage that the
-   matched producer allocated in the same output slot for fresh ones) then says when it was next
-   used after the anchor. Unlike positional replay this survives shifted and re-ordered operator
-   sequences (variable lengths, skipped blocks, different experts); the model learns how far to
-   trust it from the other features.
+4. History alignment ("anchored replay"): every operator is keyed by (name, module, phase,
+   occurrence of that triple so far in the iteration) and matched to the previous iteration's
+   operator with the same key. The last matched operator *anchors* the current position to a
+   position in the previous iteration; a candidate's counterpart there (itself for persistent
+   storages, the storage that the matched producer allocated in the same output slot for fresh
+   ones) then says when it was next used after the anchor. Unlike positional replay this survives
+   shifted and re-ordered operator sequences (variable lengths, skipped blocks, different experts);
+   the model learns how far to trust it from the other features. Occurrences count per phase: the
+   optimizer's operators are the same every step, and counted from the start of the iteration they
+   were shifted by how often forward and backward ran the same operator (evoformer's recycling
+   passes run a different number of times per step); with the phase in the key, held-out window
+   recall on evoformer rose from 94.9% to 97.4%. Matching instead the same key's operator nearest
+   to where the last match extrapolates was tried: higher recall (tree_lstm 82.8% against 80.3%),
+   but 8-10% slower simulated iterations on evoformer `small` at 1/2 and 1/4 and 80.5% recall on
+   early_exit left out of training, so it was not kept.
 5. Backward consumes saved tensors roughly in reverse production order: each saved storage (not a
    parameter, buffer or optimizer state) produced in forward (for the batch: last used in forward)
    and not yet read in backward has a *stack depth* (how many such storages came after it) and a
@@ -160,7 +167,7 @@ class FeatureState:
         self._stack_counter = 0
         self._announced = 0
         self._ratio = 1.5
-        self._prev_ops: dict[tuple[str, str, int], int] = {}
+        self._prev_ops: dict[tuple[str, str, str, int], int] = {}
         self._prev_len = 0
         self._prev_idx: dict[int, int] = {}
         self._prev_keys = np.zeros(0, dtype=np.int64)
@@ -231,7 +238,7 @@ class FeatureState:
         self.position = -1
         self.phase = 0
         self.phase_start = 0
-        self._op_seen: dict[tuple[str, str], int] = {}
+        self._op_seen: dict[tuple[str, str, str], int] = {}
         self._anchor = (-1, -1)  # (position here, matched position in the previous iteration)
         self._last_decision = -1
         self._hist[:] = 0
@@ -268,16 +275,16 @@ class FeatureState:
             self._prev_keys = np.zeros(0, dtype=np.int64)
             self._prev_count = np.zeros(0, dtype=np.float32)
             return
-        seen: dict[tuple[str, str], int] = {}
+        seen: dict[tuple[str, str, str], int] = {}
         acc: dict[int, list[int]] = {}
         n_fwd = sum(1 for op in prev.ops if op.phase == "forward")
         n_bwd = sum(1 for op in prev.ops if op.phase == "backward")
         self._ratio = n_bwd / n_fwd if n_fwd and n_bwd else 1.5
         for j, op in enumerate(prev.ops):
-            k = (op.name, op.module)
+            k = (op.name, op.module, op.phase)
             c = seen.get(k, 0)
             seen[k] = c + 1
-            self._prev_ops[(op.name, op.module, c)] = j
+            self._prev_ops[(*k, c)] = j
             if op.allocs:
                 self._prev_allocs[j] = op.allocs
             for sid in {*op.inputs, *op.outputs, *op.writes}:
@@ -378,10 +385,10 @@ class FeatureState:
         h += ivk
         self._hist_allocs = self._hist_allocs * sl + len(op.allocs) * (1 - sl)
         # align with the previous iteration (rule 4)
-        key = (op.name, op.module)
+        key = (op.name, op.module, op.phase)
         c = self._op_seen.get(key, 0)
         self._op_seen[key] = c + 1
-        q = self._prev_ops.get((op.name, op.module, c))
+        q = self._prev_ops.get((*key, c))
         prev_allocs = ()
         if q is not None:
             self._anchor = (position, q)

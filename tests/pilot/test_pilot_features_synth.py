@@ -109,3 +109,25 @@ def test_prior_ignores_synthetic_rows_when_real_ones_exist():
                 y=np.concatenate([real.y, fake.y]), family=real.family + fake.family)
     assert np.array_equal(fit_prior(both), fit_prior(real))
     assert not np.array_equal(fit_prior(fake), fit_prior(real))  # synthetic only: they are used
+
+
+def test_occurrences_count_per_phase_so_the_optimizer_stays_aligned():
+    # forward runs "mul" three times in the previous step and once in this one (a loop with fewer
+    # trips); the optimizer's "mul" on the parameter must still match the previous optimizer's
+    kinds = {1: ("param", False), 2: ("opt_state", False)}
+    prev = Iteration(index=0)
+    prev.ops = ([_op("mul", "forward", ins=(1,)) for _ in range(3)] + [_op("pad", "backward")] * 4
+                + [_op("mul", "optimizer", ins=(1,))] + [_op("pad", "optimizer")] * 5
+                + [_op("add_", "optimizer", ins=(2,))])
+    st = FeatureState(_View(kinds), group=1)
+    st.alloc(1, -1)
+    st.alloc(2, -1)
+    st.begin_iteration(1, [prev])
+    ops = [_op("mul", "forward", ins=(1,))] + [_op("pad", "backward")] * 4 + [_op("mul", "optimizer", ins=(1,))]
+    for j, op in enumerate(ops):
+        st.op(j, op)
+    # anchored at the previous optimizer's "mul" (position 7): the state is next used 6 operators on
+    assert st._anchor == (len(ops) - 1, 7)
+    r2 = _row(st, 2)
+    assert np.isclose(np.expm1(r2[C["log_prev_dist"]] * 8), 6, atol=1e-3)
+    assert r2[C["prev_le8"]] == 1
