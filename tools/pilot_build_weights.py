@@ -44,6 +44,7 @@ SEED_SELECTION = {
     "validation": "seed-10 traces, small and tiny, budgets 1/4 and 1/8 (11 feasible cases), h100 profile",
     "geomean_pilot_over_oracle": {"0": 1.1098, "1": 1.1075, "2": 1.0829, "3": 1.1154},
     "worst_pilot_over_oracle": {"0": 1.181, "1": 1.160, "2": 1.113, "3": 1.152},
+    "note": "selected with the features of c1c87a7; not re-run since operator occurrences count per phase",
 }
 #: decision points per training iteration at most (the deepest evoformer iterations are thinned;
 #: every tiny and small iteration has fewer)
