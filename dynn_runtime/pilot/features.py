@@ -48,6 +48,10 @@ Rules it keeps (why each is there):
 7. Estimated distances (anchored replay, occurrence gap, stack span) also enter as cumulative
    indicators "<= t operators" at the bucket and window edges, so that the network can draw sharp
    boundaries where an exact replay is right.
+8. After every operator, :attr:`FeatureState.replayed` holds, for each storage it accessed whose
+   counterpart's next access after the same occurrence exists in the previous iteration, that next
+   access replayed from now (the occurrence gap of rule 4 as a position). The policy predicts with
+   it between decision points (rule 9 of :mod:`.policy`); it is not a model input.
 """
 
 from __future__ import annotations
@@ -173,6 +177,10 @@ class FeatureState:
         self._prev_keys = np.zeros(0, dtype=np.int64)
         self._prev_count = np.zeros(0, dtype=np.float32)
         self._prev_allocs: dict[int, tuple[int, ...]] = {}
+        self._prev_lists: list[list[int]] = []
+        #: rule 8: after :meth:`op`, the storages it accessed whose counterpart in the previous
+        #: iteration was accessed again after the same occurrence: sid -> that next use replayed here
+        self.replayed: dict[int, int] = {}
         self.begin_iteration(0, [])
 
     def _set_decays(self) -> None:
@@ -270,6 +278,7 @@ class FeatureState:
         self._prev_external: list[int] = []
         self._ext_next = 0
         self._ratio = 1.5
+        self._prev_lists = []
         self._native_tab = None  # new previous-iteration index and ratio
         if prev is None:
             self._prev_keys = np.zeros(0, dtype=np.int64)
@@ -297,6 +306,7 @@ class FeatureState:
         born = {sid for op in prev.ops for sid in op.allocs}
         self._prev_external = [sid for sid in acc if sid not in born]  # dict order: first access
         keys: list[int] = []
+        self._prev_lists = list(acc.values())
         counts = np.zeros(len(acc), dtype=np.float32)
         for i, (sid, lst) in enumerate(acc.items()):
             self._prev_idx[sid] = i
@@ -394,6 +404,9 @@ class FeatureState:
             self._anchor = (position, q)
             prev_allocs = self._prev_allocs.get(q, ())
         slot = self._slot
+        replayed = self.replayed
+        replayed.clear()
+        lists = self._prev_lists
         for i, sid in enumerate(op.allocs):
             s = slot.get(sid)
             if s is None:
@@ -424,6 +437,13 @@ class FeatureState:
                 self._stack_counter += 1
             if self.prev[s] < 0 and self.born[s] < 0 and self.count[s] == 1:
                 self._match_external(s)
+            pi = self.prev[s]
+            if pi >= 0:
+                # rule 8: after its k-th access here, the counterpart's (k+1)-th came this much later
+                lst = lists[pi]
+                k = int(self.count[s])
+                if k < len(lst):
+                    replayed[sid] = position + lst[k] - lst[k - 1]
         if new_phase or position - self._last_decision >= self.group:
             self._last_decision = position
             return True

@@ -22,6 +22,7 @@ from dynn_runtime.pilot import (
 )
 from dynn_runtime.pilot.data import build_rows
 from dynn_runtime.pilot.model import WEIGHTS_VERSION
+from dynn_runtime.pilot.policy import PilotPolicy
 from dynn_runtime.policies import make_policy
 from dynn_runtime.sim import simulate
 from dynn_runtime.trace.format import SCHEMA_VERSION, Iteration, Op, Storage, Trace
@@ -338,3 +339,29 @@ def test_long_iterations_are_thinned_when_building_rows():
     assert 0 < len(thin) < len(full) / 2
     same = build_rows([tr], group=4, per_decision=8, first_iteration=False, max_decisions=10 * n_ops)
     np.testing.assert_array_equal(same.X, full.X)
+
+
+def test_between_decision_points_accessed_storages_take_the_replayed_next_use(moe_trace):
+    """Rule 9: an access between decision points predicts the counterpart's next use replayed (or the
+    prior with provisional='prior'); a decision point then overrides it with the model's."""
+    from dynn_runtime.sim import Simulator, unmanaged_peak
+
+    seen = {"replay": 0, "prior": 0}
+
+    class Probe(PilotPolicy):
+        def on_op(self, position, op):
+            super().on_op(position, op)
+            if self._last_decision == position:
+                return
+            for sid, v in self._state.replayed.items():
+                if self.provisional == "replay":
+                    assert self.predict(sid) == v
+                    seen["replay"] += 1
+                elif self.predict(sid) != v:
+                    seen["prior"] += 1
+
+    for mode in ("replay", "prior"):  # the last iteration, with the first as its history
+        Simulator(moe_trace, Probe(provisional=mode), int(0.5 * unmanaged_peak(moe_trace))).run()
+    assert seen["replay"] > 100 and seen["prior"] > 100
+    with pytest.raises(PolicyError, match="provisional"):
+        PilotPolicy(provisional="oracle")

@@ -131,3 +131,26 @@ def test_occurrences_count_per_phase_so_the_optimizer_stays_aligned():
     r2 = _row(st, 2)
     assert np.isclose(np.expm1(r2[C["log_prev_dist"]] * 8), 6, atol=1e-3)
     assert r2[C["prev_le8"]] == 1
+
+
+def test_replayed_next_use_follows_the_counterparts_occurrences():
+    # previous step: the parameter is used at 0, 3 and 9; the activation made at 1 is read at 5
+    kinds = {1: ("param", False), 7: ("activation", True), 8: ("activation", True)}
+    prev = Iteration(index=0)
+    prev.ops = ([_op("mul", "forward", ins=(1,)), _op("make", "forward", allocs=(7,)), _op("pad", "forward"),
+                 _op("add", "forward", ins=(1,)), _op("pad", "forward"), _op("read", "forward", ins=(7,))]
+                + [_op("pad", "backward")] * 3 + [_op("step", "optimizer", ins=(1,))])
+    st = FeatureState(_View(kinds), group=100)
+    st.alloc(1, -1)
+    st.begin_iteration(1, [prev])
+    st.op(0, _op("mul", "forward", ins=(1,)))
+    assert st.replayed == {1: 3}  # first access here, the counterpart's second came 3 later
+    st.op(1, _op("pad", "forward"))
+    assert st.replayed == {}
+    st.alloc(8, 2)
+    st.op(2, _op("make", "forward", allocs=(8,)))  # matched producer: 8's counterpart is 7, read 4 later
+    assert st.replayed == {8: 6}
+    st.op(3, _op("add", "forward", ins=(1,)))  # second access, one later than before: gap 6 to the step
+    assert st.replayed == {1: 9}
+    st.op(4, _op("step", "optimizer", ins=(1,)))  # third access: the counterpart had no fourth
+    assert 1 not in st.replayed
