@@ -4,6 +4,8 @@
     python tools/pilot_experiments.py lofo      # leave-one-family-out (reduced training settings)
     python tools/pilot_experiments.py cost      # inference cost per decision point vs h100 iteration time
     python tools/pilot_experiments.py shift     # online refit when the input distribution shifts mid-run
+    python tools/pilot_experiments.py cost_large      # `large` inference share, from reduced recordings
+    python tools/pilot_experiments.py governed_large  # the 2% governor on them, at a `large` clock
 
 Each writes out/pilot/<name>.json (and prints a markdown table). Traces come from the bench's trace
 cache (.dynn-cache/traces), recorded if missing; the data split is tools/pilot_build_weights.py's.
@@ -290,7 +292,63 @@ def cost_large() -> None:
     _dump("cost_large", {"rows": rows})
 
 
+def governed_large() -> None:
+    """The cost governor (``max_share=0.02``) at `large`, emulated on the reduced recordings of
+    LARGE_REDUCED (the deeper of the two for moe, varlen, evoformer): each decision point is charged
+    the best-of-100 fit a + b * rows of `cost` (out/pilot/cost.json, "micro"), divided by the size
+    ratio, since at `large` every operator is that much longer on the compute-bound h100 profile
+    while the decision points and rows stay as counted. Deterministic (nothing is timed). Reports,
+    at 1/2, 1/4, 1/8, the simulated iteration over unlimited memory (oracle, pilot, governed pilot,
+    and both with the prior-only provisional of rule 9's predecessor), decision points kept, and the
+    inference share of the unmanaged `large` iteration."""
+    from dynn_runtime.bench import TraceCache
+    from dynn_runtime.pilot.policy import PilotPolicy
+    from dynn_runtime.sim import Simulator, simulate, unmanaged_peak
+
+    a, b = 8e-6, 0.53e-6
+    if (OUT / "cost.json").exists():
+        f = json.loads((OUT / "cost.json").read_text()).get("fit", {}).get("micro")
+        if f:
+            a, b = f["a_s"], f["b_s"]
+    model = load_model(default_weights_path())
+
+    class Charged(PilotPolicy):
+        ratio = 1.0
+
+        def on_op(self, position, op):
+            super().on_op(position, op)
+            self._spent = (self.decisions * a + self.candidates * b) / self.ratio
+
+    variants = {"pilot": {}, "governed": {"max_share": 0.02}, "prior": {"provisional": "prior"},
+                "prior_governed": {"provisional": "prior", "max_share": 0.02}}
+    cache = TraceCache(".dynn-cache/traces")
+    rows = []
+    for fam in sys.argv[2:] or FAMS:
+        over, knob, _, d2, _, ratio = LARGE_REDUCED[fam]
+        tr = cache.get(fam, "large", 0, 2, dict(over, **({knob: d2} if knob else {})))
+        base = simulate(tr, "none", 1.0).iter_time_s
+        peak = unmanaged_peak(tr)
+        for frac in BUDGETS:
+            o = Simulator(tr, "oracle", max(1, int(peak * frac)), "h100").run()
+            rec = {"family": fam, "budget": frac, "oracle": o.iter_time_s / base if o.feasible else None}
+            for name, opts in variants.items():
+                pol = Charged(model=model, **opts)
+                pol.ratio = ratio
+                r = Simulator(tr, pol, max(1, int(peak * frac)), "h100").run()
+                rec[name] = r.iter_time_s / base if r.feasible else None
+                rec[name + "_decisions"] = pol.decisions
+                rec[name + "_deferred"] = pol.deferred
+                rec[name + "_share"] = (pol.decisions * a + pol.candidates * b) / ratio / base
+            rows.append(rec)
+            print(f"{fam:<11} {frac:<6} " + " | ".join(
+                f"{k} " + (f"{rec[k]:.3f}x" if rec[k] is not None else "OOM")
+                + ("" if k == "oracle" else f" ({rec[k + '_decisions']} kept, {100 * rec[k + '_share']:.2f}%)")
+                for k in ("oracle", *variants)), flush=True)
+    _dump("governed_large", {"fit": [a, b], "rows": rows})
+
+
 if __name__ == "__main__":
     names = sys.argv[1:2] or ["metrics", "lofo", "cost", "shift"]
     for name in names:
-        {"metrics": metrics, "lofo": lofo, "cost": cost, "shift": shift, "cost_large": cost_large}[name]()
+        {"metrics": metrics, "lofo": lofo, "cost": cost, "shift": shift, "cost_large": cost_large,
+         "governed_large": governed_large}[name]()

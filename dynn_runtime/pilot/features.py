@@ -219,7 +219,8 @@ class FeatureState:
         self.stack_pos = ext(g(self, "stack_pos", None), -1, np.int64)
         self.announce = ext(g(self, "announce", None), -1, np.int64)
         self.prev = ext(g(self, "prev", None), -1, np.int64)
-        # owned by the policy: cached predicted next-use position, and "moved since the last decision"
+        # owned by the policy: the predicted next-use position of the last scoring (the policy's cache
+        # holds the current prediction, provisional ones included), and "moved since the last decision"
         self.pred = ext(g(self, "pred", None), np.inf, np.float64)
         self.touched = ext(g(self, "touched", None), True, bool)
         self._free.extend(range(cap - 1, old - 1, -1))
@@ -437,11 +438,11 @@ class FeatureState:
                 self._stack_counter += 1
             if self.prev[s] < 0 and self.born[s] < 0 and self.count[s] == 1:
                 self._match_external(s)
-            pi = self.prev[s]
+            pi = self.prev.item(s)
             if pi >= 0:
                 # rule 8: after its k-th access here, the counterpart's (k+1)-th came this much later
                 lst = lists[pi]
-                k = int(self.count[s])
+                k = int(self.count.item(s))
                 if k < len(lst):
                     replayed[sid] = position + lst[k] - lst[k - 1]
         if new_phase or position - self._last_decision >= self.group:

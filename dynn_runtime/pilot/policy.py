@@ -285,11 +285,10 @@ class PilotPolicy(NextUsePolicy):
         self._skip[s] = self._small.small(sid)
 
     def on_access(self, sid: int, position: int) -> None:
-        v = self._cache[sid] = self._provisional(sid, position, False)
+        self._cache[sid] = self._provisional(sid, position, False)
         state = self._state
         s = state.slot_of(sid)
         if s is not None:
-            state.pred[s] = v
             state.touched[s] = True
         self._away.discard(sid)
         if self.small_fraction:
@@ -341,19 +340,19 @@ class PilotPolicy(NextUsePolicy):
         pending = self._pending
         if pending:
             cache = self._cache
-            if self.provisional == "replay" and state.replayed:
-                # rule 9: the counterpart's next use in the previous iteration, replayed from this access
-                slot = state._slot
-                pred = state.pred
-                for sid, v in state.replayed.items():
-                    if sid in cache:
-                        cache[sid] = pred[slot[sid]] = float(v)
+            # rule 9: the counterpart's next use in the previous iteration, replayed from this access
+            rep = state.replayed if self.provisional == "replay" else {}
             res = self._res
             push = heapq.heappush
             for sid in pending:
-                v = cache.get(sid)
-                if v is not None:
-                    push(res, (-v, sid))
+                v = rep.get(sid)
+                if v is None:
+                    v = cache.get(sid)
+                    if v is None:
+                        continue
+                else:
+                    v = cache[sid] = float(v)
+                push(res, (-v, sid))
             pending.clear()
         self.bookkeeping_s += timer() - t0
         if not self._decide(position, tick):
