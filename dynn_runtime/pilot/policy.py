@@ -66,8 +66,9 @@ How a prediction is made and kept (why):
    zoo traces (seeds 0 and 10) and tiny x8 depth at 1/2, 1/4, 1/8 against the prior alone: equal
    or faster in 31 of 38 cases (moe small 1/8 +7.4% -> +3.3% over the oracle, varlen small 1/4
    +7.9% -> +4.8%, varlen x8 1/8 +3.7% -> +0.9%), at most 2.2% slower in the others (skipnet
-   small seed 10 at 1/4, still 12% under the oracle; evoformer small 1/8 +1.8% -> +3.2%); with sparse decision points it matters most (every 512
-   operators, moe small 1/8: 2.18x -> 1.87x; the 2% governor, varlen small 1/2: 2.50x -> 1.48x).
+   small seed 10 at 1/4, still 12% under the oracle; evoformer small 1/8 +1.8% -> +3.2%). With
+   sparse decision points it matters most (every 512 operators, moe small 1/8: 2.18x -> 1.87x;
+   under the 2% governor, varlen small 1/2: 2.50x -> 1.48x).
 """
 
 from __future__ import annotations
