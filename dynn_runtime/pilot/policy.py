@@ -276,9 +276,8 @@ class PilotPolicy(NextUsePolicy):
     def on_alloc(self, sid: int, position: int) -> None:
         state = self._state
         state.alloc(sid, position)
-        v = self._cache[sid] = self._provisional(sid, position, position >= 0)
+        self._cache[sid] = self._provisional(sid, position, position >= 0)
         s = state.slot_of(sid)
-        state.pred[s] = v
         state.touched[s] = True
         super().on_alloc(sid, position)
         if s >= len(self._skip):
