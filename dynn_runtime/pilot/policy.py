@@ -69,6 +69,13 @@ How a prediction is made and kept (why):
    small seed 10 at 1/4, still 12% under the oracle; evoformer small 1/8 +1.8% -> +3.2%). With
    sparse decision points it matters most (every 512 operators, moe small 1/8: 2.18x -> 1.87x;
    under the 2% governor, varlen small 1/2: 2.50x -> 1.48x).
+10. Host time. :attr:`host_seconds` is what the policy has spent on the host: measured (inference
+   and the per-operator update), or charged by a cost model ``host_cost=(per decision point, per
+   row scored, per operator)`` seconds, which makes a simulated run deterministic and lets a tool
+   charge the cost of a bigger or smaller machine. The governor (rule 7) reads the same charge.
+   The simulator's host timeline (``simulate(..., host_timeline=True)``, rule 8 of
+   :mod:`dynn_runtime.sim.engine`) puts it on the thread that issues the operators, so what it
+   costs the iteration is what the device waits for, not the sum.
 """
 
 from __future__ import annotations
@@ -154,7 +161,8 @@ class PilotPolicy(NextUsePolicy):
     def __init__(self, weights: str | Path | None = None, online: bool = False, refit_every: int = 4,
                  model: Any = None, group: int | None = None, incremental: bool | None = None,
                  recheck: float | None = None, quantile: float | None = None, max_share: float | None = None,
-                 timer: Any = None, backend: str | None = None, provisional: str | None = None) -> None:
+                 timer: Any = None, backend: str | None = None, provisional: str | None = None,
+                 host_cost: tuple[float, float, float] | None = None) -> None:
         super().__init__()
         self._weights = Path(weights) if weights is not None else default_weights_path()
         if model is None and not self._weights.is_file():
@@ -169,6 +177,17 @@ class PilotPolicy(NextUsePolicy):
             raise PolicyError(f"policies: pilot provisional must be 'replay' or 'prior', got {provisional!r}.")
         if provisional is not None:
             self.provisional = provisional
+        if host_cost is not None:
+            try:
+                host_cost = tuple(float(v) for v in host_cost)
+            except (TypeError, ValueError):
+                host_cost = ()
+            if len(host_cost) != 3 or not all(math.isfinite(v) and v >= 0 for v in host_cost):
+                raise PolicyError("policies: pilot host_cost must be three non-negative seconds (per decision "
+                                  f"point, per row scored, per operator), got {host_cost!r}.")
+        #: rule 10: a cost model (seconds per decision point, per row scored, per operator) charged
+        #: instead of the measured time, for the governor and :attr:`host_seconds`; None: measured
+        self.host_cost = host_cost
         self._model = model
         self._online = online
         self._group = group
@@ -205,6 +224,18 @@ class PilotPolicy(NextUsePolicy):
         self.live_total = 0
         #: decision points the governor put off (rule 7)
         self.deferred = 0
+        #: operators seen (on_op calls), for the per-operator term of ``host_cost``
+        self.ops = 0
+
+    @property
+    def host_seconds(self) -> float:
+        """Host seconds spent so far (rule 10): the ``host_cost`` model's charge when one is set,
+        else the measured inference and per-operator bookkeeping (``on_op``; the notifications'
+        dictionary writes are not timed)."""
+        if self.host_cost is None:
+            return self.inference_s + self.bookkeeping_s
+        a, b, c = self.host_cost
+        return self.decisions * a + self.candidates * b + self.ops * c
 
     @property
     def model(self) -> Any:
@@ -327,12 +358,18 @@ class PilotPolicy(NextUsePolicy):
         due = self._full_due or position - self._last_decision >= self.decision_every
         if not due:
             return False
-        if self._spent > self.max_share * (self._clock() - self._clock0):
+        if self.host_cost is None:
+            spent = self._spent
+        else:  # rule 10: the cost model's charge for the decision points so far
+            a, b, _ = self.host_cost
+            spent = self.decisions * a + self.candidates * b
+        if spent > self.max_share * (self._clock() - self._clock0):
             self.deferred += tick
             return False
         return True
 
     def on_op(self, position: int, op: Any) -> None:
+        self.ops += 1
         timer = self._timer
         t0 = timer()
         state = self._state

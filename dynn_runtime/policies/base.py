@@ -84,6 +84,10 @@ class Policy:
     #: page-granular demand migration (UVM); None for tensor-granular policies
     page_bytes: ClassVar[int | None] = None
     description: ClassVar[str] = ""
+    #: host (CPU) seconds this policy has spent deciding so far, cumulative. The simulator's host
+    #: timeline (rule 8 of :mod:`dynn_runtime.sim.engine`) puts it on the clock that issues the
+    #: operators; a policy that does not account for itself reports 0.
+    host_seconds: float = 0.0
 
     def __init__(self, **options: Any) -> None:
         if options:

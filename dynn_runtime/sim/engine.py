@@ -21,10 +21,23 @@ Rules the engine keeps (numbered so tests and docs can point at them):
    this iteration, outside the optimizer step, and not written in place since.
 7. The manager engages only when the iteration does not fit: if the unmanaged peak is within the
    budget, every policy behaves like ``none`` (nothing moves, nothing is recomputed).
+8. Host timeline (``host_timeline=True``; off by default). Eager PyTorch issues operators from one
+   host thread ahead of the device; a policy's decisions run on that thread. The host clock advances
+   by the dispatch time per operator (the profile's floor, or the number given as ``host_timeline``;
+   an operator's own time where that is shorter) and by the policy's own host time
+   (:attr:`Policy.host_seconds`, read before each operator); an operator starts on the device no
+   earlier than the host issues it (the gap is ``host_wait_s``). A host synchronisation (an
+   operator in ``HOST_SYNC_OPS`` outside the optimizer step: ``.item()``, ``nonzero``; torch.optim's
+   step counters live on the host, so the optimizer's ``.item()`` calls do not wait) brings the host
+   to the device's clock. With a policy that spends no host time the host never leads the device
+   (each operator's time includes the floor), so the iteration time is the same as without the
+   timeline; a policy's cost is then on the critical path only where the host is the bottleneck
+   (operators at the floor, right after a synchronisation). Not modelled: the launch queue's depth
+   limit, and the host time of copies and recomputation.
 
 Time: ``compute`` is the sum of operator times (measured on the profile's GPU, or the roofline of
 :func:`~dynn_runtime.sim.profiles.op_time` for traces recorded elsewhere); the iteration time is the
-compute stream's clock at the end: compute + stalls + recompute.
+compute stream's clock at the end: compute + stalls + recompute (+ host waits under rule 8).
 """
 
 from __future__ import annotations
@@ -67,6 +80,10 @@ _RECOMPUTABLE_KINDS = frozenset({"activation", "temp"})
 #: what the simulator offers a policy: the recorded past, the future (replaying a trace), and the
 #: operator stream a pilot model learns from (the pilot policy itself checks that its weights exist)
 SIM_PROVIDES = ("history", "future", "pilot")
+#: operators whose result the host reads (rule 8): the host waits for the device there
+HOST_SYNC_OPS = frozenset({"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::bincount",
+                           "aten::masked_select", "aten::unique", "aten::_unique2", "aten::is_nonzero",
+                           "aten::equal", "aten::repeat_interleave"})
 
 
 @dataclass
@@ -93,6 +110,10 @@ class SimResult:
     prefetch_misses: int
     ops: int
     managed: bool
+    #: rule 8 (``host_timeline``): device time spent waiting for the host to issue an operator
+    host_wait_s: float = 0.0
+    #: rule 8: the policy's own host seconds over the iteration (its :attr:`Policy.host_seconds`)
+    policy_host_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -135,6 +156,7 @@ class Simulator:
         profile: str | DeviceProfile = "h100",
         iteration: int = -1,
         policy_options: dict | None = None,
+        host_timeline: bool | float = False,
     ) -> None:
         if not trace.iterations:
             raise TraceError("sim: the trace has no iterations.")
@@ -157,6 +179,15 @@ class Simulator:
         self.ops = self.it.ops
         self.position = 0
         self.phase = "forward"
+        #: rule 8: a host clock issues the operators; dispatch seconds per operator (None: the profile's floor)
+        self.host_timeline = host_timeline is not False
+        self.dispatch_s: float | None = None
+        if not isinstance(host_timeline, bool):
+            d = float(host_timeline) if isinstance(host_timeline, (int, float)) else math.nan
+            if not math.isfinite(d) or d < 0:
+                raise ConfigError("sim: host_timeline takes True, False or the host's dispatch seconds per "
+                                  f"operator (>= 0), got {host_timeline!r}.")
+            self.dispatch_s = d
         self._prepare()
 
     # ---- static analysis of the iteration ---------------------------------------------------
@@ -495,6 +526,7 @@ class Simulator:
     # ---- the run ----------------------------------------------------------------------------
     def run(self) -> SimResult:
         self.t = self.stall = self.recompute_t = 0.0
+        self.host_wait = self.policy_host = 0.0
         self.d2h_free = self.h2d_free = 0.0
         self.used = self.pending = self.peak = 0
         self._offloading: set[int] = set()
@@ -539,7 +571,7 @@ class Simulator:
             bytes_fetched=self.bytes_fetched, peak_bytes=self.peak, unmanaged_peak_bytes=peak_none,
             decisions=self.decisions, evictions=self.evictions, recomputed_ops=self.recomputed_ops,
             prefetch_hits=self.prefetch_hits, prefetch_misses=self.prefetch_misses, ops=len(self.ops),
-            managed=managed,
+            managed=managed, host_wait_s=self.host_wait, policy_host_s=self.policy_host,
         )
 
     def _unmanaged_peak(self) -> int:
@@ -561,6 +593,9 @@ class Simulator:
             self._set(sid, S.RESIDENT)
             self.st[sid].host_valid = self.st[sid].kind in ("param", "buffer")
             pol.on_alloc(sid, -1)
+        host = self.host_timeline
+        h = seen = 0.0  # rule 8: the host's clock, and the policy's host seconds already on it
+        floor = self.profile.op_overhead_s if self.dispatch_s is None else self.dispatch_s
         for j, op in enumerate(self.ops):
             self.position = j
             self.phase = op.phase
@@ -574,7 +609,17 @@ class Simulator:
             for sid in allocs:
                 self._set(sid, S.RESIDENT)
                 pol.on_alloc(sid, j)
+            if host:
+                spent = float(getattr(pol, "host_seconds", 0.0))
+                h += spent - seen
+                seen = spent
+                if h > self.t:  # the device has run dry: it waits for the host to issue this operator
+                    self.host_wait += h - self.t
+                    self.t = h
+                h += min(floor, self.op_time[j])  # dispatch (a measured operator may be shorter)
             self.t += self.op_time[j]
+            if host and op.name in HOST_SYNC_OPS and op.phase != "optimizer":
+                h = max(h, self.t)
             for sid in need.union(allocs):
                 s = self.st[sid]
                 s.last_access = j
@@ -588,6 +633,8 @@ class Simulator:
         self.position = len(self.ops)
         for sid in self.frees.get(len(self.ops), ()):
             self._free(sid)
+        if host:
+            self.policy_host = float(getattr(pol, "host_seconds", 0.0))
 
 
 def simulate(
@@ -597,10 +644,13 @@ def simulate(
     profile: str | DeviceProfile = "h100",
     iteration: int = -1,
     policy_options: dict | None = None,
+    host_timeline: bool | float = False,
 ) -> SimResult:
     """Simulate ``policy`` on one iteration of ``trace``.
 
     ``budget`` is bytes (int) or a fraction in (0, 1] of the iteration's unmanaged peak (float).
+    ``host_timeline``: put the policy's host time on a host clock that issues the operators (rule 8);
+    a number is the host's dispatch seconds per operator (default: the profile's per-operator floor).
     """
     if isinstance(budget, float):
         if not 0 < budget <= 1:
@@ -608,4 +658,4 @@ def simulate(
         budget = max(1, int(unmanaged_peak(trace, iteration) * budget))
     elif isinstance(budget, int) and budget <= 0:
         raise BudgetError(f"sim: the budget must be a positive number of bytes, got {budget}.")
-    return Simulator(trace, policy, budget, profile, iteration, policy_options).run()
+    return Simulator(trace, policy, budget, profile, iteration, policy_options, host_timeline).run()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dynn_runtime.errors import PolicyError
 from dynn_runtime.pilot import PilotModel
 from dynn_runtime.pilot.policy import PilotPolicy
 from dynn_runtime.sim import Simulator, simulate, unmanaged_peak
@@ -145,6 +146,32 @@ def test_governor_bounds_the_share_on_a_synthetic_clock(trace, model):
     assert 0 < gov.decisions < free.decisions and gov.deferred > 0
     with pytest.raises(Exception, match="max_share"):
         PilotPolicy(model=model, max_share=0)
+
+
+def test_host_cost_model_charges_the_governor_and_the_host_timeline(trace, model):
+    """Rule 10: with ``host_cost`` the policy's host seconds are the model's charge, exactly; the
+    governor holds its share against that charge; on the simulator's host timeline a free policy
+    costs nothing and a charged one costs at most its charge."""
+    budget = int(unmanaged_peak(trace) * 0.25)
+    free = Simulator(trace, PilotPolicy(model=model), budget).run()
+    a, b, c = 3e-6, 0.5e-6, 1e-6
+    pol = PilotPolicy(model=model, host_cost=(a, b, c))
+    r = Simulator(trace, pol, budget, host_timeline=True).run()
+    assert pol.ops == r.ops and pol.decisions > 0
+    assert pol.host_seconds == r.policy_host_s == pytest.approx(pol.decisions * a + pol.candidates * b + r.ops * c)
+    assert 0 < r.host_wait_s <= r.policy_host_s + 1e-12
+    assert r.iter_time_s == pytest.approx(free.iter_time_s + r.host_wait_s, rel=0.05)
+    zero = Simulator(trace, PilotPolicy(model=model, host_cost=(0, 0, 0)), budget, host_timeline=True).run()
+    assert (zero.iter_time_s, zero.host_wait_s) == (free.iter_time_s, 0.0)
+    # the governor reads the same charge: 2% of the simulated clock, plus one decision point
+    d = free.compute_time_s / 200
+    gov = PilotPolicy(model=model, max_share=0.02, host_cost=(d, 0, 0))
+    sim = Simulator(trace, gov, budget)
+    sim.run()
+    assert gov.deferred > 0 and gov.decisions * d <= 0.02 * sim.now() + d + 1e-12
+    for bad in ((1e-6, 1e-6), (1e-6, -1, 0), "fast", (0, 0, float("nan"))):
+        with pytest.raises(PolicyError, match="host_cost"):
+            PilotPolicy(model=model, host_cost=bad)
 
 
 class _ScoresSmall(PilotPolicy):

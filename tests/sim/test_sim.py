@@ -44,6 +44,55 @@ def test_none_fits_and_ooms():
     assert not r.feasible and "out of memory at op 2 (op2" in r.reason and r.iter_time_s == float("inf")
 
 
+class _Charging(POLICIES["oracle"]):
+    """The oracle, charging ``per_op`` host seconds after every operator (rule 8's input)."""
+
+    def __init__(self, per_op: float) -> None:
+        super().__init__()
+        self.per_op = per_op
+        self.host_seconds = 0.0
+
+    def on_op(self, position, op):
+        super().on_op(position, op)
+        self.host_seconds += self.per_op
+
+
+def test_host_timeline_puts_the_policy_host_time_where_the_device_waits():
+    # oracle at 300 B: no copies, 4 ops of 1 s. Charged 0.5 s of host time after every op, each of
+    # ops 1-3 is issued 0.5 s after the device ran dry: 1.5 s of waiting, 5.5 s in all.
+    tr = chain_trace()
+    plain = simulate(tr, _Charging(0.5), 300, UNIT, iteration=0)
+    assert plain.iter_time_s == 4.0 and plain.host_wait_s == 0.0  # no timeline: host time is free
+    r = simulate(tr, _Charging(0.5), 300, UNIT, iteration=0, host_timeline=True)
+    assert (r.iter_time_s, r.host_wait_s, r.policy_host_s) == (5.5, 1.5, 2.0)
+    assert r.iter_time_s == pytest.approx(r.compute_time_s + r.stall_time_s + r.recompute_time_s + r.host_wait_s)
+    # no host time: the host never leads the device, the same run as without the timeline
+    z = simulate(tr, _Charging(0.0), 300, UNIT, iteration=0, host_timeline=True)
+    assert (z.iter_time_s, z.host_wait_s) == (4.0, 0.0)
+    # a faster dispatch does not make the device faster, a slower one shows
+    assert simulate(tr, _Charging(0.0), 300, UNIT, iteration=0, host_timeline=0.25).iter_time_s == 4.0
+    with pytest.raises(ConfigError, match="host_timeline"):
+        simulate(tr, "oracle", 300, UNIT, iteration=0, host_timeline=-1.0)
+
+
+def test_host_timeline_overlaps_long_operators_until_a_host_synchronisation():
+    # op0 runs 4 s on the device (1 s dispatch + 3 s of arithmetic at 1 FLOP/s), then 1 s per op.
+    # 2 s of host time charged after every op: op1 is issued at 3 s, hidden behind op0; ops 2 and 3
+    # wait 1 s and 2 s (3 s, 10 s in all). If op0 is a `.item()` the host waits for it first and
+    # every later op waits 2 s (6 s, 13 s in all).
+    import dataclasses
+
+    prof = dataclasses.replace(UNIT, name="slowflops", peak_flops={"float32": 1.0}, compute_efficiency=1.0)
+    for name, phase, wait in (("op0", "forward", 3.0), ("aten::_local_scalar_dense", "forward", 6.0),
+                              # the optimizer's .item() reads a host-side step counter: no wait
+                              ("aten::_local_scalar_dense", "optimizer", 3.0)):
+        tr = chain_trace()
+        it = tr.iterations[0]
+        it.ops[0] = dataclasses.replace(it.ops[0], name=name, phase=phase, flops=3)
+        r = simulate(tr, _Charging(2.0), 300, prof, iteration=0, host_timeline=True)
+        assert (r.host_wait_s, r.iter_time_s) == (wait, 7.0 + wait), (name, phase)
+
+
 def test_lru_known_answer():
     # op2: evict P (least recently used; clean copy on host: free). op3 needs P: evict A
     # (offload 1 s, waited for), fetch P (1 s).
@@ -358,20 +407,24 @@ def test_resident_bytes_never_exceed_budget(tr, frac, pol):
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tr=random_trace(uniform=True), frac=st.sampled_from([0.3, 0.5, 0.7]))
-def test_oracle_never_stalls_more_than_online_swappers(tr, frac):
-    """Belady's rule is optimal for equal-sized storages: there the oracle must win.
+def test_oracle_never_fetches_more_than_online_swappers(tr, frac):
+    """Belady's rule is optimal for equal-sized storages in what it fetches (MIN): with prefetch off,
+    the oracle never brings back more bytes than another policy, which prefetching cannot lower.
 
-    With mixed sizes the optimal offline eviction is NP-hard and the oracle is a heuristic
-    (furthest next use, sizes ignored); hypothesis finds mixed-size traces where it loses to LRU by
-    one extra copy. docs/simulator.md reports that gap; the recorded-trace comparison is in
-    ``dynn bench``.
+    Stall time is not the quantity it optimises: with asynchronous prefetch and serial copy
+    engines hypothesis finds traces where LRU stalls one copy less than the oracle, and with mixed
+    sizes the optimal offline eviction is NP-hard (the oracle ignores sizes). docs/simulator.md
+    reports that gap; the recorded-trace comparison is in ``dynn bench``.
     """
-    o = simulate(tr, "oracle", frac, UNIT)
-    for pol in ("lru", "save_on_cpu", "replay"):
+    demand = POLICIES["oracle"]()
+    demand.lookahead = 0  # no prefetch: fetches on demand only
+    o = simulate(tr, demand, frac, UNIT)
+    assert o.prefetch_hits == 0
+    for pol in ("lru", "save_on_cpu", "replay", "oracle"):
         r = simulate(tr, pol, frac, UNIT)
         if r.feasible:
             assert o.feasible, (pol, o.reason)
-            assert o.stall_time_s <= r.stall_time_s + 1e-9, pol
+            assert o.bytes_fetched <= r.bytes_fetched, pol
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
