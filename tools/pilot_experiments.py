@@ -6,6 +6,7 @@
     python tools/pilot_experiments.py shift     # online refit when the input distribution shifts mid-run
     python tools/pilot_experiments.py cost_large      # `large` inference share, from reduced recordings
     python tools/pilot_experiments.py governed_large  # the 2% governor on them, at a `large` clock
+    python tools/pilot_experiments.py host      # the pilot's host time on the simulator's host timeline
 
 Each writes out/pilot/<name>.json (and prints a markdown table). Traces come from the bench's trace
 cache (.dynn-cache/traces), recorded if missing; the data split is tools/pilot_build_weights.py's.
@@ -347,8 +348,138 @@ def governed_large() -> None:
     _dump("governed_large", {"fit": [a, b], "rows": rows})
 
 
+def _timed(cls):
+    """``cls`` with every callback timed into ``self.cb_s`` (timer overhead subtracted per call)."""
+    pc = time.perf_counter
+    t0 = pc()
+    for _ in range(100000):
+        pc()
+    overhead = 2 * (pc() - t0) / 100000
+
+    class Timed(cls):
+        cb_s = 0.0
+
+        def victims(self, need_bytes, exclude):
+            t0 = pc()
+            inner = super().victims(need_bytes, exclude)
+            self.cb_s += pc() - t0 - overhead
+            while True:
+                t0 = pc()
+                try:
+                    v = next(inner)
+                except StopIteration:
+                    self.cb_s += pc() - t0 - overhead
+                    return
+                self.cb_s += pc() - t0 - overhead
+                yield v
+
+    def wrapped(base):
+        def wrap(self, *args):
+            t0 = pc()
+            out = base(self, *args)
+            self.cb_s += pc() - t0 - overhead
+            return out
+        return wrap
+
+    for name in ("begin_iteration", "on_alloc", "on_access", "on_free", "on_op", "after_op"):
+        setattr(Timed, name, wrapped(getattr(cls, name)))
+    Timed.name = cls.name
+    return Timed
+
+
+def _charged(cls, per_op: float):
+    """``cls`` charging ``per_op`` host seconds after every operator (for the host timeline)."""
+
+    class Charged(cls):
+        def on_op(self, position, op):
+            super().on_op(position, op)
+            self.host_seconds = getattr(self, "host_seconds", 0.0) + per_op
+
+    Charged.name = cls.name
+    return Charged
+
+
+def host() -> None:
+    """The pilot's host time on the simulator's host timeline (rule 8 of dynn_runtime.sim.engine).
+
+    Per family, at `small` (seed 0) and at `large` emulated from the reduced recordings of
+    LARGE_REDUCED (the deeper one) on the h100 profile slowed by the size ratio (peak FLOP/s, memory
+    and link bandwidth divided by it; the per-operator floor, copy latency and host dispatch kept:
+    at `large` an operator's arithmetic and its copies grow, its launch does not). The pilot's
+    per-operator host time outside decision points (every callback timed, best of 3, budget 1/2)
+    is measured here, the decision points are charged the best-of-100 fit a + b * rows of `cost`
+    (out/pilot/cost.json), then each run is simulated with ``host_cost`` (deterministic): inference
+    only (a, b, 0) and everything (a, b, c). Replay's per-operator host time is measured the same way
+    and charged likewise, for scale. Reports the host seconds over the unmanaged iteration (serial)
+    and the iteration time it adds on the host timeline (exposed), at 1/2, 1/4, 1/8."""
+    from dynn_runtime.bench import TraceCache
+    from dynn_runtime.pilot.policy import PilotPolicy
+    from dynn_runtime.policies import POLICIES
+    from dynn_runtime.sim import get_profile, simulate
+
+    a, b = 7e-6, 0.49e-6
+    if (OUT / "cost.json").exists():
+        f = json.loads((OUT / "cost.json").read_text()).get("fit", {}).get("micro")
+        if f:
+            a, b = f["a_s"], f["b_s"]
+    model = load_model(default_weights_path())
+    h100 = get_profile("h100")
+    TimedPilot, TimedReplay = _timed(PilotPolicy), _timed(POLICIES["replay"])
+
+    def per_op(tr, prof, make, repeats):
+        best = None
+        for _ in range(repeats):
+            pol = make()
+            r = simulate(tr, pol, 0.5, prof)
+            c = (pol.cb_s - getattr(pol, "inference_s", 0.0)) / r.ops
+            best = c if best is None else min(best, c)
+        return best
+
+    cache = TraceCache(".dynn-cache/traces")
+    cases = [("small", tr.header["workload"], tr, h100, 3) for _, tr in zoo_traces(FAMS, ["small"], (0,), 2)]
+    for fam in FAMS:
+        over, knob, _, d2, _, ratio = LARGE_REDUCED[fam]
+        prof = dataclasses.replace(
+            h100, name="h100", peak_flops={k: v / ratio for k, v in h100.peak_flops.items()},
+            mem_bytes_per_s=h100.mem_bytes_per_s / ratio, h2d_bytes_per_s=h100.h2d_bytes_per_s / ratio,
+            d2h_bytes_per_s=h100.d2h_bytes_per_s / ratio)
+        cases.append(("large", fam, cache.get(fam, "large", 0, 2, dict(over, **({knob: d2} if knob else {}))), prof, 2))
+    rows = []
+    for preset, fam, tr, prof, repeats in cases:
+        c_pilot = per_op(tr, prof, lambda: TimedPilot(model=model), repeats)
+        c_replay = per_op(tr, prof, TimedReplay, repeats)
+        base = simulate(tr, "none", 1.0, prof)
+        t_base = base.iter_time_s
+        for frac in BUDGETS:
+            rec = {"preset": preset, "family": fam, "budget": frac, "ops": base.ops, "unmanaged_s": t_base,
+                   "per_op_us": {"pilot": 1e6 * c_pilot, "replay": 1e6 * c_replay}, "fit": [a, b]}
+            plain = simulate(tr, PilotPolicy(model=model), frac, prof)
+            rec["pilot"] = plain.iter_time_s / t_base if plain.feasible else None
+            for name, cost_ in (("inference", (a, b, 0.0)), ("all", (a, b, c_pilot))):
+                pol = PilotPolicy(model=model, host_cost=cost_)
+                r = simulate(tr, pol, frac, prof, host_timeline=True)
+                rec["pilot_" + name] = r.iter_time_s / t_base if r.feasible else None
+                rec["serial_" + name] = r.policy_host_s / t_base
+                rec["exposed_" + name] = (r.iter_time_s - plain.iter_time_s) / t_base if r.feasible else None
+            rp = simulate(tr, "replay", frac, prof)
+            rph = simulate(tr, _charged(POLICIES["replay"], c_replay)(), frac, prof, host_timeline=True)
+            rec["replay"] = rp.iter_time_s / t_base if rp.feasible else None
+            rec["replay_host"] = rph.iter_time_s / t_base if rph.feasible else None
+            rec["serial_replay"] = rph.policy_host_s / t_base
+            rows.append(rec)
+
+            def pct(v):
+                return "  OOM" if v is None else f"{100 * v:5.1f}%"
+            print(f"{preset:<5} {fam:<11} {frac:<6} per-op host us: pilot {1e6 * c_pilot:5.1f} replay "
+                  f"{1e6 * c_replay:5.1f} | inference serial {pct(rec['serial_inference'])} exposed "
+                  f"{pct(rec['exposed_inference'])} | all serial {pct(rec['serial_all'])} exposed "
+                  f"{pct(rec['exposed_all'])} | pilot {rec['pilot'] or 0:.3f}x -> {rec['pilot_all'] or 0:.3f}x, "
+                  f"replay {rec['replay'] or 0:.3f}x -> {rec['replay_host'] or 0:.3f}x", flush=True)
+    _dump("host", {"fit": [a, b], "rows": rows})
+
+
 if __name__ == "__main__":
     names = sys.argv[1:2] or ["metrics", "lofo", "cost", "shift"]
     for name in names:
         {"metrics": metrics, "lofo": lofo, "cost": cost, "shift": shift, "cost_large": cost_large,
-         "governed_large": governed_large}[name]()
+         "governed_large": governed_large, "host": host}[name]()
