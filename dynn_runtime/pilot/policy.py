@@ -316,7 +316,10 @@ class PilotPolicy(NextUsePolicy):
         self._skip[s] = self._small.small(sid)
 
     def on_access(self, sid: int, position: int) -> None:
-        self._cache[sid] = self._provisional(sid, position, False)
+        # the provisional prediction is set in on_op, once the replayed next use is known (rule 9);
+        # the prior is computed there only for the storages that have none. Until then a storage
+        # keeps its last prediction (one never announced is marked, and kept: see predict)
+        self._cache.setdefault(sid, None)
         state = self._state
         s = state.slot_of(sid)
         if s is not None:
@@ -384,11 +387,10 @@ class PilotPolicy(NextUsePolicy):
             for sid in pending:
                 v = rep.get(sid)
                 if v is None:
-                    v = cache.get(sid)
-                    if v is None:
-                        continue
-                else:
-                    v = cache[sid] = float(v)
+                    if sid not in cache:
+                        continue  # freed since its access (on_free dropped it)
+                    v = self._provisional(sid, position, False)
+                cache[sid] = v = float(v)
                 push(res, (-v, sid))
             pending.clear()
         self.bookkeeping_s += timer() - t0
