@@ -235,6 +235,20 @@ LARGE_REDUCED = {
 }
 
 
+#: `cost`'s best-of-100 one-decision fit, seconds per decision point and per row scored (db1e3e4),
+#: for when out/pilot/cost.json is missing
+MICRO_FIT = (7e-6, 0.49e-6)
+
+
+def _micro_fit(default=MICRO_FIT):
+    """The fit a + b * rows of `cost` ("micro" in out/pilot/cost.json), else ``default``."""
+    if (OUT / "cost.json").exists():
+        f = json.loads((OUT / "cost.json").read_text()).get("fit", {}).get("micro")
+        if f:
+            return f["a_s"], f["b_s"]
+    return default
+
+
 #: whole-run cost per decision point, seconds: a + b * rows, the policy's heap upkeep in Python
 #: included (fitted over the six small families on a quiet CPU, session 4, docs/pilot.md)
 WHOLE_RUN_FIT = (40e-6, 0.94e-6)
@@ -256,10 +270,7 @@ def cost_large() -> None:
 
     model = load_model(default_weights_path())
     cache = TraceCache(".dynn-cache/traces")
-    micro = None
-    if (OUT / "cost.json").exists():
-        f = json.loads((OUT / "cost.json").read_text()).get("fit", {}).get("micro")
-        micro = (f["a_s"], f["b_s"]) if f else None
+    micro = _micro_fit(None)
     rows = []
     for fam in sys.argv[2:] or FAMS:
         over, knob, d1, d2, depth, size_ratio = LARGE_REDUCED[fam]
@@ -306,11 +317,7 @@ def governed_large() -> None:
     from dynn_runtime.pilot.policy import PilotPolicy
     from dynn_runtime.sim import Simulator, simulate, unmanaged_peak
 
-    a, b = 8e-6, 0.53e-6
-    if (OUT / "cost.json").exists():
-        f = json.loads((OUT / "cost.json").read_text()).get("fit", {}).get("micro")
-        if f:
-            a, b = f["a_s"], f["b_s"]
+    a, b = _micro_fit()
     model = load_model(default_weights_path())
 
     class Charged(PilotPolicy):
@@ -417,11 +424,7 @@ def host() -> None:
     from dynn_runtime.policies import POLICIES
     from dynn_runtime.sim import get_profile, simulate
 
-    a, b = 7e-6, 0.49e-6
-    if (OUT / "cost.json").exists():
-        f = json.loads((OUT / "cost.json").read_text()).get("fit", {}).get("micro")
-        if f:
-            a, b = f["a_s"], f["b_s"]
+    a, b = _micro_fit()
     model = load_model(default_weights_path())
     h100 = get_profile("h100")
     TimedPilot, TimedReplay = _timed(PilotPolicy), _timed(POLICIES["replay"])

@@ -234,8 +234,15 @@ class PilotPolicy(NextUsePolicy):
         dictionary writes are not timed)."""
         if self.host_cost is None:
             return self.inference_s + self.bookkeeping_s
-        a, b, c = self.host_cost
-        return self.decisions * a + self.candidates * b + self.ops * c
+        return self._inference_spent() + self.ops * self.host_cost[2]
+
+    def _inference_spent(self) -> float:
+        """Seconds of inference so far, as the governor counts them (rule 7): measured, or the
+        ``host_cost`` model's charge for the decision points and rows scored (rule 10)."""
+        if self.host_cost is None:
+            return self._spent
+        a, b, _ = self.host_cost
+        return self.decisions * a + self.candidates * b
 
     @property
     def model(self) -> Any:
@@ -361,12 +368,7 @@ class PilotPolicy(NextUsePolicy):
         due = self._full_due or position - self._last_decision >= self.decision_every
         if not due:
             return False
-        if self.host_cost is None:
-            spent = self._spent
-        else:  # rule 10: the cost model's charge for the decision points so far
-            a, b, _ = self.host_cost
-            spent = self.decisions * a + self.candidates * b
-        if spent > self.max_share * (self._clock() - self._clock0):
+        if self._inference_spent() > self.max_share * (self._clock() - self._clock0):
             self.deferred += tick
             return False
         return True

@@ -610,7 +610,7 @@ class Simulator:
                 self._set(sid, S.RESIDENT)
                 pol.on_alloc(sid, j)
             if host:
-                spent = float(getattr(pol, "host_seconds", 0.0))
+                spent = pol.host_seconds
                 h += spent - seen
                 seen = spent
                 if h > self.t:  # the device has run dry: it waits for the host to issue this operator
@@ -634,7 +634,7 @@ class Simulator:
         for sid in self.frees.get(len(self.ops), ()):
             self._free(sid)
         if host:
-            self.policy_host = float(getattr(pol, "host_seconds", 0.0))
+            self.policy_host = float(pol.host_seconds)
 
 
 def simulate(
