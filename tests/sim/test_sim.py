@@ -449,3 +449,39 @@ def test_recorded_trace_all_policies_fast(tmp_path):
         r = simulate(tr, pol, 0.5, "h100")
         assert r.peak_bytes <= r.budget_bytes
         assert time.perf_counter() - t0 < 5.0  # generous: the bench measures the real figure
+
+
+def test_prefetch_entry_of_a_storage_still_offloading_is_kept_until_it_lands():
+    # a storage evicted while its device-to-host copy is in flight cannot be fetched yet; once the copy
+    # lands it must still be prefetched ahead of its next use (its heap entry used to be dropped as
+    # stale, so only a demand fetch brought it back)
+    from dynn_runtime.policies.nextuse import NextUsePolicy
+
+    class View:
+        position = 0
+        state = {1: "resident", 2: "resident"}
+
+        def status(self, sid):
+            return self.state[sid]
+
+        def nbytes(self, sid):
+            return 10
+
+        def free_bytes(self):
+            return 100
+
+    class Fixed(NextUsePolicy):
+        small_fraction = 0.0
+
+        def predict(self, sid):
+            return {1: 5, 2: 40}[sid]
+
+    pol = Fixed()
+    pol.attach(view := View())
+    pol.on_alloc(1, 0)
+    pol.on_alloc(2, 0)
+    assert next(pol.victims(10, set())) == 2  # furthest next use leaves first
+    view.state[2] = "offloading"
+    assert pol.after_op(10) == []  # in flight: nothing to fetch yet
+    view.state[2] = "host"
+    assert [(a.kind, a.sid) for a in pol.after_op(11)] == [("prefetch", 2)]  # 29 operators ahead: fetched
