@@ -13,7 +13,11 @@
  *                        and what PilotPolicy._score does with the result: predicted positions, when
  *                        each storage is due again, the "touched" flags;
  *   dynn_pilot_select    the policy's choice of rows at a decision point (live slots that moved or are
- *                        due).
+ *                        due);
+ *   dynn_pilot_alloc     FeatureState.alloc's writes for one storage;
+ *   dynn_pilot_op        FeatureState.op's per-operator update of the arrays (the idiom histories, the
+ *                        producer and consumer idioms, counts, the saved-activation stack, the replayed
+ *                        next uses of rule 8), equal to the Python code it stands in for.
  *
  * The MLP sums in a different order than BLAS does, so probabilities agree with numpy to float32
  * rounding (not bit for bit); it is deterministic for a given build. Inner loops run over the hidden
@@ -30,7 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define DYNN_PILOT_ABI 3
+#define DYNN_PILOT_ABI 4
 
 #if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
 #define MADD(a, b, c) fmaf((a), (b), (c))
@@ -723,11 +727,120 @@ int64_t dynn_pilot_select(const dynn_state *S, const double *due, int64_t positi
     return n_live;
 }
 
+/* one operator for dynn_pilot_op: what FeatureState.op has looked up in Python (slots, the previous
+ * iteration's counterparts of the allocations), the stack's scalars in and out, and room for the
+ * results: per access the replayed next use (position + gap; -1: none), and the accesses that need
+ * FeatureState._match_external first (their replay is left to Python, after the match) */
+typedef struct {
+    int64_t position, phase;
+    const float *iv;              /* the operator's idiom vector / 3 (6) */
+    const float *ivk;             /* iv twice, times (1 - decay): the histories' increment (12) */
+    const float *decay;           /* the histories' decays (12) */
+    float *hist;                  /* the histories, updated in place (12) */
+    const int64_t *alloc_slots;   /* its allocations' slots */
+    const int64_t *alloc_prev;    /* their counterparts (prev): >= -1 set it, -2 leave it */
+    int64_t n_alloc;
+    const int64_t *acc_slots;     /* the storages it read or wrote, in FeatureState.op's order; -1: unknown */
+    int64_t n_acc;
+    int64_t frontier, stack_counter;
+    int64_t *replay;              /* out, per access */
+    int64_t *match;               /* out: indices into acc_slots */
+    int64_t n_match;              /* out */
+} dynn_op;
+#define OP_WORDS 16
+
+/* FeatureState.op after the alignment lookups: the same writes in the same order. The state's
+ * arrays are written through its table (the table points at writable numpy arrays). */
+int64_t dynn_pilot_op(const dynn_state *S, dynn_op *O)
+{
+    const int64_t pos = O->position, ph = O->phase;
+    const float *iv = O->iv;
+    float *hist = O->hist;
+    for (int i = 0; i < 12; i++) {
+        hist[i] = hist[i] * O->decay[i];  /* h *= decay; h += ivk: two float32 roundings, as numpy */
+        hist[i] = hist[i] + O->ivk[i];
+    }
+    float *producer_iv = (float *)S->producer_iv, *has_producer = (float *)S->has_producer;
+    float *consumer_iv = (float *)S->consumer_iv, *count = (float *)S->count;
+    float *count_phase = (float *)S->count_phase, *acc_phase = (float *)S->acc_phase;
+    int64_t *prev = (int64_t *)S->prev, *last = (int64_t *)S->last, *last_phase = (int64_t *)S->last_phase;
+    int64_t *count_phase_of = (int64_t *)S->count_phase_of, *stack_idx = (int64_t *)S->stack_idx;
+    int64_t *stack_pos = (int64_t *)S->stack_pos;
+    for (int64_t i = 0; i < O->n_alloc; i++) {
+        const int64_t s = O->alloc_slots[i];
+        if (s < 0 || s >= S->cap) return -4;
+        memcpy(producer_iv + 6 * s, iv, 6 * sizeof(float));
+        has_producer[s] = 1.0f;
+        if (O->alloc_prev[i] >= -1) prev[s] = O->alloc_prev[i];
+    }
+    int64_t n_match = 0;
+    for (int64_t i = 0; i < O->n_acc; i++) {
+        const int64_t s = O->acc_slots[i];
+        O->replay[i] = -1;
+        if (s < 0) continue;
+        if (s >= S->cap) return -4;
+        last[s] = pos;
+        last_phase[s] = ph;
+        count[s] += 1.0f;
+        if (count_phase_of[s] != ph) {
+            count_phase_of[s] = ph;
+            count_phase[s] = 0.0f;
+        }
+        count_phase[s] += 1.0f;
+        if (ph == 1 && stack_idx[s] >= 0 && acc_phase[3 * s + 1] == 0.0f)
+            O->frontier = stack_pos[s];  /* popped: backward has reached its push */
+        acc_phase[3 * s + ph] = 1.0f;
+        memcpy(consumer_iv + 6 * s, iv, 6 * sizeof(float));
+        if (ph == 0 && S->saved[s] > 0.0f && S->kind[s] > 2 && (S->born[s] < 0 || stack_idx[s] < 0)) {
+            stack_idx[s] = O->stack_counter++;
+            stack_pos[s] = pos;
+        }
+        if (prev[s] < 0 && S->born[s] < 0 && count[s] == 1.0f) {
+            O->match[n_match++] = i;  /* Python matches it, then replays it */
+            continue;
+        }
+        const int64_t pi = prev[s];
+        if (pi >= 0) {
+            if (pi >= S->n_prev) return -4;
+            const int64_t k = (int64_t)count[s], lo = S->prev_off[pi], n = S->prev_off[pi + 1] - lo;
+            if (k < n) O->replay[i] = pos + S->prev_pos[lo + k] - S->prev_pos[lo + k - 1];
+        }
+    }
+    O->n_match = n_match;
+    return 0;
+}
+
+/* FeatureState.alloc's writes for slot s (position -1: alive when the iteration started) */
+int64_t dynn_pilot_alloc(const dynn_state *S, int64_t s, int64_t kind, double saved, double log_bytes,
+                         int64_t announce, int64_t position, int64_t phase, int64_t prev)
+{
+    if (s < 0 || s >= S->cap) return -4;
+    ((int64_t *)S->kind)[s] = kind;
+    ((float *)S->saved)[s] = (float)saved;
+    ((float *)S->log_bytes)[s] = (float)log_bytes;  /* float64 -> float32, as numpy assigns */
+    ((int64_t *)S->last)[s] = -1;
+    ((int64_t *)S->last_phase)[s] = -1;
+    ((float *)S->count)[s] = 0.0f;
+    ((float *)S->count_phase)[s] = 0.0f;
+    memset((float *)S->acc_phase + 3 * s, 0, 3 * sizeof(float));
+    ((int64_t *)S->stack_idx)[s] = -1;
+    ((int64_t *)S->stack_pos)[s] = -1;
+    ((int64_t *)S->announce)[s] = announce;
+    memset((float *)S->consumer_iv + 6 * s, 0, 6 * sizeof(float));
+    memset((float *)S->producer_iv + 6 * s, 0, 6 * sizeof(float));
+    ((float *)S->has_producer)[s] = 0.0f;
+    ((float *)S->persistent)[s] = position < 0 ? 1.0f : 0.0f;
+    ((int64_t *)S->born)[s] = position < 0 ? -1 : position;
+    ((int64_t *)S->born_phase)[s] = position < 0 ? -1 : phase;
+    ((int64_t *)S->prev)[s] = prev;
+    return 0;
+}
+
 /* version, struct sizes and the column indices, for native.py's check against features.py */
 int64_t dynn_pilot_layout(int64_t *out, int64_t n)
 {
     const int64_t v[] = {
-        DYNN_PILOT_ABI, STATE_WORDS, POINT_WORDS, MODEL_WORDS, POLICY_WORDS, MAX_H, MAX_K, NF, NC, N_KINDS, N_THRESH,
+        DYNN_PILOT_ABI, STATE_WORDS, POINT_WORDS, MODEL_WORDS, POLICY_WORDS, OP_WORDS, MAX_H, MAX_K, NF, NC, N_KINDS, N_THRESH,
         THRESH[0], THRESH[1], THRESH[2], THRESH[3], THRESH[4], THRESH[5], THRESH[6], THRESH[7],
         F_KIND0, F_SAVED, F_PERSISTENT, F_LOG_BYTES, F_ACCESSED, F_LOG_AGE, F_LOG_COUNT, F_LOG_COUNT_PHASE,
         F_ACC0, F_BORN_THIS, F_LOG_SINCE_BIRTH, F_BORN_PHASE0, F_LAST_PHASE0, F_PRODUCER0, F_HAS_PRODUCER,

@@ -56,6 +56,7 @@ Rules it keeps (why each is there):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -137,6 +138,8 @@ _X = {n: i for i, n in enumerate(CTX_FEATURES)}
 _BIG = 1 << 32
 _IV_CACHE: dict[tuple[int, ...], np.ndarray] = {}
 _IVK_CACHE: dict[tuple[Any, ...], np.ndarray] = {}
+#: per (idiom, decays): ((iv, its address), (the histories' increment, its address)), for the kernel
+_NATIVE_IV: dict[tuple[Any, ...], tuple[tuple[np.ndarray, int], tuple[np.ndarray, int]]] = {}
 
 
 class FeatureState:
@@ -186,6 +189,7 @@ class FeatureState:
     def _set_decays(self) -> None:
         f, sl = self._hist_decays = self.decays
         self._hist_decay = np.asarray([f] * 6 + [sl] * 6, dtype=np.float32)
+        self._hist_decay_addr = self._hist_decay.ctypes.data
         self._hist_keep = np.asarray([1 - f] * 6 + [1 - sl] * 6, dtype=np.float32)
 
     # ---- storage slots ------------------------------------------------------------------------
@@ -317,16 +321,25 @@ class FeatureState:
         self._prev_keys = np.asarray(keys, dtype=np.int64)  # already sorted: by index, then position
         self._prev_count = counts
 
-    def alloc(self, sid: int, position: int) -> None:
-        """``on_alloc``: ``position`` -1 means alive when the iteration started."""
+    def alloc(self, sid: int, position: int) -> tuple[int, str, bool]:
+        """``on_alloc``: ``position`` -1 means alive when the iteration started. Returns the slot and
+        the storage's kind and saved flag as the view gave them."""
         s = self._slot.get(sid)
         if s is None:
             s = self._new_slot(sid)
         view = self.view
         kind = view.kind(sid)
+        saved = view.saved(sid)
+        # math.log2 and numpy's agree once stored as float32 (checked on 2.2 million sizes)
+        log_bytes = math.log2(max(view.nbytes(sid), 1)) / 30.0
+        if self._kernel is not None:
+            self._kernel.alloc(self, s, _KIND_IDX.get(kind, _KIND_IDX["temp"]), 1.0 if saved else 0.0, log_bytes,
+                               self._announced, position, self._prev_idx.get(sid, -1))
+            self._announced += 1
+            return s, kind, saved
         self.kind[s] = _KIND_IDX.get(kind, _KIND_IDX["temp"])
-        self.saved[s] = 1.0 if view.saved(sid) else 0.0
-        self.log_bytes[s] = np.log2(max(view.nbytes(sid), 1)) / 30.0
+        self.saved[s] = 1.0 if saved else 0.0
+        self.log_bytes[s] = log_bytes
         self.last[s] = -1
         self.last_phase[s] = -1
         self.count[s] = 0
@@ -351,6 +364,7 @@ class FeatureState:
             self.producer_iv[s] = 0
             self.has_producer[s] = 0
             self.prev[s] = self._prev_idx.get(sid, -1)
+        return s, kind, saved
 
     def _match_external(self, s: int) -> None:
         """A storage alive at the start, new to this iteration (the batch), at its first access: match it
@@ -380,6 +394,8 @@ class FeatureState:
         else:
             new_phase = position == 0
         self.position = position
+        if self._kernel is not None:
+            return self._op_native(position, op, ph, new_phase)
         iv = _IV_CACHE.get(op.idiom)
         if iv is None:
             iv = _IV_CACHE[op.idiom] = np.asarray(op.idiom, dtype=np.float32) / 3.0
@@ -442,6 +458,60 @@ class FeatureState:
             if pi >= 0:
                 # rule 8: after its k-th access here, the counterpart's (k+1)-th came this much later
                 lst = lists[pi]
+                k = int(self.count.item(s))
+                if k < len(lst):
+                    replayed[sid] = position + lst[k] - lst[k - 1]
+        if new_phase or position - self._last_decision >= self.group:
+            self._last_decision = position
+            return True
+        return False
+
+    def _op_native(self, position: int, op: Any, ph: int, new_phase: bool) -> bool:
+        """:meth:`op` with the per-storage writes in the native kernel (``dynn_pilot_op``): the same
+        arrays, stack and replayed next uses (tested against the Python path at every operator)."""
+        if self.decays is not self._hist_decays:
+            self._set_decays()
+        f, sl = self.decays
+        key = (op.idiom, f, sl)
+        hit = _NATIVE_IV.get(key)
+        if hit is None:
+            iv = np.asarray(op.idiom, dtype=np.float32) / 3.0
+            ivk = np.concatenate([iv, iv]) * self._hist_keep
+            hit = _NATIVE_IV[key] = ((iv, iv.ctypes.data), (ivk, ivk.ctypes.data))
+        self._hist_allocs = self._hist_allocs * sl + len(op.allocs) * (1 - sl)
+        key = (op.name, op.module, op.phase)
+        c = self._op_seen.get(key, 0)
+        self._op_seen[key] = c + 1
+        q = self._prev_ops.get((*key, c))
+        prev_allocs = ()
+        if q is not None:
+            self._anchor = (position, q)
+            prev_allocs = self._prev_allocs.get(q, ())
+        slot = self._slot
+        a_slots, a_prev = [], []
+        if op.allocs:
+            prev_idx = self._prev_idx
+            n_prev = len(prev_allocs)
+            for i, sid in enumerate(op.allocs):
+                s = slot.get(sid)
+                if s is not None:
+                    a_slots.append(s)
+                    a_prev.append(prev_idx.get(prev_allocs[i], -1) if i < n_prev else -2)
+        acc = list({*op.inputs, *op.outputs, *op.writes})
+        rep, match = self._kernel.op(self, position, ph, hit[0], hit[1], a_slots, a_prev,
+                                     [slot.get(sid, -1) for sid in acc])
+        replayed = self.replayed
+        replayed.clear()
+        for sid, r in zip(acc, rep):
+            if r >= 0:
+                replayed[sid] = r
+        for i in match:  # rule 6 at its first access, then its replay (as op() does in the loop)
+            sid = acc[i]
+            s = slot[sid]
+            self._match_external(s)
+            pi = self.prev.item(s)
+            if pi >= 0:
+                lst = self._prev_lists[pi]
                 k = int(self.count.item(s))
                 if k < len(lst):
                     replayed[sid] = position + lst[k] - lst[k - 1]

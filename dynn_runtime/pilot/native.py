@@ -50,8 +50,8 @@ FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-fPIC", "-shared", "-std=c99", "-ffp-contract=off"),
 )
 LIBS = ("-lm",)
-_ABI = 3
-_STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS = 38, 13, 16, 8
+_ABI = 4
+_STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS, _OP_WORDS = 38, 13, 16, 8, 16
 _LANES = 16
 _MAX_H, _MAX_K = 256, 64  # widest hidden layer and most (padded) outputs the kernel takes
 
@@ -268,6 +268,16 @@ class _Policy(ctypes.Structure):
                 ("quantile", ctypes.c_double), ("recheck", ctypes.c_double)]
 
 
+class _Op(ctypes.Structure):
+    """``dynn_op``: one operator for FeatureState.op's native update."""
+
+    _fields_ = [("position", ctypes.c_int64), ("phase", ctypes.c_int64),
+                *((f, ctypes.c_void_p) for f in ("iv", "ivk", "decay", "hist", "alloc_slots", "alloc_prev")),
+                ("n_alloc", ctypes.c_int64), ("acc_slots", ctypes.c_void_p), ("n_acc", ctypes.c_int64),
+                ("frontier", ctypes.c_int64), ("stack_counter", ctypes.c_int64), ("replay", ctypes.c_void_p),
+                ("match", ctypes.c_void_p), ("n_match", ctypes.c_int64)]
+
+
 def _none() -> None:
     return None
 
@@ -316,6 +326,19 @@ class StateTable:
         self.point_addr = ctypes.addressof(self.point)
         self.rows = np.zeros(max(st._cap, 64), dtype=np.int64)
         self.rows_addr = self.rows.ctypes.data
+        self.op = _Op()
+        self.op_addr = ctypes.addressof(self.op)
+        self.op.hist = st._hist.ctypes.data
+        self.op_room(64)
+
+    def op_room(self, n: int) -> None:
+        """Buffers for an operator of up to ``n`` allocations and ``n`` accesses (:meth:`NativeKernel.op`)."""
+        self.op_n = n
+        # alloc slots, alloc prev, access slots, replay, match: ctypes arrays (a slice assignment from a
+        # list costs a quarter of numpy's)
+        self.op_bufs = [(ctypes.c_int64 * n)() for _ in range(5)]
+        o, a = self.op, [ctypes.addressof(b) for b in self.op_bufs]
+        o.alloc_slots, o.alloc_prev, o.acc_slots, o.replay, o.match = a
 
     def __reduce__(self) -> Any:  # addresses do not survive pickling: the state rebuilds its table
         return (_none, ())
@@ -452,6 +475,10 @@ class NativeKernel:
         lib.dynn_pilot_decide.restype = _I
         lib.dynn_pilot_select.argtypes = [_V, _V, _I, _I, _V, _V, _V]
         lib.dynn_pilot_select.restype = _I
+        lib.dynn_pilot_op.argtypes = [_V, _V]
+        lib.dynn_pilot_op.restype = _I
+        lib.dynn_pilot_alloc.argtypes = [_V, _I, _I, _D, _D, _I, _I, _I, _I]
+        lib.dynn_pilot_alloc.restype = _I
         self.path = path
         self.lib = lib
         self._check_layout()
@@ -459,6 +486,8 @@ class NativeKernel:
         self._score = lib.dynn_pilot_score
         self._decide = lib.dynn_pilot_decide
         self._select = lib.dynn_pilot_select
+        self._op = lib.dynn_pilot_op
+        self._alloc = lib.dynn_pilot_alloc
         self._n_rows = ctypes.c_int64(0)
         self._n_rows_addr = ctypes.addressof(self._n_rows)
 
@@ -480,7 +509,7 @@ class NativeKernel:
                 "occ_le8", "stack_le8"]
         ctx = ["phase_forward", "log_in_phase", "has_history", "anchored_progress", "progress", "log_since_anchor",
                "hist_fast_iv0", "hist_slow_iv0", "hist_slow_allocs", "log_candidates", "log_bwd_fwd_ratio"]
-        want = [_ABI, _STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS, _MAX_H, _MAX_K, len(CAND_FEATURES),
+        want = [_ABI, _STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS, _OP_WORDS, _MAX_H, _MAX_K, len(CAND_FEATURES),
                 len(CTX_FEATURES),
                 len(KINDS), len(_THRESH), *_THRESH, *(c[k] for k in cols), *(x[k] for k in ctx)]
         got = out[:n].tolist()
@@ -489,7 +518,8 @@ class NativeKernel:
             raise RuntimeError(f"{self.path.name}: its layout differs from this dynn_runtime's at entry {i} "
                                f"({got[i] if i < len(got) else None} vs {want[i] if i < len(want) else None}): "
                                "built from another _native.c?")
-        if ctypes.sizeof(_Point) != 8 * _POINT_WORDS or ctypes.sizeof(_Policy) != 8 * _POLICY_WORDS:
+        if (ctypes.sizeof(_Point) != 8 * _POINT_WORDS or ctypes.sizeof(_Policy) != 8 * _POLICY_WORDS
+                or ctypes.sizeof(_Op) != 8 * _OP_WORDS):
             raise RuntimeError("pilot native: ctypes structure sizes differ from _native.c's")
 
     # ---- FeatureState ---------------------------------------------------------------------------
@@ -585,6 +615,45 @@ class NativeKernel:
         if rc:
             raise RuntimeError(f"pilot native kernel: model shape not supported (code {rc})")
         return P, eld, kq, amax
+
+    def alloc(self, st: Any, s: int, kind: int, saved: float, log_bytes: float, announce: int, position: int,
+              prev: int) -> None:
+        """``FeatureState.alloc``'s writes for slot ``s`` (see ``dynn_pilot_alloc``)."""
+        t = st._native_tab
+        if t is None:
+            t = self.table(st)
+        if self._alloc(t.addr, s, kind, saved, log_bytes, announce, position, st.phase, prev):
+            raise IndexError(f"pilot native kernel: slot {s} is not a slot of this state (0..{st._cap - 1})")
+
+    def op(self, st: Any, position: int, phase: int, iv: Any, ivk: Any, alloc_slots: list[int],
+           alloc_prev: list[int], acc_slots: list[int]) -> tuple[list[int], list[int]]:
+        """``FeatureState.op``'s array update for one operator (see ``dynn_pilot_op``): ``iv`` and
+        ``ivk`` are ``(array, address)`` pairs. Returns the replayed next use of every access (-1:
+        none, or left to the caller) and the indices of the accesses that need
+        ``FeatureState._match_external`` (their replay is the caller's, after the match)."""
+        t = st._native_tab
+        if t is None:
+            t = self.table(st)
+        n = max(len(alloc_slots), len(acc_slots))
+        if n > t.op_n:
+            t.op_room(max(n, 2 * t.op_n))
+        o, b = t.op, t.op_bufs
+        o.position, o.phase = position, phase
+        o.iv, o.ivk = iv[1], ivk[1]
+        o.decay = st._hist_decay_addr
+        o.n_alloc = na = len(alloc_slots)
+        if na:
+            b[0][:na] = alloc_slots
+            b[1][:na] = alloc_prev
+        o.n_acc = nc = len(acc_slots)
+        b[2][:nc] = acc_slots
+        o.frontier, o.stack_counter = st._frontier, st._stack_counter
+        rc = self._op(t.addr, t.op_addr)
+        if rc:
+            raise IndexError(f"pilot native kernel: a slot or counterpart is out of range (code {rc})")
+        st._frontier, st._stack_counter = o.frontier, o.stack_counter
+        nm = o.n_match
+        return b[3][:nc], (b[4][:nm] if nm else ())
 
     # ---- PilotPolicy ------------------------------------------------------------------------------
     def select(self, st: Any, pt: PolicyTable, position: int, full: bool, skip_addr: int | None = None

@@ -269,6 +269,7 @@ class PilotPolicy(NextUsePolicy):
 
             self._pt = PolicyTable(_LOWER, self.quantile, self.recheck)
         self._prior = np.exp(model.arrays["prior"].astype(np.float64))
+        self._prior_rows = self._prior.tolist()  # the same float64 values, read without numpy indexing
         self._clock0 = self._clock()
         self._spent = 0.0
         if self._online and self._refit is None:
@@ -309,13 +310,13 @@ class PilotPolicy(NextUsePolicy):
         view = self.view
         ph = _PHASES.get(view.phase, 0)
         cls = storage_class(view.kind(sid), view.saved(sid), fresh)
-        return max(position, 0) + float(self._prior[ph, cls])
+        return max(position, 0) + self._prior_rows[ph][cls]
 
     def on_alloc(self, sid: int, position: int) -> None:
         state = self._state
-        state.alloc(sid, position)
-        self._cache[sid] = self._provisional(sid, position, position >= 0)
-        s = state.slot_of(sid)
+        s, kind, saved = state.alloc(sid, position)
+        cls = storage_class(kind, saved, position >= 0)
+        self._cache[sid] = max(position, 0) + self._prior_rows[_PHASES.get(self.view.phase, 0)][cls]
         state.touched[s] = True
         super().on_alloc(sid, position)
         if s >= len(self._skip):

@@ -107,6 +107,60 @@ def test_feature_rows_equal_numpy_on_zoo_traces(kernel, traces, model):
     assert seen["ext_by_order"] > 0, "no pending external storage matched ahead of time"
 
 
+_STATE_ARRAYS = ("active", "sid", "kind", "saved", "persistent", "log_bytes", "born", "born_phase", "last",
+                 "last_phase", "count", "count_phase", "count_phase_of", "acc_phase", "producer_iv", "has_producer",
+                 "consumer_iv", "stack_idx", "stack_pos", "announce", "prev", "_hist")
+
+
+def test_per_operator_update_equals_python_at_every_operator(kernel, traces, model):
+    # FeatureState.op's native path (dynn_pilot_op) against the Python one, fed the same notifications:
+    # every array, the stack's scalars and the replayed next uses equal after every operator
+    seen = {"ops": 0, "replayed": 0, "popped": 0, "matched": 0}
+    where = [""]
+
+    class Shadow(PilotPolicy):
+        def attach(self, view):
+            super().attach(view)
+            self.ref = FeatureState(view, group=self._state.group, backend="numpy")
+
+        def begin_iteration(self, index, context=None):
+            super().begin_iteration(index, context)
+            self.ref.begin_iteration(index, (context or {}).get("history") or [])
+
+        def on_alloc(self, sid, position):
+            super().on_alloc(sid, position)
+            self.ref.alloc(sid, position)
+
+        def on_free(self, sid):
+            super().on_free(sid)
+            self.ref.free(sid)
+
+        def on_op(self, position, op):
+            ext = self._state._ext_next
+            super().on_op(position, op)
+            tick = self.ref.op(position, op)
+            a, b = self._state, self.ref
+            at = f"{where[0]} operator {position}"
+            assert tick == (a._last_decision == position), at
+            for name in _STATE_ARRAYS:
+                x, y = getattr(a, name), getattr(b, name)
+                assert np.array_equal(x, y), f"{at}: {name} differs at {np.argwhere(x != y)[:5].tolist()}"
+            assert a.replayed == b.replayed, at
+            assert (a._frontier, a._stack_counter, a._anchor, a._ext_next, a._hist_allocs) == \
+                   (b._frontier, b._stack_counter, b._anchor, b._ext_next, b._hist_allocs), at
+            seen["ops"] += 1
+            seen["replayed"] += len(a.replayed)
+            seen["popped"] += a.phase == 1 and a._frontier >= 0
+            seen["matched"] += a._ext_next > ext
+
+    for fam, tr in traces.items():
+        where[0] = fam
+        pol = Shadow(model=model, backend="native")
+        Simulator(tr, pol, int(unmanaged_peak(tr) * 0.25)).run()
+        assert pol._state._kernel is not None
+    assert seen["ops"] > 1000 and seen["replayed"] > 1000 and seen["popped"] > 100 and seen["matched"] > 0
+
+
 class _View:
     def __init__(self, kinds):
         self.kinds = kinds
