@@ -138,6 +138,9 @@ class NextUsePolicy(Policy):
         for prefetches earlier and to lose time (oracle skipnet 1/4: 1.87x -> 1.92x, replay
         early_exit 1/2: 1.69x -> 2.10x): the allocations that follow need that memory.
         """
+        off = self._off
+        if not off or (self.lookahead is not None and off[0][0] - position > self.lookahead):
+            return []  # the soonest entry, stale or not, is past the lookahead: so is every valid one
         view = self.view
         actions: list[Action] = []
         free = view.free_bytes()
