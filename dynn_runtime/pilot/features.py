@@ -411,19 +411,10 @@ class FeatureState:
         h *= self._hist_decay
         h += ivk
         self._hist_allocs = self._hist_allocs * sl + len(op.allocs) * (1 - sl)
-        # align with the previous iteration (rule 4)
-        key = (op.name, op.module, op.phase)
-        c = self._op_seen.get(key, 0)
-        self._op_seen[key] = c + 1
-        q = self._prev_ops.get((*key, c))
-        prev_allocs = ()
-        if q is not None:
-            self._anchor = (position, q)
-            prev_allocs = self._prev_allocs.get(q, ())
+        prev_allocs = self._align(position, op)
         slot = self._slot
         replayed = self.replayed
         replayed.clear()
-        lists = self._prev_lists
         for i, sid in enumerate(op.allocs):
             s = slot.get(sid)
             if s is None:
@@ -454,17 +445,36 @@ class FeatureState:
                 self._stack_counter += 1
             if self.prev[s] < 0 and self.born[s] < 0 and self.count[s] == 1:
                 self._match_external(s)
-            pi = self.prev.item(s)
-            if pi >= 0:
-                # rule 8: after its k-th access here, the counterpart's (k+1)-th came this much later
-                lst = lists[pi]
-                k = int(self.count.item(s))
-                if k < len(lst):
-                    replayed[sid] = position + lst[k] - lst[k - 1]
+            self._replay(sid, s, position)
+        return self._tick(position, new_phase)
+
+    def _replay(self, sid: int, s: int, position: int) -> None:
+        """Rule 8: after its k-th access here, the counterpart's (k+1)-th came this much later."""
+        pi = self.prev.item(s)
+        if pi >= 0:
+            lst = self._prev_lists[pi]
+            k = int(self.count.item(s))
+            if k < len(lst):
+                self.replayed[sid] = position + lst[k] - lst[k - 1]
+
+    def _tick(self, position: int, new_phase: bool) -> bool:
+        """Whether operator ``position`` is a decision point: every ``group`` operators, every phase change."""
         if new_phase or position - self._last_decision >= self.group:
             self._last_decision = position
             return True
         return False
+
+    def _align(self, position: int, op: Any) -> tuple[int, ...]:
+        """Rule 4: match the operator to the previous iteration's with the same (name, module, phase,
+        occurrence) key, move the anchor there; returns what that operator allocated (or ())."""
+        key = (op.name, op.module, op.phase)
+        c = self._op_seen.get(key, 0)
+        self._op_seen[key] = c + 1
+        q = self._prev_ops.get((*key, c))
+        if q is None:
+            return ()
+        self._anchor = (position, q)
+        return self._prev_allocs.get(q, ())
 
     def _op_native(self, position: int, op: Any, ph: int, new_phase: bool) -> bool:
         """:meth:`op` with the per-storage writes in the native kernel (``dynn_pilot_op``): the same
@@ -479,14 +489,7 @@ class FeatureState:
             ivk = np.concatenate([iv, iv]) * self._hist_keep
             hit = _NATIVE_IV[key] = ((iv, iv.ctypes.data), (ivk, ivk.ctypes.data))
         self._hist_allocs = self._hist_allocs * sl + len(op.allocs) * (1 - sl)
-        key = (op.name, op.module, op.phase)
-        c = self._op_seen.get(key, 0)
-        self._op_seen[key] = c + 1
-        q = self._prev_ops.get((*key, c))
-        prev_allocs = ()
-        if q is not None:
-            self._anchor = (position, q)
-            prev_allocs = self._prev_allocs.get(q, ())
+        prev_allocs = self._align(position, op)
         slot = self._slot
         a_slots, a_prev = [], []
         if op.allocs:
@@ -509,16 +512,8 @@ class FeatureState:
             sid = acc[i]
             s = slot[sid]
             self._match_external(s)
-            pi = self.prev.item(s)
-            if pi >= 0:
-                lst = self._prev_lists[pi]
-                k = int(self.count.item(s))
-                if k < len(lst):
-                    replayed[sid] = position + lst[k] - lst[k - 1]
-        if new_phase or position - self._last_decision >= self.group:
-            self._last_decision = position
-            return True
-        return False
+            self._replay(sid, s, position)
+        return self._tick(position, new_phase)
 
     # ---- features at a decision point ---------------------------------------------------------
     def active_slots(self) -> np.ndarray:
