@@ -189,7 +189,7 @@ class FeatureState:
     def _set_decays(self) -> None:
         f, sl = self._hist_decays = self.decays
         self._hist_decay = np.asarray([f] * 6 + [sl] * 6, dtype=np.float32)
-        self._hist_decay_addr = self._hist_decay.ctypes.data
+        self._native_tab = None  # the kernel's table points at the decays
         self._hist_keep = np.asarray([1 - f] * 6 + [1 - sl] * 6, dtype=np.float32)
 
     # ---- storage slots ------------------------------------------------------------------------

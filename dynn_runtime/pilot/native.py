@@ -329,6 +329,8 @@ class StateTable:
         self.op = _Op()
         self.op_addr = ctypes.addressof(self.op)
         self.op.hist = st._hist.ctypes.data
+        self.op.decay = st._hist_decay.ctypes.data
+        self.keep.append((st._hist_decay, np.float32))
         self.op_room(64)
 
     def op_room(self, n: int) -> None:
@@ -640,7 +642,6 @@ class NativeKernel:
         o, b = t.op, t.op_bufs
         o.position, o.phase = position, phase
         o.iv, o.ivk = iv[1], ivk[1]
-        o.decay = st._hist_decay_addr
         o.n_alloc = na = len(alloc_slots)
         if na:
             b[0][:na] = alloc_slots
