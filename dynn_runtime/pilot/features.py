@@ -332,12 +332,14 @@ class FeatureState:
         saved = view.saved(sid)
         # math.log2 and numpy's agree once stored as float32 (checked on 2.2 million sizes)
         log_bytes = math.log2(max(view.nbytes(sid), 1)) / 30.0
+        kind_idx = _KIND_IDX.get(kind, _KIND_IDX["temp"])
+        prev = self._prev_idx.get(sid, -1)
+        announce = self._announced
+        self._announced += 1
         if self._kernel is not None:
-            self._kernel.alloc(self, s, _KIND_IDX.get(kind, _KIND_IDX["temp"]), 1.0 if saved else 0.0, log_bytes,
-                               self._announced, position, self._prev_idx.get(sid, -1))
-            self._announced += 1
+            self._kernel.alloc(self, s, kind_idx, 1.0 if saved else 0.0, log_bytes, announce, position, prev)
             return s, kind, saved
-        self.kind[s] = _KIND_IDX.get(kind, _KIND_IDX["temp"])
+        self.kind[s] = kind_idx
         self.saved[s] = 1.0 if saved else 0.0
         self.log_bytes[s] = log_bytes
         self.last[s] = -1
@@ -347,23 +349,14 @@ class FeatureState:
         self.acc_phase[s] = 0
         self.stack_idx[s] = -1
         self.stack_pos[s] = -1
-        self.announce[s] = self._announced
-        self._announced += 1
+        self.announce[s] = announce
         self.consumer_iv[s] = 0
-        if position < 0:
-            self.persistent[s] = 1.0
-            self.born[s] = -1
-            self.born_phase[s] = -1
-            self.producer_iv[s] = 0
-            self.has_producer[s] = 0
-            self.prev[s] = self._prev_idx.get(sid, -1)
-        else:
-            self.persistent[s] = 0.0
-            self.born[s] = position
-            self.born_phase[s] = self.phase
-            self.producer_iv[s] = 0
-            self.has_producer[s] = 0
-            self.prev[s] = self._prev_idx.get(sid, -1)
+        self.producer_iv[s] = 0
+        self.has_producer[s] = 0
+        self.prev[s] = prev
+        self.persistent[s] = 1.0 if position < 0 else 0.0
+        self.born[s] = position if position >= 0 else -1
+        self.born_phase[s] = self.phase if position >= 0 else -1
         return s, kind, saved
 
     def _match_external(self, s: int) -> None:

@@ -306,17 +306,15 @@ class PilotPolicy(NextUsePolicy):
         self._full_due = True
 
     # ---- notifications ------------------------------------------------------------------------
-    def _provisional(self, sid: int, position: int, fresh: bool) -> float:
-        view = self.view
-        ph = _PHASES.get(view.phase, 0)
-        cls = storage_class(view.kind(sid), view.saved(sid), fresh)
-        return max(position, 0) + self._prior_rows[ph][cls]
+    def _provisional(self, position: int, kind: str, saved: bool, fresh: bool) -> float:
+        """Rule 2's prior: position + the median next-use distance of its phase and storage class."""
+        cls = storage_class(kind, saved, fresh)
+        return max(position, 0) + self._prior_rows[_PHASES.get(self.view.phase, 0)][cls]
 
     def on_alloc(self, sid: int, position: int) -> None:
         state = self._state
         s, kind, saved = state.alloc(sid, position)
-        cls = storage_class(kind, saved, position >= 0)
-        self._cache[sid] = max(position, 0) + self._prior_rows[_PHASES.get(self.view.phase, 0)][cls]
+        self._cache[sid] = self._provisional(position, kind, saved, position >= 0)
         state.touched[s] = True
         super().on_alloc(sid, position)
         if s >= len(self._skip):
@@ -392,7 +390,7 @@ class PilotPolicy(NextUsePolicy):
                 if v is None:
                     if sid not in cache:
                         continue  # freed since its access (on_free dropped it)
-                    v = self._provisional(sid, position, False)
+                    v = self._provisional(position, self.view.kind(sid), self.view.saved(sid), False)
                 cache[sid] = v = float(v)
                 push(res, (-v, sid))
             pending.clear()
