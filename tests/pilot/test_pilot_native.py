@@ -427,6 +427,7 @@ def test_compiler_refusing_march_native_and_a_broken_cache(kernel, fresh_native,
 @pytest.mark.parametrize("how", ["env", "missing", "failing"])
 def test_fallback_to_numpy(fresh_native, tmp_path, traces, model, how):
     fresh_native.setenv("DYNN_CACHE_DIR", str(tmp_path / "cache"))
+    fresh_native.delenv("DYNN_PILOT_NATIVE", raising=False)  # each case sets its own cause
     if how == "env":
         fresh_native.setenv("DYNN_PILOT_NATIVE", "0")
         expect = "DYNN_PILOT_NATIVE=0"
