@@ -31,6 +31,7 @@ import shlex
 import subprocess
 import tempfile
 import threading
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-fPIC", "-shared", "-std=c99", "-ffp-contract=off"),
 )
 LIBS = ("-lm",)
-_ABI = 4
+_ABI = 5
 _STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS, _OP_WORDS = 38, 13, 16, 8, 16
 _LANES = 16
 _MAX_H, _MAX_K = 256, 64  # widest hidden layer and most (padded) outputs the kernel takes
@@ -459,6 +460,84 @@ def _policy_table(lower: np.ndarray, quantile: float, recheck: float, logreps: n
     return t
 
 
+class NativeHeap:
+    """:class:`~dynn_runtime.pilot.policy.PilotPolicy`'s eviction heap (``NextUsePolicy._res``) in
+    the kernel (``dynn_heap``): entries ``(key, sid)`` popped in the order heapq pops the same
+    tuples, each with its storage's slot so that a pop skips stale entries in C (the slot no longer
+    holds that storage, or the key is not its current prediction ``-pred[slot]``). Pushes from
+    Python are staged in arrays and enter the heap in one call before the next pop, ``len`` or
+    compaction; a decision point's rows enter from the kernel (:meth:`NativeKernel.merge`)."""
+
+    def __init__(self, kern: NativeKernel) -> None:
+        self._lib = kern.lib
+        h = kern.lib.dynn_heap_new()
+        if not h:
+            raise MemoryError("pilot native: no memory for the eviction heap")
+        self.h = h
+        self._keys, self._sids, self._slots = array("d"), array("q"), array("q")
+        self._out = (ctypes.c_int64 * 3)()
+        self._out_addr = ctypes.addressof(self._out)
+        self._key = ctypes.c_double.from_buffer(self._out)
+
+    def __del__(self) -> None:
+        h, self.h = getattr(self, "h", None), None
+        if h:
+            self._lib.dynn_heap_free(h)
+
+    def __reduce__(self) -> Any:  # the entries survive pickling; the heap is rebuilt in this process
+        return (_heap_from, (self.entries(),))
+
+    def push(self, key: float, sid: int, slot: int) -> None:
+        self._keys.append(key)
+        self._sids.append(sid)
+        self._slots.append(slot)
+
+    def _flush(self) -> None:
+        n = len(self._keys)
+        if n:
+            if self._lib.dynn_heap_push(self.h, self._keys.buffer_info()[0], self._sids.buffer_info()[0],
+                                        self._slots.buffer_info()[0], n):
+                raise MemoryError("pilot native: no memory for the eviction heap")
+            del self._keys[:], self._sids[:], self._slots[:]
+
+    def __len__(self) -> int:
+        if self._keys:
+            self._flush()
+        return self._lib.dynn_heap_len(self.h)
+
+    def pop(self, state_addr: int) -> tuple[float, int, int] | None:
+        """The least entry that is not stale against the state at ``state_addr``, or None."""
+        if self._keys:
+            self._flush()
+        if not self._lib.dynn_heap_pop(self.h, state_addr, self._out_addr):
+            return None
+        return self._key.value, self._out[1], self._out[2]
+
+    def compact(self, state_addr: int, n_slots: int) -> None:
+        """Keep the entries that match their storage's prediction, once each."""
+        if self._keys:
+            self._flush()
+        mark = np.empty(max(n_slots, 1), dtype=np.int64)
+        self._lib.dynn_heap_compact(self.h, state_addr, mark.ctypes.data)
+
+    def entries(self) -> list[tuple[float, int, int]]:
+        """Every entry (key, sid, slot), in heap order (tests, pickling)."""
+        n = len(self)
+        keys, sids, slots = np.empty(n), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+        self._lib.dynn_heap_dump(self.h, keys.ctypes.data, sids.ctypes.data, slots.ctypes.data)
+        return list(zip(keys.tolist(), sids.tolist(), slots.tolist()))
+
+
+def _heap_from(entries: list[tuple[float, int, int]]) -> NativeHeap:
+    k = kernel()
+    if k is None:
+        raise RuntimeError(f"pilot native: unpickling an eviction heap needs the native kernel ({reason()})")
+    h = NativeHeap(k)
+    for e in entries:
+        h.push(*e)
+    return h
+
+
 _V, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
@@ -481,6 +560,22 @@ class NativeKernel:
         lib.dynn_pilot_op.restype = _I
         lib.dynn_pilot_alloc.argtypes = [_V, _I, _I, _D, _D, _I, _I, _I, _I]
         lib.dynn_pilot_alloc.restype = _I
+        lib.dynn_heap_new.argtypes = []
+        lib.dynn_heap_new.restype = _V
+        lib.dynn_heap_free.argtypes = [_V]
+        lib.dynn_heap_free.restype = None
+        lib.dynn_heap_len.argtypes = [_V]
+        lib.dynn_heap_len.restype = _I
+        lib.dynn_heap_push.argtypes = [_V, _V, _V, _V, _I]
+        lib.dynn_heap_push.restype = _I
+        lib.dynn_heap_pop.argtypes = [_V, _V, _V]
+        lib.dynn_heap_pop.restype = _I
+        lib.dynn_heap_compact.argtypes = [_V, _V, _V]
+        lib.dynn_heap_compact.restype = _I
+        lib.dynn_heap_dump.argtypes = [_V, _V, _V, _V]
+        lib.dynn_heap_dump.restype = _I
+        lib.dynn_pilot_merge.argtypes = [_V, _V, _V, _V, _V, _V, _I, _I, _V, _V, _V, _V, _V]
+        lib.dynn_pilot_merge.restype = _I
         self.path = path
         self.lib = lib
         self._check_layout()
@@ -668,6 +763,28 @@ class NativeKernel:
             t = self.table(st)
         n_live = self._select(t.addr, pt.due_addr, position, full, skip_addr, t.rows_addr, self._n_rows_addr)
         return n_live, self._n_rows.value
+
+    def new_heap(self) -> NativeHeap:
+        return NativeHeap(self)
+
+    def merge(self, st: Any, heap: NativeHeap, score_addr: int, due_in_addr: int | None, sids_addr: int,
+              slots_addr: int, m: int, due: np.ndarray, away: np.ndarray, out: tuple[np.ndarray, np.ndarray]
+              ) -> tuple[int, int]:
+        """A decision point's ``m`` rows (scores, sids, slots at those addresses) into ``heap``
+        (``dynn_pilot_merge``); ``due_in_addr`` not None: results back from the worker (rule 11), so
+        rows whose storage moved on are left out and the others' ``pred`` and ``due`` are written.
+        The rows whose byte in ``away`` is set go to ``out`` (sids, scores; room for ``m``). Returns
+        (rows merged, away rows)."""
+        t = st._native_tab
+        if t is None:
+            t = self.table(st)
+        n = self._n_rows
+        na = self.lib.dynn_pilot_merge(t.addr, heap.h, score_addr, due_in_addr, sids_addr, slots_addr, m,
+                                       due_in_addr is not None, due.ctypes.data, away.ctypes.data,
+                                       out[0].ctypes.data, out[1].ctypes.data, self._n_rows_addr)
+        if na < 0:
+            raise MemoryError("pilot native: no memory for the eviction heap")
+        return n.value, na
 
     def decide(self, st: Any, model: Any, pt: PolicyTable, rows_addr: int | None, m: int, n_live: int) -> None:
         """Score ``m`` rows (slots at ``rows_addr``; None: the state table's ``rows`` from

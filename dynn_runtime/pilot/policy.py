@@ -22,6 +22,11 @@ How a prediction is made and kept (why):
    updated and new entries pushed on the eviction (resident) or prefetch (offloaded) heap; the older
    entries no longer match the cache, so ``NextUsePolicy`` skips them as stale, and a heap is compacted
    when it holds more than 4x the live storages (+1024). No O(live) rebuild per decision point.
+   The cache is the feature state's per-slot ``pred`` (NaN: nothing predicted this iteration), so
+   that the kernel writes it; on the native backend the eviction heap is the kernel's too
+   (:class:`~dynn_runtime.pilot.native.NativeHeap`: same pop order as heapq over the same entries,
+   stale entries skipped in C), and a decision point's rows enter it in the kernel (``dynn_pilot_merge``)
+   with no Python per row. Measured: the same simulated runs on the small grid, every cell.
 4. Weights load on first use (``attach``), not at import. Inference is numpy only: no torch operator
    runs inside the runtime's dispatch mode.
 5. Incremental rescoring (``incremental=True``, the default): a decision point rescores (a) the
@@ -207,10 +212,12 @@ class PilotPolicy(NextUsePolicy):
         self.backend = backend
         self._kernel = None
         self._state: FeatureState | None = None
-        self._cache: dict[int, float | None] = {}
+        self._heap: Any = None
         self._pending: list[int] = []
         self._due = np.zeros(0, dtype=np.float64)
         self._skip = np.zeros(0, dtype=np.uint8)
+        #: rule 3: per slot, a storage this policy evicted and has not seen back (the prefetch heap's)
+        self._away = np.zeros(0, dtype=np.uint8)
         #: rule 8: small storages are scored (one was offered as a victim); a decision point is due now
         self._small_scored = False
         self._force_decision = False
@@ -268,6 +275,7 @@ class PilotPolicy(NextUsePolicy):
             from .native import PolicyTable
 
             self._pt = PolicyTable(_LOWER, self.quantile, self.recheck)
+        self._away_out = (np.empty(256, dtype=np.int64), np.empty(256, dtype=np.float64))
         self._prior = np.exp(model.arrays["prior"].astype(np.float64))
         self._prior_rows = self._prior.tolist()  # the same float64 values, read without numpy indexing
         self._clock0 = self._clock()
@@ -288,12 +296,13 @@ class PilotPolicy(NextUsePolicy):
             new = self._refit.end_iteration(history)
             if new is not None:
                 self._model = new
-        self._state.begin_iteration(index, history)
-        self._cache = {}
+        state = self._state
+        state.begin_iteration(index, history)
+        state.pred[:] = np.nan  # rule 3: nothing predicted yet this iteration
         self._pending = []
-        self._res = []
+        self._heap = _PyHeap() if self._kernel is None else self._kernel.new_heap()
         self._off = []
-        self._away: set[int] = set()
+        self._away[:] = 0
         self._expected_len = self._state.expected_length()
         if self._kernel is not None:
             from .model import _log_bucket_reps
@@ -314,23 +323,23 @@ class PilotPolicy(NextUsePolicy):
     def on_alloc(self, sid: int, position: int) -> None:
         state = self._state
         s, kind, saved = state.alloc(sid, position)
-        self._cache[sid] = self._provisional(position, kind, saved, position >= 0)
+        state.pred[s] = self._provisional(position, kind, saved, position >= 0)
         state.touched[s] = True
-        super().on_alloc(sid, position)
         if s >= len(self._skip):
             self._grow_due()
+        self._away[s] = 0
+        super().on_alloc(sid, position)
         self._skip[s] = self._small.small(sid)
 
     def on_access(self, sid: int, position: int) -> None:
         # the provisional prediction is set in on_op, once the replayed next use is known (rule 9);
         # the prior is computed there only for the storages that have none. Until then a storage
-        # keeps its last prediction (one never announced is marked, and kept: see predict)
-        self._cache.setdefault(sid, None)
+        # keeps its last prediction (one never predicted is kept: see predict)
         state = self._state
         s = state.slot_of(sid)
         if s is not None:
             state.touched[s] = True
-        self._away.discard(sid)
+            self._away[s] = 0
         if self.small_fraction:
             self._small.access(sid)
         # rule 9: the eviction heap's entry is pushed in on_op, once the replayed next use is known
@@ -340,8 +349,6 @@ class PilotPolicy(NextUsePolicy):
 
     def on_free(self, sid: int) -> None:
         self._state.free(sid)
-        self._cache.pop(sid, None)
-        self._away.discard(sid)
         super().on_free(sid)
 
     def _skip_small(self) -> bool:
@@ -380,19 +387,20 @@ class PilotPolicy(NextUsePolicy):
         tick = state.op(position, op)
         pending = self._pending
         if pending:
-            cache = self._cache
             # rule 9: the counterpart's next use in the previous iteration, replayed from this access
             rep = state.replayed if self.provisional == "replay" else {}
-            res = self._res
-            push = heapq.heappush
+            pred = state.pred
+            slot = state._slot
+            push = self._heap.push
             for sid in pending:
+                s = slot.get(sid)
+                if s is None:
+                    continue  # freed since its access
                 v = rep.get(sid)
                 if v is None:
-                    if sid not in cache:
-                        continue  # freed since its access (on_free dropped it)
                     v = self._provisional(position, self.view.kind(sid), self.view.saved(sid), False)
-                cache[sid] = v = float(v)
-                push(res, (-v, sid))
+                pred[s] = v = float(v)
+                push(-v, sid, s)
             pending.clear()
         self.bookkeeping_s += timer() - t0
         if not self._decide(position, tick):
@@ -439,6 +447,10 @@ class PilotPolicy(NextUsePolicy):
             skip = np.zeros(cap, dtype=np.uint8)
             skip[: len(self._skip)] = self._skip
             self._skip = skip
+        if len(self._away) < cap:
+            away = np.zeros(cap, dtype=np.uint8)
+            away[: len(self._away)] = self._away
+            self._away = away
         if self._kernel is not None:
             self._pt.set_due(self._due)
 
@@ -463,11 +475,23 @@ class PilotPolicy(NextUsePolicy):
 
     def _score_native(self, rows_addr: int | None, m: int, n_live: int, count: bool = False) -> None:
         """Score ``m`` slots (at ``rows_addr``; None: the ones select() chose) in one kernel call;
-        ``count``: the kernel counts the live storages for the context row (as features() does)."""
-        pt = self._pt
-        self._kernel.decide(self._state, self.model, pt, rows_addr, m, -1 if count else n_live)
+        ``count``: the kernel counts the live storages for the context row (as features() does).
+        Their entries go on the eviction heap in a second call (rule 3)."""
+        pt, kern, state = self._pt, self._kernel, self._state
+        kern.decide(state, self.model, pt, rows_addr, m, -1 if count else n_live)
         self.candidates += m
-        self._update(pt.sids_out[:m].tolist(), pt.score_out[:m].tolist(), n_live, pt.neg_out[:m].tolist())
+        if rows_addr is None:
+            rows_addr = state._native_tab.rows_addr
+        out = self._away_out
+        if len(out[0]) < m:
+            out = self._away_out = (np.empty(2 * m, dtype=np.int64), np.empty(2 * m, dtype=np.float64))
+        _, na = kern.merge(state, self._heap, pt.score_out.ctypes.data, None, pt.sids_out.ctypes.data, rows_addr,
+                           m, self._due, self._away, out)
+        if na:
+            off = self._off
+            for v, sid in zip(out[1][:na].tolist(), out[0][:na].tolist()):
+                heapq.heappush(off, (v, sid))
+        self._compact_heaps(n_live)
 
     def _score(self, rows: np.ndarray, position: int, n_live: int) -> None:
         """Score slots ``rows`` at decision point ``position``: features, model, predicted positions,
@@ -501,42 +525,67 @@ class PilotPolicy(NextUsePolicy):
         self._due[rows] = np.minimum(score, position + self.recheck * _LOWER[k])
         if self._refit is not None:
             self._refit.observe(position, sids, X, ctx)
-        self._update(sids.tolist(), score.tolist(), n_live)
+        self._update(sids.tolist(), score.tolist(), rows.tolist(), n_live)
 
-    def _update(self, sids: list[int], preds: list[float], n_live: int, negs: list[float] | None = None) -> None:
-        """Rule 3: the cache and both heaps take the new predictions of the rescored storages only.
-        An older heap entry of a storage no longer matches its prediction, so NextUsePolicy skips it
-        as stale; the heaps are compacted when stale entries far outnumber the live storages.
-        ``negs``: the predictions negated (the eviction heap's keys), when the caller has them."""
-        cache = self._cache
-        cache.update(zip(sids, preds))
-        res = self._res
+    def _update(self, sids: list[int], preds: list[float], slots: list[int], n_live: int) -> None:
+        """Rule 3: both heaps take the new predictions (already in the state's ``pred``, the cache) of
+        the rescored storages only. An older heap entry of a storage no longer matches its
+        prediction, so NextUsePolicy skips it as stale; the heaps are compacted when stale entries
+        far outnumber the live storages. (The native path does this in the kernel: ``_score_native``.)"""
         # every rescored storage gets an eviction entry (one that is not resident is skipped there as
         # stale); the ones this policy evicted and has not seen back get a prefetch entry
-        push = heapq.heappush
-        if negs is None:
-            for v, sid in zip(preds, sids):
-                push(res, (-v, sid))
-        else:
-            for entry in zip(negs, sids):
-                push(res, entry)
-        away = self._away.intersection(sids) if self._away else None
-        if away:
-            off = self._off
-            for sid in away:
-                heapq.heappush(off, (cache[sid], sid))
+        push = self._heap.push
+        away = self._away
+        off = self._off
+        for v, sid, s in zip(preds, sids, slots):
+            push(-v, sid, s)
+            if away[s]:
+                heapq.heappush(off, (v, sid))
+        self._compact_heaps(n_live)
+
+    def _compact_heaps(self, n_live: int) -> None:
         limit = 4 * n_live + 1024
-        if len(res) > limit:
-            self._res = _compact(res, cache, -1.0)
+        heap = self._heap
+        if len(heap) > limit:
+            if isinstance(heap, _PyHeap):
+                heap.items = _compact(heap.items, self._cached, -1.0)
+            else:
+                state = self._state
+                heap.compact(self._kernel.table(state).addr, len(state.pred))
         if len(self._off) > limit:
-            self._off = _compact(self._off, cache, 1.0)
+            self._off = _compact(self._off, self._cached, 1.0)
+
+    def _cached(self, sid: int) -> float | None:
+        """The cached prediction of ``sid`` (rule 3: the state's ``pred``), None if it has none."""
+        state = self._state
+        s = state._slot.get(sid)
+        if s is None:
+            return None
+        v = state.pred.item(s)
+        return None if v != v else v
+
+    # the eviction heap (NextUsePolicy's _res): native (NativeHeap) or heapq (_PyHeap), by backend
+    def _res_push(self, key: float, sid: int) -> None:
+        s = self._state._slot.get(sid)
+        self._heap.push(key, sid, -1 if s is None else s)
+
+    def _res_pop(self) -> tuple[float, int] | None:
+        kern = self._kernel
+        e = self._heap.pop(kern.table(self._state).addr if kern is not None else None)
+        return None if e is None else (e[0], e[1])
+
+    def _rebuild(self) -> None:
+        self._heap = _PyHeap() if self._kernel is None else self._kernel.new_heap()
+        for sid in self.view.resident():
+            self._res_push(-self._nu(sid), sid)
 
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
         away = self._away
+        slot = self._state._slot
         inner = super().victims(need_bytes, exclude)
         try:
             for sid in inner:
-                away.add(sid)
+                away[slot[sid]] = 1
                 if self.small_evicted and not self._small_scored:
                     self._small_scored = True  # rule 8: the first small victim; score them all next op
                     self._force_decision = True
@@ -546,25 +595,52 @@ class PilotPolicy(NextUsePolicy):
 
     def after_op(self, position: int) -> list[Action]:
         actions = super().after_op(position)
-        away = self._away
-        for a in actions:
-            away.discard(a.sid)
+        if actions:
+            away = self._away
+            slot = self._state._slot
+            for a in actions:
+                away[slot[a.sid]] = 0
         return actions
 
     def predict(self, sid: int) -> float | None:
-        v = self._cache.get(sid)
-        if v is None:
-            return self.view.position + 1  # never announced: keep it
-        return None if v == math.inf else v
+        state = self._state
+        s = state._slot.get(sid)
+        if s is not None:
+            v = state.pred.item(s)
+            if v == v:
+                return None if v == math.inf else v
+        return self.view.position + 1  # never predicted this iteration: keep it
 
 
-def _compact(heap: list[tuple[float, int]], cache: dict[int, float | None], sign: float) -> list[tuple[float, int]]:
-    """The entries of ``heap`` that still match the cached prediction, once each, as a heap."""
+def _compact(heap: list[tuple[float, int]], cached: Any, sign: float) -> list[tuple[float, int]]:
+    """The entries of ``heap`` that still match the cached prediction (``cached(sid)``), once each, as a heap."""
     keep = {}
     for key, sid in heap:
-        v = cache.get(sid)
+        v = cached(sid)
         if v is not None and key == sign * v:
             keep[sid] = key
     out = [(key, sid) for sid, key in keep.items()]
     heapq.heapify(out)
     return out
+
+
+class _PyHeap:
+    """The eviction heap in heapq, for the numpy backend: the same interface as
+    :class:`~dynn_runtime.pilot.native.NativeHeap`, without skipping stale entries (NextUsePolicy
+    does that for it)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[float, int]] = []
+
+    def push(self, key: float, sid: int, slot: int) -> None:
+        heapq.heappush(self.items, (key, sid))
+
+    def pop(self, _state: Any) -> tuple[float, int, int] | None:
+        items = self.items
+        if not items:
+            return None
+        key, sid = heapq.heappop(items)
+        return key, sid, -1
+
+    def __len__(self) -> int:
+        return len(self.items)

@@ -60,7 +60,7 @@ class NextUsePolicy(Policy):
     def on_alloc(self, sid: int, position: int) -> None:
         if self.small_fraction:
             self._small.alloc(sid, self.view.nbytes(sid))
-        heapq.heappush(self._res, (-self._nu(sid), sid))
+        self._res_push(-self._nu(sid), sid)
 
     def on_free(self, sid: int) -> None:
         self._small.free(sid)
@@ -68,7 +68,15 @@ class NextUsePolicy(Policy):
     def on_access(self, sid: int, position: int) -> None:
         if self.small_fraction:
             self._small.access(sid)
-        heapq.heappush(self._res, (-self._nu(sid), sid))
+        self._res_push(-self._nu(sid), sid)
+
+    # the eviction heap: entries (-predicted next use, sid), least first (a subclass may keep it elsewhere)
+    def _res_push(self, key: float, sid: int) -> None:
+        heapq.heappush(self._res, (key, sid))
+
+    def _res_pop(self) -> tuple[float, int] | None:
+        res = self._res
+        return heapq.heappop(res) if res else None
 
     def _rebuild(self) -> None:
         view = self.view
@@ -86,22 +94,23 @@ class NextUsePolicy(Policy):
         rebuilt = False
         try:
             while True:
-                if not self._res:
+                item = self._res_pop()
+                if item is None:
                     if tiered and later:
                         for item in later:
-                            heapq.heappush(self._res, item)
+                            self._res_push(*item)
                         later = []
                         tiered = False  # second tier: the small ones too
                         continue
                     if rebuilt:
                         return
                     for item in skipped:
-                        heapq.heappush(self._res, item)
+                        self._res_push(*item)
                     skipped = []
                     self._rebuild()  # entries can only go stale, never missing: but never OOM on bookkeeping
                     rebuilt = True
                     continue
-                neg, sid = heapq.heappop(self._res)
+                neg, sid = item
                 st = view.status(sid)
                 if st == "fetching":
                     skipped.append((neg, sid))  # in flight: not evictable yet, keep its entry
@@ -120,9 +129,9 @@ class NextUsePolicy(Policy):
                 yield sid
         finally:
             for item in skipped:
-                heapq.heappush(self._res, item)
+                self._res_push(*item)
             for item in later:
-                heapq.heappush(self._res, item)
+                self._res_push(*item)
 
     def after_op(self, position: int) -> list[Action]:
         """Prefetch soonest-needed first, into free memory only, up to ``lookahead`` operators ahead.
@@ -161,7 +170,7 @@ class NextUsePolicy(Policy):
             heapq.heappop(self._off)
             actions.append(Action("prefetch", sid))
             free -= size
-            heapq.heappush(self._res, (-nu, sid))
+            self._res_push(-nu, sid)
         for item in in_flight:
             heapq.heappush(self._off, item)
         return actions

@@ -189,9 +189,16 @@ class _Rows(PilotPolicy):
         super().attach(view)
         self.log = []
 
-    def _update(self, sids, preds, n_live, negs=None):
+    def _note(self, sids):
         self.log.append((self.small_evicted, any(self._small.small(s) for s in sids)))
-        super()._update(sids, preds, n_live, negs)
+
+    def _update(self, sids, preds, slots, n_live):  # numpy backend
+        self._note(sids)
+        super()._update(sids, preds, slots, n_live)
+
+    def _score_native(self, rows_addr, m, n_live, count=False):
+        super()._score_native(rows_addr, m, n_live, count)
+        self._note(self._pt.sids_out[:m].tolist())
 
 
 @pytest.mark.parametrize("backend", ["numpy", "native"])

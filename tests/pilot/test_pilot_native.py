@@ -473,3 +473,75 @@ def test_rows_out_of_range_raise(kernel):
     assert st.features(np.array([st.slot_of(7)]))[0].tolist() == [7]
     with pytest.raises(IndexError):
         st.features(np.array([st._cap]))
+
+
+def _heapq_reference_pop(items, st):
+    """heapq's pop with NextUsePolicy's staleness (a freed storage, or a key that is not its current
+    prediction; NaN: undecided, returned), for comparison with NativeHeap.pop."""
+    import heapq
+
+    while items:
+        key, sid = heapq.heappop(items)
+        s = st.slot_of(sid)
+        if s is None:
+            continue
+        v = float(st.pred[s])
+        if v == v and key != -v:
+            continue
+        return key, sid
+    return None
+
+
+def test_native_eviction_heap_pops_what_heapq_pops(kernel):
+    """NativeHeap (PilotPolicy's eviction heap in C) pops the same (key, sid) sequence as heapq over
+    the same pushes, skipping the same stale entries (freed, reused slot, repredicted), with ties on
+    the key broken by sid; staged pushes count in len; compaction keeps one valid entry per storage;
+    the heap survives pickling."""
+    import heapq
+    import pickle
+
+    rng = np.random.default_rng(3)
+    kinds = _Kinds()
+    st = FeatureState(_View(kinds), group=16, backend="native")
+    for sid in range(40):
+        st.alloc(100_000 + sid, 0)
+    live = [100_000 + i for i in range(40)]
+    heap, ref = kernel.new_heap(), []
+    next_sid = 100_040
+    popped = 0
+    for step in range(3000):
+        r = rng.random()
+        if r < 0.45 and live:  # a new prediction for a live storage (ties on purpose: few distinct keys)
+            sid = live[rng.integers(len(live))]
+            v = float(rng.integers(0, 12)) if rng.random() < 0.9 else float("inf")
+            s = st.slot_of(sid)
+            st.pred[s] = v
+            heap.push(-v, sid, s)
+            heapq.heappush(ref, (-v, sid))
+        elif r < 0.5 and live:  # freed; its slot is reused by the next allocation
+            sid = live.pop(rng.integers(len(live)))
+            st.free(sid)
+        elif r < 0.55:
+            st.alloc(next_sid, 0)
+            st.pred[st.slot_of(next_sid)] = np.nan  # undecided: Python's call, so returned
+            live.append(next_sid)
+            heap.push(-1.0, next_sid, st.slot_of(next_sid))
+            heapq.heappush(ref, (-1.0, next_sid))
+            next_sid += 1
+        elif r < 0.97:
+            got = heap.pop(kernel.table(st).addr)
+            want = _heapq_reference_pop(ref, st)
+            assert (None if got is None else got[:2]) == want, step
+            if got is not None:
+                assert got[2] == st.slot_of(got[1])
+                popped += 1
+        else:
+            heap.compact(kernel.table(st).addr, len(st.pred))
+            # PilotPolicy._compact's rule: the entries that match their storage's prediction, once each
+            want = {(k, s) for k, s in ref if st.slot_of(s) is not None and k == -st.pred[st.slot_of(s)]}
+            got = [(k, s) for k, s, _ in heap.entries()]
+            assert len(got) == len(set(got)) and set(got) == want, step
+            ref = sorted(want)
+    assert popped > 500
+    clone = pickle.loads(pickle.dumps(heap))
+    assert len(clone) == len(heap) and sorted(clone.entries()) == sorted(heap.entries())
