@@ -249,6 +249,11 @@ def _micro_fit(default=MICRO_FIT):
     return default
 
 
+#: rule 11 (worker=True): the issuing thread's seconds per decision point and per row (gathering the
+#: rows, merging the results), best of 100 on moe `small` at 16-256 rows (docs/pilot.md); the
+#: worker's share is the policy's WORKER_COST
+WORKER_MAIN_FIT = (18e-6, 0.064e-6)
+
 #: whole-run cost per decision point, seconds: a + b * rows, the policy's heap upkeep in Python
 #: included (fitted over the six small families on a quiet CPU, session 4, docs/pilot.md)
 WHOLE_RUN_FIT = (40e-6, 0.94e-6)
@@ -464,6 +469,16 @@ def host() -> None:
                 rec["pilot_" + name] = r.iter_time_s / t_base if r.feasible else None
                 rec["serial_" + name] = r.policy_host_s / t_base
                 rec["exposed_" + name] = (r.iter_time_s - plain.iter_time_s) / t_base if r.feasible else None
+            # rule 11: the network on a worker thread; this thread gathers the rows and merges the results
+            for name, cost_ in (("worker", (*WORKER_MAIN_FIT, 0.0)), ("worker_all", (*WORKER_MAIN_FIT, c_pilot))):
+                pol = PilotPolicy(model=model, host_cost=cost_, worker=True)
+                r = simulate(tr, pol, frac, prof, host_timeline=True)
+                rec["pilot_" + name] = r.iter_time_s / t_base if r.feasible else None
+                rec["serial_" + name] = r.policy_host_s / t_base
+                rec["exposed_" + name] = (r.iter_time_s - plain.iter_time_s) / t_base if r.feasible else None
+                rec["wait_" + name] = pol.wait_s / t_base
+            wk = simulate(tr, PilotPolicy(model=model, worker=True), frac, prof)
+            rec["pilot_worker_untimed"] = wk.iter_time_s / t_base if wk.feasible else None
             rp = simulate(tr, "replay", frac, prof)
             rph = simulate(tr, _charged(POLICIES["replay"], c_replay)(), frac, prof, host_timeline=True)
             rec["replay"] = rp.iter_time_s / t_base if rp.feasible else None
@@ -476,7 +491,9 @@ def host() -> None:
             print(f"{preset:<5} {fam:<11} {frac:<6} per-op host us: pilot {1e6 * c_pilot:5.1f} replay "
                   f"{1e6 * c_replay:5.1f} | inference serial {pct(rec['serial_inference'])} exposed "
                   f"{pct(rec['exposed_inference'])} | all serial {pct(rec['serial_all'])} exposed "
-                  f"{pct(rec['exposed_all'])} | pilot {rec['pilot'] or 0:.3f}x -> {rec['pilot_all'] or 0:.3f}x, "
+                  f"{pct(rec['exposed_all'])} | worker: inference exposed {pct(rec['exposed_worker'])} "
+                  f"(wait {pct(rec['wait_worker'])}), all {pct(rec['exposed_worker_all'])} | "
+                  f"pilot {rec['pilot'] or 0:.3f}x -> {rec['pilot_all'] or 0:.3f}x, "
                   f"replay {rec['replay'] or 0:.3f}x -> {rec['replay_host'] or 0:.3f}x", flush=True)
     _dump("host", {"fit": [a, b], "rows": rows})
 

@@ -18,6 +18,7 @@
  *   dynn_pilot_op        FeatureState.op's per-operator update of the arrays (the idiom histories, the
  *                        producer and consumer idioms, counts, the saved-activation stack, the replayed
  *                        next uses of rule 8), equal to the Python code it stands in for;
+ *   dynn_pilot_finish    the network and the policy's arithmetic for gathered rows, on a worker thread;
  *   dynn_heap_*          the policy's eviction heap (heapq's pop order over the same entries, stale
  *                        entries skipped here), and dynn_pilot_merge: a decision point's rows into it.
  *
@@ -668,6 +669,44 @@ int64_t dynn_pilot_score(const dynn_model *M, const float *X, int64_t m, const f
     return 0;
 }
 
+/* a row's predicted next-use position (exp(expected log distance) after the decision point; +inf for
+ * "not again" unless a parameter, buffer or optimizer state: rule 1) and when it is due again
+ * (min(prediction, position + recheck * lower[quantile bucket]): rule 5) */
+static inline double settle(const float *x, double eld, int64_t kq, int64_t am, int64_t K, double position,
+                            double recheck, const double *lower, double *due)
+{
+    double score = exp(eld) + position;
+    if (am == K - 1 && x[F_KIND0] == 0.0f && x[F_KIND0 + 1] == 0.0f && x[F_KIND0 + 2] == 0.0f)
+        score = INFINITY;
+    const double d = position + recheck * lower[kq];
+    *due = score < d ? score : d;
+    return score;
+}
+
+/* The worker's half of a decision point (PilotPolicy rule 11): the network and settle() for m
+ * feature rows X gathered on the issuing thread, to score and due (per row). Reads only its
+ * arguments and writes only its outputs, so it runs while the issuing thread goes on (ctypes
+ * releases the GIL for it). Returns 0, or -3 (model shape). */
+int64_t dynn_pilot_finish(const dynn_model *M, const float *X, int64_t m, const float *ctx,
+                          const double *logreps, const double *lower, double quantile, double recheck,
+                          int64_t position, double *score, double *due)
+{
+    if (!model_ok(M)) return -3;
+    float c[MAX_H], z[MAX_K], p[MAX_K];
+    context_term(M, ctx, c);
+    const float qf = (float)quantile;
+    const int64_t K = M->k;
+    for (int64_t i = 0; i < m; i++) {
+        const float *x = X + i * NF;
+        mlp_row(M, x, c, z);
+        double eld;
+        int64_t kq, am;
+        head(z, K, M->kp, logreps, qf, p, &eld, &kq, &am);
+        score[i] = settle(x, eld, kq, am, K, (double)position, recheck, lower, &due[i]);
+    }
+    return 0;
+}
+
 /* PilotPolicy._score for the slots D->rows: features, the network, and per row the predicted
  * next-use position (exp(expected log distance) after the decision point; +inf for "not again" unless
  * a parameter, buffer or optimizer state), when it is due again (min(prediction, position + recheck *
@@ -694,14 +733,9 @@ int64_t dynn_pilot_decide(const dynn_state *S, const dynn_point *D, const dynn_m
         double eld;
         int64_t kq, am;
         head(z, K, M->kp, Q->logreps, qf, p, &eld, &kq, &am);
-        double score = exp(eld) + position;
-        /* rule 1: "not again" only for storages that are not needed by the next iteration either */
-        if (am == K - 1 && x[F_KIND0] == 0.0f && x[F_KIND0 + 1] == 0.0f && x[F_KIND0 + 2] == 0.0f)
-            score = INFINITY;
-        const double d = position + recheck * Q->lower[kq];
+        const double score = settle(x, eld, kq, am, K, position, recheck, Q->lower, &Q->due[s]);
         S->pred[s] = score;
         S->touched[s] = 0;
-        Q->due[s] = score < d ? score : d;
         Q->sids_out[i] = S->sid[s];
         Q->score_out[i] = score;
         if (Q->neg_out) Q->neg_out[i] = -score;

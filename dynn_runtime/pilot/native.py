@@ -560,6 +560,8 @@ class NativeKernel:
         lib.dynn_pilot_op.restype = _I
         lib.dynn_pilot_alloc.argtypes = [_V, _I, _I, _D, _D, _I, _I, _I, _I]
         lib.dynn_pilot_alloc.restype = _I
+        lib.dynn_pilot_finish.argtypes = [_V, _V, _I, _V, _V, _V, _D, _D, _I, _V, _V]
+        lib.dynn_pilot_finish.restype = _I
         lib.dynn_heap_new.argtypes = []
         lib.dynn_heap_new.restype = _V
         lib.dynn_heap_free.argtypes = [_V]
@@ -763,6 +765,30 @@ class NativeKernel:
             t = self.table(st)
         n_live = self._select(t.addr, pt.due_addr, position, full, skip_addr, t.rows_addr, self._n_rows_addr)
         return n_live, self._n_rows.value
+
+    def gather(self, st: Any, rows_addr: int, m: int, n_live: int, X: np.ndarray, ctx: np.ndarray,
+               sids: np.ndarray) -> None:
+        """The feature rows of ``m`` slots (at ``rows_addr``) into ``X``, ``ctx``, ``sids``
+        (preallocated; ``features`` without the allocations), under ``n_live`` live storages."""
+        t = st._native_tab
+        if t is None:
+            t = self.table(st)
+        t.set_point(st, rows_addr, m, n_live)
+        f, sa, pa, xa, ca, ia = self._features, t.addr, t.point_addr, X.ctypes.data, ctx.ctypes.data, sids.ctypes.data
+        rc = f(sa, pa, xa, ca, ia)
+        if rc:
+            self._settle(st, t, rc, lambda: f(sa, pa, xa, ca, ia))
+
+    def finish(self, mt: ModelTable, X: np.ndarray, m: int, ctx: np.ndarray, logreps: np.ndarray,
+               lower: np.ndarray, quantile: float, recheck: float, position: int, score: np.ndarray,
+               due: np.ndarray) -> None:
+        """``dynn_pilot_finish``: the network and the policy's arithmetic for ``m`` gathered rows,
+        touching nothing but its arguments (the worker thread's call; the GIL is released)."""
+        rc = self.lib.dynn_pilot_finish(mt.addr, X.ctypes.data, m, ctx.ctypes.data, logreps.ctypes.data,
+                                        lower.ctypes.data, quantile, recheck, position, score.ctypes.data,
+                                        due.ctypes.data)
+        if rc:
+            raise RuntimeError(f"pilot native kernel: model shape not supported (code {rc})")
 
     def new_heap(self) -> NativeHeap:
         return NativeHeap(self)

@@ -94,6 +94,7 @@ from typing import Any
 
 import numpy as np
 
+from .._log import logger as _log
 from ..errors import PolicyError
 from ..policies.base import Action, register
 from ..policies.nextuse import NextUsePolicy
@@ -106,6 +107,9 @@ _CLASS_OF_KIND = {"param": 1, "buffer": 1, "opt_state": 1, "grad": 3, "activatio
 #: lower end (operators) of each fine bucket's distances; "not again" counted as twice the last edge
 _LOWER = np.asarray((1,) + BUCKET_EDGES[:-1] + (BUCKET_EDGES[-1], 2 * BUCKET_EDGES[-1]), dtype=np.float64)
 _PHASES = {"forward": 0, "backward": 1, "optimizer": 2}
+#: rule 11: the worker's seconds per decision point and per row (``dynn_pilot_finish``), where it is
+#: modelled; measured best of 100 on the 2-core development CPU (docs/pilot.md "Inference cost")
+WORKER_COST = (8e-6, 0.26e-6)
 
 
 def default_weights_path() -> Path:
@@ -167,7 +171,8 @@ class PilotPolicy(NextUsePolicy):
                  model: Any = None, group: int | None = None, incremental: bool | None = None,
                  recheck: float | None = None, quantile: float | None = None, max_share: float | None = None,
                  timer: Any = None, backend: str | None = None, provisional: str | None = None,
-                 host_cost: tuple[float, float, float] | None = None) -> None:
+                 host_cost: tuple[float, float, float] | None = None, worker: bool = False,
+                 worker_cost: tuple[float, float] | None = None) -> None:
         super().__init__()
         self._weights = Path(weights) if weights is not None else default_weights_path()
         if model is None and not self._weights.is_file():
@@ -193,6 +198,19 @@ class PilotPolicy(NextUsePolicy):
         #: rule 10: a cost model (seconds per decision point, per row scored, per operator) charged
         #: instead of the measured time, for the governor and :attr:`host_seconds`; None: measured
         self.host_cost = host_cost
+        if worker_cost is not None:
+            try:
+                worker_cost = tuple(float(v) for v in worker_cost)
+            except (TypeError, ValueError):
+                worker_cost = ()
+            if len(worker_cost) != 2 or not all(math.isfinite(v) and v >= 0 for v in worker_cost):
+                raise PolicyError("policies: pilot worker_cost must be two non-negative seconds (per decision "
+                                  f"point, per row scored), got {worker_cost!r}.")
+        #: rule 11: the network runs on a worker thread (the issuing thread gathers the rows and
+        #: merges the results); ``worker_cost``: the worker's seconds per decision point and per row
+        #: where the worker is modelled (the simulator), default :data:`WORKER_COST`
+        self.worker = bool(worker)
+        self.worker_cost = worker_cost if worker_cost is not None else WORKER_COST
         self._model = model
         self._online = online
         self._group = group
@@ -233,6 +251,14 @@ class PilotPolicy(NextUsePolicy):
         self.deferred = 0
         #: operators seen (on_op calls), for the per-operator term of ``host_cost``
         self.ops = 0
+        #: rule 11: the decision point in flight on the worker (None: none), the worker's clock where
+        #: it is modelled (host seconds), host seconds the issuing thread waited for it, results
+        #: merged and dropped (the iteration ended first), the thread pool where it is real
+        self._job: _Job | None = None
+        self._worker_free = 0.0
+        self.wait_s = 0.0
+        self.merged = self.dropped = 0
+        self._pool: Any = None
 
     @property
     def host_seconds(self) -> float:
@@ -240,16 +266,16 @@ class PilotPolicy(NextUsePolicy):
         else the measured inference and per-operator bookkeeping (``on_op``; the notifications'
         dictionary writes are not timed)."""
         if self.host_cost is None:
-            return self.inference_s + self.bookkeeping_s
+            return self.inference_s + self.bookkeeping_s + self.wait_s
         return self._inference_spent() + self.ops * self.host_cost[2]
 
     def _inference_spent(self) -> float:
         """Seconds of inference so far, as the governor counts them (rule 7): measured, or the
         ``host_cost`` model's charge for the decision points and rows scored (rule 10)."""
         if self.host_cost is None:
-            return self._spent
+            return self._spent + self.wait_s
         a, b, _ = self.host_cost
-        return self.decisions * a + self.candidates * b
+        return self.decisions * a + self.candidates * b + self.wait_s
 
     @property
     def model(self) -> Any:
@@ -276,6 +302,15 @@ class PilotPolicy(NextUsePolicy):
 
             self._pt = PolicyTable(_LOWER, self.quantile, self.recheck)
         self._away_out = (np.empty(256, dtype=np.int64), np.empty(256, dtype=np.float64))
+        if self.worker and (self._kernel is None or self._online):
+            _log.info("pilot: worker=True needs the native kernel and no online refit; deciding on the "
+                      "issuing thread (%s)", "online refit" if self._online else native.reason())
+            self.worker = False
+        # rule 11: modelled where the view keeps a host clock (the simulator), a real thread otherwise
+        if self.worker and getattr(view, "host_now", None) is None and self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynn-pilot")
         self._prior = np.exp(model.arrays["prior"].astype(np.float64))
         self._prior_rows = self._prior.tolist()  # the same float64 values, read without numpy indexing
         self._clock0 = self._clock()
@@ -313,6 +348,10 @@ class PilotPolicy(NextUsePolicy):
         self._phase = -1
         self._last_decision = -(1 << 30)
         self._full_due = True
+        if self._job is not None:  # rule 11: predictions for the iteration that ended
+            self._job = None
+            self.dropped += 1
+        self._worker_free = 0.0
 
     # ---- notifications ------------------------------------------------------------------------
     def _provisional(self, position: int, kind: str, saved: bool, fresh: bool) -> float:
@@ -403,14 +442,19 @@ class PilotPolicy(NextUsePolicy):
                 push(-v, sid, s)
             pending.clear()
         self.bookkeeping_s += timer() - t0
+        if self._job is not None:
+            self._poll()
         if not self._decide(position, tick):
             return
-        t0 = timer()
+        t0 = self._t_decision = timer()
+        if self._job is not None:  # rule 11: the previous decision point's results first (select reads them)
+            self._wait(self._job)
+            self._merge(self._job)
         self._last_decision = position
         if self._kernel is not None and self._refit is None:
-            if not self._on_decision_native(position):
-                return
-            dt = timer() - t0
+            self._finish_s = 0.0
+            self._on_decision_native(position)
+            dt = timer() - t0 - self._finish_s  # rule 11: the modelled worker's share is not this thread's
             self.inference_s += dt
             self._spent += dt
             return
@@ -470,8 +514,80 @@ class PilotPolicy(NextUsePolicy):
         self.decisions += 1
         self.live_total += n_live
         if m:
-            self._score_native(None, m, n_live)
+            if self.worker:
+                self._submit(position, m, n_live)
+            else:
+                self._score_native(None, m, n_live)
         return True
+
+    # ---- rule 11: the network on a worker thread ------------------------------------------------
+    def _submit(self, position: int, m: int, n_live: int) -> None:
+        """Gather the ``m`` chosen rows' features here (the state changes under the worker), clear
+        their touched flags (a storage touched before the results come back keeps its newer
+        provisional prediction), and hand the network to the worker."""
+        state, kern, pt = self._state, self._kernel, self._pt
+        t = state._native_tab
+        slots = t.rows[:m].copy()
+        job = _Job(position, m, n_live, slots)
+        kern.gather(state, t.rows_addr, m, n_live, job.X, job.ctx, job.sids)
+        state.touched[slots] = False
+        self.candidates += m
+        mt = kern.model_table(self.model)
+        args = (mt, job.X, m, job.ctx, pt.logreps, pt.lower, self.quantile, self.recheck, position, job.score, job.due)
+        if self._pool is not None:
+            job.future = self._pool.submit(kern.finish, *args)
+        else:
+            # modelled (the simulator): computed now, visible once the worker would have finished it;
+            # the issuing thread's time is the gathering only
+            timer = self._timer
+            t0 = timer()
+            kern.finish(*args)
+            self._finish_s = timer() - t0
+            if self.host_cost is not None:
+                spent = self.host_cost[0] + m * self.host_cost[1]
+            else:
+                spent = t0 - self._t_decision
+            a, b = self.worker_cost
+            start = max(self.view.host_now() + spent, self._worker_free)
+            job.ready = self._worker_free = start + a + b * m
+        self._job = job
+        if job.future is None and job.ready <= self.view.host_now():
+            self._merge(job)  # a worker that costs nothing: the same run as deciding here
+
+    def _ready(self, job: _Job) -> bool:
+        if job.future is not None:
+            return job.future.done()
+        return self.view.host_now() >= job.ready
+
+    def _wait(self, job: _Job) -> None:
+        """Block until ``job`` is done: a real wait, or the modelled one charged as host time."""
+        if job.future is not None:
+            job.future.result()
+            return
+        lag = job.ready - self.view.host_now()
+        if lag > 0:
+            self.wait_s += lag
+
+    def _merge(self, job: _Job) -> None:
+        """The results into the cache (``pred``), ``due`` and both heaps, for the rows whose storage
+        was not touched since they were gathered (``dynn_pilot_merge``)."""
+        self._job = None
+        if job.future is not None:
+            job.future.result()  # re-raises what the worker raised
+        m = job.m
+        out = self._away_out
+        if len(out[0]) < m:
+            out = self._away_out = (np.empty(2 * m, dtype=np.int64), np.empty(2 * m, dtype=np.float64))
+        if len(self._due) < self._state._cap:
+            self._grow_due()
+        merged, na = self._kernel.merge(self._state, self._heap, job.score.ctypes.data, job.due.ctypes.data,
+                                        job.sids.ctypes.data, job.slots.ctypes.data, m, self._due, self._away, out)
+        self.merged += merged
+        if na:
+            off = self._off
+            for v, sid in zip(out[1][:na].tolist(), out[0][:na].tolist()):
+                heapq.heappush(off, (v, sid))
+        self._compact_heaps(job.n_live)
 
     def _score_native(self, rows_addr: int | None, m: int, n_live: int, count: bool = False) -> None:
         """Score ``m`` slots (at ``rows_addr``; None: the ones select() chose) in one kernel call;
@@ -579,7 +695,19 @@ class PilotPolicy(NextUsePolicy):
         for sid in self.view.resident():
             self._res_push(-self._nu(sid), sid)
 
+    def _poll(self) -> None:
+        """Rule 11: merge the worker's results if they are in (read before evicting or prefetching)."""
+        job = self._job
+        if job is not None and self._ready(job):
+            t0 = self._timer()
+            self._merge(job)
+            dt = self._timer() - t0
+            self.inference_s += dt
+            self._spent += dt
+
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
+        if self._job is not None:
+            self._poll()
         away = self._away
         slot = self._state._slot
         inner = super().victims(need_bytes, exclude)
@@ -594,6 +722,8 @@ class PilotPolicy(NextUsePolicy):
             inner.close()  # its own finally puts back the entries it skipped, now, not at collection
 
     def after_op(self, position: int) -> list[Action]:
+        if self._job is not None:
+            self._poll()
         actions = super().after_op(position)
         if actions:
             away = self._away
@@ -622,6 +752,24 @@ def _compact(heap: list[tuple[float, int]], cached: Any, sign: float) -> list[tu
     out = [(key, sid) for sid, key in keep.items()]
     heapq.heapify(out)
     return out
+
+
+class _Job:
+    """A decision point on the worker (rule 11): the gathered rows and the results' buffers."""
+
+    __slots__ = ("position", "m", "n_live", "slots", "X", "ctx", "sids", "score", "due", "ready", "future")
+
+    def __init__(self, position: int, m: int, n_live: int, slots: np.ndarray) -> None:
+        from .features import CAND_FEATURES, CTX_FEATURES
+
+        self.position, self.m, self.n_live, self.slots = position, m, n_live, slots
+        self.X = np.empty((m, len(CAND_FEATURES)), dtype=np.float32)
+        self.ctx = np.empty(len(CTX_FEATURES), dtype=np.float32)
+        self.sids = np.empty(m, dtype=np.int64)
+        self.score = np.empty(m, dtype=np.float64)
+        self.due = np.empty(m, dtype=np.float64)
+        self.ready = 0.0
+        self.future: Any = None
 
 
 class _PyHeap:

@@ -181,6 +181,7 @@ class Simulator:
         self.phase = "forward"
         #: rule 8: a host clock issues the operators; dispatch seconds per operator (None: the profile's floor)
         self.host_timeline = host_timeline is not False
+        self.h = 0.0  # rule 8: the host's clock (host_now)
         self.dispatch_s: float | None = None
         if not isinstance(host_timeline, bool):
             d = float(host_timeline) if isinstance(host_timeline, (int, float)) else math.nan
@@ -266,6 +267,12 @@ class Simulator:
 
     def now(self) -> float:
         return self.t
+
+    def host_now(self) -> float:
+        """The clock of the thread that issues the operators (rule 8), in seconds: the host
+        timeline's, or without one the device's (the host is taken to keep pace). A policy with work
+        on another host thread (the pilot's worker, its rule 11) reads it to know what has finished."""
+        return self.h if self.host_timeline else self.t
 
     def forward_done(self, sid: int) -> bool:
         """The forward pass will not touch ``sid`` again (its Python references are gone)."""
@@ -594,7 +601,7 @@ class Simulator:
             self.st[sid].host_valid = self.st[sid].kind in ("param", "buffer")
             pol.on_alloc(sid, -1)
         host = self.host_timeline
-        h = seen = 0.0  # rule 8: the host's clock, and the policy's host seconds already on it
+        h = seen = self.h = 0.0  # rule 8: the host's clock, and the policy's host seconds already on it
         floor = self.profile.op_overhead_s if self.dispatch_s is None else self.dispatch_s
         for j, op in enumerate(self.ops):
             self.position = j
@@ -618,8 +625,10 @@ class Simulator:
                     self.t = h
                 h += min(floor, self.op_time[j])  # dispatch (a measured operator may be shorter)
             self.t += self.op_time[j]
-            if host and op.name in HOST_SYNC_OPS and op.phase != "optimizer":
-                h = max(h, self.t)
+            if host:
+                if op.name in HOST_SYNC_OPS and op.phase != "optimizer":
+                    h = max(h, self.t)
+                self.h = h
             for sid in need.union(allocs):
                 s = self.st[sid]
                 s.last_access = j

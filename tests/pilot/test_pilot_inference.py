@@ -222,3 +222,56 @@ def test_small_storages_are_not_scored_until_one_is_offered(trace, model, backen
     after = [small for offered, small in pol.log if offered]
     assert before and not any(before)  # not scored while none had left
     assert after and any(after)
+
+
+def _native_or_skip():
+    from dynn_runtime.pilot import native
+
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.reason()}")
+
+
+def test_a_worker_that_costs_nothing_takes_the_same_decisions(trace, model):
+    """Rule 11 with a free worker and a free issuing thread: every result is merged at the
+    decision point that asked for it, so the run is the synchronous one, operator for operator."""
+    _native_or_skip()
+    for budget in (0.5, 0.25):
+        sync = PilotPolicy(model=model)
+        work = PilotPolicy(model=model, worker=True, worker_cost=(0.0, 0.0), host_cost=(0.0, 0.0, 0.0))
+        a, b = simulate(trace, sync, budget), simulate(trace, work, budget)
+        assert a.as_dict() == b.as_dict()
+        assert work.merged > 0 and work.candidates == sync.candidates and work.wait_s == 0.0
+
+
+def test_worker_results_arrive_later_and_skip_what_moved(trace, model):
+    """Rule 11 with a slow modelled worker: results come back only after the issuing thread moved on
+    (a storage touched in between keeps its newer provisional prediction: fewer rows merged than
+    scored), a decision point that finds the previous one still in flight waits for it (charged as
+    host time), and a result still in flight when the iteration ends is dropped."""
+    _native_or_skip()
+    slow = PilotPolicy(model=model, worker=True, worker_cost=(50e-6, 1e-6), host_cost=(1e-6, 0.0, 0.0))
+    r = simulate(trace, slow, 0.5, host_timeline=True)
+    assert r.feasible
+    assert 0 < slow.merged < slow.candidates
+    assert slow.wait_s > 0 and slow.host_seconds == pytest.approx(slow.decisions * 1e-6 + slow.wait_s)
+    never = PilotPolicy(model=model, worker=True, worker_cost=(10.0, 0.0), host_cost=(0.0, 0.0, 0.0))
+    simulate(trace, never, 0.5)
+    assert never.wait_s >= 10.0 and never.merged > 0  # each decision point waited for the previous one
+    with pytest.raises(PolicyError, match="worker_cost"):
+        PilotPolicy(model=model, worker=True, worker_cost=(1e-6,))
+
+
+class _NoHostClock(Simulator):
+    """A view without ``host_now``, as the live runtime's: the pilot's worker is a real thread."""
+
+    host_now = None
+
+
+def test_worker_on_a_real_thread(trace, model):
+    """Where the view keeps no host clock (the live runtime) the network runs on a thread; results
+    merge when the thread is done and the run completes with them."""
+    _native_or_skip()
+    pol = PilotPolicy(model=model, worker=True)
+    r = _NoHostClock(trace, pol, int(0.5 * unmanaged_peak(trace))).run()
+    assert r.feasible and pol._pool is not None
+    assert pol.merged > 0 and pol.decisions > 0
