@@ -81,6 +81,20 @@ How a prediction is made and kept (why):
    The simulator's host timeline (``simulate(..., host_timeline=True)``, rule 8 of
    :mod:`dynn_runtime.sim.engine`) puts it on the thread that issues the operators, so what it
    costs the iteration is what the device waits for, not the sum.
+11. Inference on a worker thread (``worker=True``, native backend; opt-in). At a decision point the
+   issuing thread chooses the rows and gathers their feature rows (the state changes under a
+   worker, so it cannot read the state itself), clears their touched flags, and hands the network
+   and the arithmetic of rule 1 and 5 to one worker thread (``dynn_pilot_finish``; ctypes releases
+   the GIL). When the results are in (polled at the next ``on_op``, ``victims`` or ``after_op``)
+   the issuing thread merges them (``dynn_pilot_merge``), skipping every storage touched since the
+   gather: its provisional prediction is newer. A decision point that finds the previous one in
+   flight waits for it (charged as host time). In the simulator the worker is modelled on the
+   host clock (``view.host_now()``) with ``worker_cost`` (default :data:`WORKER_COST`), so runs are
+   deterministic; a free worker gives the synchronous run exactly. Where the view has no host clock
+   (the live runtime) it is a real thread. Measured (docs/pilot.md): the issuing thread's share is
+   ~18 us + 0.064 us per row instead of ~14 us + 0.33 us, but the results land operators later,
+   which costs decisions on some cells (skipnet `small` 1/4 +4%, evoformer `small` 1/8 +13% with
+   the default worker cost): not the default.
 """
 
 from __future__ import annotations
