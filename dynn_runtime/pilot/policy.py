@@ -150,6 +150,20 @@ def _load(path: Path) -> Any:
     return model
 
 
+def _seconds(value: Any, name: str, per: tuple[str, ...]) -> tuple[float, ...] | None:
+    """A cost model option (rules 10, 11): None, or ``len(per)`` non-negative finite seconds."""
+    if value is None:
+        return None
+    try:
+        out = tuple(float(v) for v in value)
+    except (TypeError, ValueError):
+        out = ()
+    if len(out) != len(per) or not all(math.isfinite(v) and v >= 0 for v in out):
+        raise PolicyError(f"policies: pilot {name} must be {len(per)} non-negative seconds ({', '.join(per)}), "
+                          f"got {value!r}.")
+    return out
+
+
 def storage_class(kind: str, saved: bool, fresh: bool) -> int:
     """Row of the provisional prior: 0 just allocated, 1 persistent, 2 saved activation, 3 gradient, 4 other."""
     if fresh:
@@ -201,25 +215,11 @@ class PilotPolicy(NextUsePolicy):
             raise PolicyError(f"policies: pilot provisional must be 'replay' or 'prior', got {provisional!r}.")
         if provisional is not None:
             self.provisional = provisional
-        if host_cost is not None:
-            try:
-                host_cost = tuple(float(v) for v in host_cost)
-            except (TypeError, ValueError):
-                host_cost = ()
-            if len(host_cost) != 3 or not all(math.isfinite(v) and v >= 0 for v in host_cost):
-                raise PolicyError("policies: pilot host_cost must be three non-negative seconds (per decision "
-                                  f"point, per row scored, per operator), got {host_cost!r}.")
+        host_cost = _seconds(host_cost, "host_cost", ("per decision point", "per row scored", "per operator"))
         #: rule 10: a cost model (seconds per decision point, per row scored, per operator) charged
         #: instead of the measured time, for the governor and :attr:`host_seconds`; None: measured
         self.host_cost = host_cost
-        if worker_cost is not None:
-            try:
-                worker_cost = tuple(float(v) for v in worker_cost)
-            except (TypeError, ValueError):
-                worker_cost = ()
-            if len(worker_cost) != 2 or not all(math.isfinite(v) and v >= 0 for v in worker_cost):
-                raise PolicyError("policies: pilot worker_cost must be two non-negative seconds (per decision "
-                                  f"point, per row scored), got {worker_cost!r}.")
+        worker_cost = _seconds(worker_cost, "worker_cost", ("per decision point", "per row scored"))
         #: rule 11: the network runs on a worker thread (the issuing thread gathers the rows and
         #: merges the results); ``worker_cost``: the worker's seconds per decision point and per row
         #: where the worker is modelled (the simulator), default :data:`WORKER_COST`
