@@ -128,12 +128,11 @@ typedef struct {
     const double *logreps;        /* log of the buckets' representative distances */
     const double *lower;          /* lower end of each bucket's distances */
     double *due;                  /* per slot */
-    int64_t *sids_out;            /* per row: storage id, prediction, -prediction */
+    int64_t *sids_out;            /* per row: storage id and prediction */
     double *score_out;
-    double *neg_out;
     double quantile, recheck;
 } dynn_policy;
-#define POLICY_WORDS 8
+#define POLICY_WORDS 7
 
 /* the folded model (PilotModel._folded): w1 (F, H), wx (C, H), bx (H), W2 (H, H), b2, and W3 (H, KP),
  * b3 (KP) with the K outputs zero-padded to KP, a multiple of 16 columns; then the input range the
@@ -710,8 +709,8 @@ int64_t dynn_pilot_finish(const dynn_model *M, const float *X, int64_t m, const 
 /* PilotPolicy._score for the slots D->rows: features, the network, and per row the predicted
  * next-use position (exp(expected log distance) after the decision point; +inf for "not again" unless
  * a parameter, buffer or optimizer state), when it is due again (min(prediction, position + recheck *
- * lower[quantile bucket])), touched cleared; storage ids and predictions (and their negation, the
- * eviction heap's key) to Q's outputs. Returns prepare()'s code, or -3 (model shape). */
+ * lower[quantile bucket])), touched cleared; storage ids and predictions to Q's outputs (for
+ * dynn_pilot_merge). Returns prepare()'s code, or -3 (model shape). */
 int64_t dynn_pilot_decide(const dynn_state *S, const dynn_point *D, const dynn_model *M, const dynn_policy *Q)
 {
     if (!model_ok(M)) return -3;
@@ -738,7 +737,6 @@ int64_t dynn_pilot_decide(const dynn_state *S, const dynn_point *D, const dynn_m
         S->touched[s] = 0;
         Q->sids_out[i] = S->sid[s];
         Q->score_out[i] = score;
-        if (Q->neg_out) Q->neg_out[i] = -score;
     }
     prep_free(&P);
     return 0;

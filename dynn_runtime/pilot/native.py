@@ -52,7 +52,7 @@ FLAG_SETS: tuple[tuple[str, ...], ...] = (
 )
 LIBS = ("-lm",)
 _ABI = 5
-_STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS, _OP_WORDS = 38, 13, 16, 8, 16
+_STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS, _OP_WORDS = 38, 13, 16, 7, 16
 _LANES = 16
 _MAX_H, _MAX_K = 256, 64  # widest hidden layer and most (padded) outputs the kernel takes
 
@@ -265,7 +265,7 @@ class _Point(ctypes.Structure):
 class _Policy(ctypes.Structure):
     """``dynn_policy``: what PilotPolicy._score's arithmetic needs besides the state and the model."""
 
-    _fields_ = [*((f, ctypes.c_void_p) for f in ("logreps", "lower", "due", "sids_out", "score_out", "neg_out")),
+    _fields_ = [*((f, ctypes.c_void_p) for f in ("logreps", "lower", "due", "sids_out", "score_out")),
                 ("quantile", ctypes.c_double), ("recheck", ctypes.c_double)]
 
 
@@ -411,7 +411,7 @@ class ModelTable:
 class PolicyTable:
     """A :class:`~dynn_runtime.pilot.policy.PilotPolicy`'s side of a decision (``dynn_policy``): the
     bucket representatives of this iteration, ``due``, and the output buffers (storage ids,
-    predictions, negated predictions) that the policy's heaps take."""
+    predictions) that the policy's heaps take (``NativeKernel.merge``)."""
 
     def __init__(self, lower: np.ndarray, quantile: float, recheck: float) -> None:
         self.q = _Policy()
@@ -431,10 +431,8 @@ class PolicyTable:
     def grow(self, n: int) -> None:
         self.sids_out = np.zeros(n, dtype=np.int64)
         self.score_out = np.zeros(n, dtype=np.float64)
-        self.neg_out = np.zeros(n, dtype=np.float64)
         self.q.sids_out = self.sids_out.ctypes.data
         self.q.score_out = self.score_out.ctypes.data
-        self.q.neg_out = self.neg_out.ctypes.data
         self.n = n
 
     def set_logreps(self, logreps: np.ndarray) -> None:

@@ -93,7 +93,7 @@ How a prediction is made and kept (why):
    deterministic; a free worker gives the synchronous run exactly. Where the view has no host clock
    (the live runtime) it is a real thread. Measured (docs/pilot.md): the issuing thread's share is
    ~18 us + 0.064 us per row instead of ~14 us + 0.33 us, but the results land operators later,
-   which costs decisions on some cells (skipnet `small` 1/4 +4%, evoformer `small` 1/8 +13% with
+   which costs decisions on some cells (skipnet `small` 1/4 +3.8%, evoformer `small` 1/8 +6.6% with
    the default worker cost): not the default.
 """
 
@@ -460,7 +460,7 @@ class PilotPolicy(NextUsePolicy):
             self._poll()
         if not self._decide(position, tick):
             return
-        t0 = self._t_decision = timer()
+        t0 = timer()
         if self._job is not None:  # rule 11: the previous decision point's results first (select reads them)
             self._wait(self._job)
             self._merge(self._job)
@@ -551,16 +551,14 @@ class PilotPolicy(NextUsePolicy):
         if self._pool is not None:
             job.future = self._pool.submit(kern.finish, *args)
         else:
-            # modelled (the simulator): computed now, visible once the worker would have finished it;
-            # the issuing thread's time is the gathering only
+            # modelled (the simulator): computed now, visible once the worker would have finished it.
+            # The worker starts once the issuing thread has gathered the rows: the host_cost charge,
+            # or at once when the time is measured (a wall-clock time here would make runs vary)
             timer = self._timer
             t0 = timer()
             kern.finish(*args)
             self._finish_s = timer() - t0
-            if self.host_cost is not None:
-                spent = self.host_cost[0] + m * self.host_cost[1]
-            else:
-                spent = t0 - self._t_decision
+            spent = 0.0 if self.host_cost is None else self.host_cost[0] + m * self.host_cost[1]
             a, b = self.worker_cost
             start = max(self.view.host_now() + spent, self._worker_free)
             job.ready = self._worker_free = start + a + b * m
@@ -588,20 +586,28 @@ class PilotPolicy(NextUsePolicy):
         self._job = None
         if job.future is not None:
             job.future.result()  # re-raises what the worker raised
-        m = job.m
+        if len(self._due) < self._state._cap:
+            self._grow_due()
+        self.merged += self._absorb(job.score.ctypes.data, job.due.ctypes.data, job.sids.ctypes.data,
+                                    job.slots.ctypes.data, job.m, job.n_live)
+
+    def _absorb(self, score_addr: int, due_addr: int | None, sids_addr: int, slots_addr: int, m: int,
+                n_live: int) -> int:
+        """Rule 3 on the native backend: ``m`` scored rows onto the eviction heap in one kernel call,
+        the rescored storages this policy evicted onto the prefetch heap, then compaction.
+        ``due_addr`` not None: results back from the worker (rule 11; see ``NativeKernel.merge``).
+        Returns the rows merged."""
         out = self._away_out
         if len(out[0]) < m:
             out = self._away_out = (np.empty(2 * m, dtype=np.int64), np.empty(2 * m, dtype=np.float64))
-        if len(self._due) < self._state._cap:
-            self._grow_due()
-        merged, na = self._kernel.merge(self._state, self._heap, job.score.ctypes.data, job.due.ctypes.data,
-                                        job.sids.ctypes.data, job.slots.ctypes.data, m, self._due, self._away, out)
-        self.merged += merged
+        merged, na = self._kernel.merge(self._state, self._heap, score_addr, due_addr, sids_addr, slots_addr, m,
+                                        self._due, self._away, out)
         if na:
             off = self._off
             for v, sid in zip(out[1][:na].tolist(), out[0][:na].tolist()):
                 heapq.heappush(off, (v, sid))
-        self._compact_heaps(job.n_live)
+        self._compact_heaps(n_live)
+        return merged
 
     def _score_native(self, rows_addr: int | None, m: int, n_live: int, count: bool = False) -> None:
         """Score ``m`` slots (at ``rows_addr``; None: the ones select() chose) in one kernel call;
@@ -612,16 +618,7 @@ class PilotPolicy(NextUsePolicy):
         self.candidates += m
         if rows_addr is None:
             rows_addr = state._native_tab.rows_addr
-        out = self._away_out
-        if len(out[0]) < m:
-            out = self._away_out = (np.empty(2 * m, dtype=np.int64), np.empty(2 * m, dtype=np.float64))
-        _, na = kern.merge(state, self._heap, pt.score_out.ctypes.data, None, pt.sids_out.ctypes.data, rows_addr,
-                           m, self._due, self._away, out)
-        if na:
-            off = self._off
-            for v, sid in zip(out[1][:na].tolist(), out[0][:na].tolist()):
-                heapq.heappush(off, (v, sid))
-        self._compact_heaps(n_live)
+        self._absorb(pt.score_out.ctypes.data, None, pt.sids_out.ctypes.data, rows_addr, m, n_live)
 
     def _score(self, rows: np.ndarray, position: int, n_live: int) -> None:
         """Score slots ``rows`` at decision point ``position``: features, model, predicted positions,

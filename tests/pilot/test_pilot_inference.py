@@ -254,6 +254,9 @@ def test_worker_results_arrive_later_and_skip_what_moved(trace, model):
     assert r.feasible
     assert 0 < slow.merged < slow.candidates
     assert slow.wait_s > 0 and slow.host_seconds == pytest.approx(slow.decisions * 1e-6 + slow.wait_s)
+    # measured host time (no host_cost): the modelled worker still lands at the same operators
+    runs = [simulate(trace, PilotPolicy(model=model, worker=True), 0.25).as_dict() for _ in range(2)]
+    assert runs[0] == runs[1]
     never = PilotPolicy(model=model, worker=True, worker_cost=(10.0, 0.0), host_cost=(0.0, 0.0, 0.0))
     simulate(trace, never, 0.5)
     assert never.wait_s >= 10.0 and never.merged > 0  # each decision point waited for the previous one
