@@ -42,6 +42,13 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, managed: bool) 
                    os.path.join(out_dir, f"{'m' if managed else 'u'}{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's teardown: gloo's worker threads sometimes abort the process in
+    # it ("terminate called without an active exception", SIGABRT), after the results are written
+    # and with or without the manager (seen 1 in 24 runs of this test under load, torch 2.13 CPU).
+    # What this test checks is on disk by now; a failure above still raises and fails the spawn.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.mark.parametrize("world", [2])
