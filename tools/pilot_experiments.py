@@ -249,11 +249,6 @@ def _micro_fit(default=MICRO_FIT):
     return default
 
 
-#: rule 11 (worker=True): the issuing thread's seconds per decision point and per row (gathering the
-#: rows, merging the results), best of 100 on moe `small` at 16-256 rows (docs/pilot.md); the
-#: worker's share is the policy's WORKER_COST
-WORKER_MAIN_FIT = (18e-6, 0.064e-6)
-
 #: whole-run cost per decision point, seconds: a + b * rows, the policy's heap upkeep in Python
 #: included (fitted over the six small families on a quiet CPU, session 4, docs/pilot.md)
 WHOLE_RUN_FIT = (40e-6, 0.94e-6)
@@ -464,19 +459,23 @@ def host() -> None:
             plain = simulate(tr, PilotPolicy(model=model), frac, prof)
             rec["pilot"] = plain.iter_time_s / t_base if plain.feasible else None
             for name, cost_ in (("inference", (a, b, 0.0)), ("all", (a, b, c_pilot))):
-                pol = PilotPolicy(model=model, host_cost=cost_)
+                pol = PilotPolicy(model=model, host_cost=cost_, worker=False)
                 r = simulate(tr, pol, frac, prof, host_timeline=True)
                 rec["pilot_" + name] = r.iter_time_s / t_base if r.feasible else None
                 rec["serial_" + name] = r.policy_host_s / t_base
                 rec["exposed_" + name] = (r.iter_time_s - plain.iter_time_s) / t_base if r.feasible else None
-            # rule 11: the network on a worker thread; this thread gathers the rows and merges the results
-            for name, cost_ in (("worker", (*WORKER_MAIN_FIT, 0.0)), ("worker_all", (*WORKER_MAIN_FIT, c_pilot))):
-                pol = PilotPolicy(model=model, host_cost=cost_, worker=True)
+            # rule 11: the network on a worker thread; this thread gathers the rows and merges the
+            # results (charged the policy's HANDOFF_COST); rule 12: only where deciding here would hold
+            # the device up (auto)
+            for name, worker, cost_ in (("worker", True, (a, b, 0.0)), ("worker_all", True, (a, b, c_pilot)),
+                                        ("auto", "auto", (a, b, 0.0)), ("auto_all", "auto", (a, b, c_pilot))):
+                pol = PilotPolicy(model=model, host_cost=cost_, worker=worker)
                 r = simulate(tr, pol, frac, prof, host_timeline=True)
                 rec["pilot_" + name] = r.iter_time_s / t_base if r.feasible else None
                 rec["serial_" + name] = r.policy_host_s / t_base
                 rec["exposed_" + name] = (r.iter_time_s - plain.iter_time_s) / t_base if r.feasible else None
                 rec["wait_" + name] = pol.wait_s / t_base
+                rec["handoffs_" + name] = [pol.handoffs, pol.decisions]
             wk = simulate(tr, PilotPolicy(model=model, worker=True), frac, prof)
             rec["pilot_worker_untimed"] = wk.iter_time_s / t_base if wk.feasible else None
             rp = simulate(tr, "replay", frac, prof)
@@ -492,7 +491,9 @@ def host() -> None:
                   f"{1e6 * c_replay:5.1f} | inference serial {pct(rec['serial_inference'])} exposed "
                   f"{pct(rec['exposed_inference'])} | all serial {pct(rec['serial_all'])} exposed "
                   f"{pct(rec['exposed_all'])} | worker: inference exposed {pct(rec['exposed_worker'])} "
-                  f"(wait {pct(rec['wait_worker'])}), all {pct(rec['exposed_worker_all'])} | "
+                  f"(wait {pct(rec['wait_worker'])}), all {pct(rec['exposed_worker_all'])} | auto: inference "
+                  f"exposed {pct(rec['exposed_auto'])} ({rec['handoffs_auto'][0]}/{rec['handoffs_auto'][1]} handed "
+                  f"off), all {pct(rec['exposed_auto_all'])} | "
                   f"pilot {rec['pilot'] or 0:.3f}x -> {rec['pilot_all'] or 0:.3f}x, "
                   f"replay {rec['replay'] or 0:.3f}x -> {rec['replay_host'] or 0:.3f}x", flush=True)
     _dump("host", {"fit": [a, b], "rows": rows})

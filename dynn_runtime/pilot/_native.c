@@ -37,7 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define DYNN_PILOT_ABI 5
+#define DYNN_PILOT_ABI 6
 
 #if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
 #define MADD(a, b, c) fmaf((a), (b), (c))
@@ -441,6 +441,21 @@ int64_t dynn_pilot_features(const dynn_state *S, const dynn_point *D, float *X, 
     }
     context_row(&P, ctx);
     prep_free(&P);
+    return 0;
+}
+
+/* Rule 11's hand-off on the issuing thread: dynn_pilot_features for the slots D->rows, those slots
+ * copied to slots (the worker's results are merged by them), and their touched flags cleared (a
+ * storage touched again before the results come back keeps its newer provisional prediction). */
+int64_t dynn_pilot_gather(const dynn_state *S, const dynn_point *D, float *X, float *ctx, int64_t *sids,
+                          int64_t *slots)
+{
+    int64_t rc = dynn_pilot_features(S, D, X, ctx, sids);
+    if (rc) return rc;
+    for (int64_t i = 0; i < D->m; i++) {
+        slots[i] = D->rows[i];
+        S->touched[D->rows[i]] = 0;
+    }
     return 0;
 }
 

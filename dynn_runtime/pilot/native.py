@@ -51,7 +51,7 @@ FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-fPIC", "-shared", "-std=c99", "-ffp-contract=off"),
 )
 LIBS = ("-lm",)
-_ABI = 5
+_ABI = 6
 _STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS, _OP_WORDS = 38, 13, 16, 7, 16
 _LANES = 16
 _MAX_H, _MAX_K = 256, 64  # widest hidden layer and most (padded) outputs the kernel takes
@@ -548,6 +548,8 @@ class NativeKernel:
         lib.dynn_pilot_layout.restype = _I
         lib.dynn_pilot_features.argtypes = [_V, _V, _V, _V, _V]
         lib.dynn_pilot_features.restype = _I
+        lib.dynn_pilot_gather.argtypes = [_V, _V, _V, _V, _V, _V]
+        lib.dynn_pilot_gather.restype = _I
         lib.dynn_pilot_score.argtypes = [_V, _V, _I, _V, _V, _D, _V, _V, _V, _V]
         lib.dynn_pilot_score.restype = _I
         lib.dynn_pilot_decide.argtypes = [_V, _V, _V, _V]
@@ -580,6 +582,7 @@ class NativeKernel:
         self.lib = lib
         self._check_layout()
         self._features = lib.dynn_pilot_features
+        self._gather = lib.dynn_pilot_gather
         self._score = lib.dynn_pilot_score
         self._decide = lib.dynn_pilot_decide
         self._select = lib.dynn_pilot_select
@@ -764,18 +767,20 @@ class NativeKernel:
         n_live = self._select(t.addr, pt.due_addr, position, full, skip_addr, t.rows_addr, self._n_rows_addr)
         return n_live, self._n_rows.value
 
-    def gather(self, st: Any, rows_addr: int, m: int, n_live: int, X: np.ndarray, ctx: np.ndarray,
-               sids: np.ndarray) -> None:
-        """The feature rows of ``m`` slots (at ``rows_addr``) into ``X``, ``ctx``, ``sids``
-        (preallocated; ``features`` without the allocations), under ``n_live`` live storages."""
+    def gather(self, st: Any, rows_addr: int, m: int, n_live: int, X_addr: int, ctx_addr: int, sids_addr: int,
+               slots_addr: int) -> None:
+        """Rule 11's hand-off (``dynn_pilot_gather``): the feature rows of ``m`` slots (at
+        ``rows_addr``) into ``X``, ``ctx``, ``sids`` (preallocated, at those addresses; ``features``
+        without the allocations) under ``n_live`` live storages, the slots into ``slots``, and their
+        touched flags cleared."""
         t = st._native_tab
         if t is None:
             t = self.table(st)
         t.set_point(st, rows_addr, m, n_live)
-        f, sa, pa, xa, ca, ia = self._features, t.addr, t.point_addr, X.ctypes.data, ctx.ctypes.data, sids.ctypes.data
-        rc = f(sa, pa, xa, ca, ia)
+        f, sa, pa = self._gather, t.addr, t.point_addr
+        rc = f(sa, pa, X_addr, ctx_addr, sids_addr, slots_addr)
         if rc:
-            self._settle(st, t, rc, lambda: f(sa, pa, xa, ca, ia))
+            self._settle(st, t, rc, lambda: f(sa, pa, X_addr, ctx_addr, sids_addr, slots_addr))
 
     def finish(self, mt: ModelTable, X: np.ndarray, m: int, ctx: np.ndarray, logreps: np.ndarray,
                lower: np.ndarray, quantile: float, recheck: float, position: int, score: np.ndarray,

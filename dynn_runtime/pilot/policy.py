@@ -124,6 +124,12 @@ _PHASES = {"forward": 0, "backward": 1, "optimizer": 2}
 #: rule 11: the worker's seconds per decision point and per row (``dynn_pilot_finish``), where it is
 #: modelled; measured best of 100 on the 2-core development CPU (docs/pilot.md "Inference cost")
 WORKER_COST = (8e-6, 0.26e-6)
+#: rule 11: the issuing thread's seconds per decision point and per row handed to the worker
+#: (gather and merge), where they are charged by ``host_cost``; measured likewise
+HANDOFF_COST = (8.2e-6, 0.065e-6)
+#: rule 12: the seconds per decision point and per row of deciding on the issuing thread, for the
+#: choice between it and the worker when no ``host_cost`` says; measured likewise (``cost``'s fit)
+SYNC_COST = (14e-6, 0.33e-6)
 
 
 def default_weights_path() -> Path:
@@ -194,13 +200,20 @@ class PilotPolicy(NextUsePolicy):
     #: rule 9: between decision points an accessed storage is predicted by its counterpart's next use
     #: in the previous iteration after the same occurrence ("replay"), or by the prior only ("prior")
     provisional: str = "replay"
+    #: rule 12: with ``worker="auto"`` a decision point is taken on the issuing thread only when the
+    #: device's queued work covers this many times its host cost. Measured on the small zoo traces
+    #: (h100 host timeline): 1 and 3 left moe's host-bound cells at 3-7% exposed (deciding there used
+    #: up slack the dispatch of the next operators needed), 10 gave 0.7-5.2%, 30 lost skipnet 1/4
+    #: and evoformer 1/8 to the worker's late results (+7.5%, +17.6%).
+    slack_margin: float = 10.0
 
     def __init__(self, weights: str | Path | None = None, online: bool = False, refit_every: int = 4,
                  model: Any = None, group: int | None = None, incremental: bool | None = None,
                  recheck: float | None = None, quantile: float | None = None, max_share: float | None = None,
                  timer: Any = None, backend: str | None = None, provisional: str | None = None,
-                 host_cost: tuple[float, float, float] | None = None, worker: bool = False,
-                 worker_cost: tuple[float, float] | None = None) -> None:
+                 host_cost: tuple[float, float, float] | None = None, worker: bool | str = "auto",
+                 worker_cost: tuple[float, float] | None = None,
+                 handoff_cost: tuple[float, float] | None = None) -> None:
         super().__init__()
         self._weights = Path(weights) if weights is not None else default_weights_path()
         if model is None and not self._weights.is_file():
@@ -223,8 +236,14 @@ class PilotPolicy(NextUsePolicy):
         #: rule 11: the network runs on a worker thread (the issuing thread gathers the rows and
         #: merges the results); ``worker_cost``: the worker's seconds per decision point and per row
         #: where the worker is modelled (the simulator), default :data:`WORKER_COST`
-        self.worker = bool(worker)
+        if worker not in (False, True, "auto"):
+            raise PolicyError(f"policies: pilot worker must be False, True or 'auto', got {worker!r}.")
+        self.worker: bool | str = worker
         self.worker_cost = worker_cost if worker_cost is not None else WORKER_COST
+        handoff_cost = _seconds(handoff_cost, "handoff_cost", ("per decision point", "per row handed off"))
+        #: rule 11: the issuing thread's share of a decision point handed to the worker, charged
+        #: instead of ``host_cost``'s first two terms where ``host_cost`` is set
+        self.handoff_cost = handoff_cost if handoff_cost is not None else HANDOFF_COST
         self._model = model
         self._online = online
         self._group = group
@@ -260,6 +279,8 @@ class PilotPolicy(NextUsePolicy):
         self.bookkeeping_s = 0.0
         #: rows scored, summed over decision points; live storages at them, summed
         self.candidates = 0
+        #: rule 11: decision points handed to the worker, and their rows (in the counts above too)
+        self.handoffs = self.handoff_rows = 0
         self.live_total = 0
         #: decision points the governor put off (rule 7)
         self.deferred = 0
@@ -273,6 +294,7 @@ class PilotPolicy(NextUsePolicy):
         self.wait_s = 0.0
         self.merged = self.dropped = 0
         self._pool: Any = None
+        self._buf = _Job()
 
     @property
     def host_seconds(self) -> float:
@@ -289,7 +311,9 @@ class PilotPolicy(NextUsePolicy):
         if self.host_cost is None:
             return self._spent + self.wait_s
         a, b, _ = self.host_cost
-        return self.decisions * a + self.candidates * b + self.wait_s
+        ha, hb = self.handoff_cost
+        return ((self.decisions - self.handoffs) * a + (self.candidates - self.handoff_rows) * b
+                + self.handoffs * ha + self.handoff_rows * hb + self.wait_s)
 
     @property
     def model(self) -> Any:
@@ -317,14 +341,10 @@ class PilotPolicy(NextUsePolicy):
             self._pt = PolicyTable(_LOWER, self.quantile, self.recheck)
         self._away_out = (np.empty(256, dtype=np.int64), np.empty(256, dtype=np.float64))
         if self.worker and (self._kernel is None or self._online):
-            _log.info("pilot: worker=True needs the native kernel and no online refit; deciding on the "
-                      "issuing thread (%s)", "online refit" if self._online else native.reason())
+            if self.worker is True:  # asked for; "auto" (the default) just decides here
+                _log.info("pilot: worker=True needs the native kernel and no online refit; deciding on the "
+                          "issuing thread (%s)", "online refit" if self._online else native.reason())
             self.worker = False
-        # rule 11: modelled where the view keeps a host clock (the simulator), a real thread otherwise
-        if self.worker and getattr(view, "host_now", None) is None and self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynn-pilot")
         self._prior = np.exp(model.arrays["prior"].astype(np.float64))
         self._prior_rows = self._prior.tolist()  # the same float64 values, read without numpy indexing
         self._clock0 = self._clock()
@@ -363,6 +383,8 @@ class PilotPolicy(NextUsePolicy):
         self._last_decision = -(1 << 30)
         self._full_due = True
         if self._job is not None:  # rule 11: predictions for the iteration that ended
+            if self._job.future is not None:
+                self._job.future.result()  # its buffers are used again
             self._job = None
             self.dropped += 1
         self._worker_free = 0.0
@@ -528,26 +550,48 @@ class PilotPolicy(NextUsePolicy):
         self.decisions += 1
         self.live_total += n_live
         if m:
-            if self.worker:
+            if self.worker and self._hand_off(m, full):
                 self._submit(position, m, n_live)
             else:
                 self._score_native(None, m, n_live)
         return True
 
     # ---- rule 11: the network on a worker thread ------------------------------------------------
+    def _hand_off(self, m: int, full: bool) -> bool:
+        """Whether a decision point of ``m`` rows (``full``: every live storage, at a phase change)
+        goes to the worker: always with ``worker=True``; with ``"auto"`` (rule 12) never when full,
+        else only when the device has less work queued than ``slack_margin`` times what deciding
+        here would take (``view.device_slack()``). No slack known (no host timeline, a CPU
+        device): decide here."""
+        if self.worker is True:
+            return True
+        if full:
+            return False
+        slack_of = getattr(self.view, "device_slack", None)
+        slack = slack_of() if slack_of is not None else None
+        if slack is None:
+            return False
+        a, b = self.host_cost[:2] if self.host_cost is not None else SYNC_COST
+        return slack < self.slack_margin * (a + b * m)
+
     def _submit(self, position: int, m: int, n_live: int) -> None:
         """Gather the ``m`` chosen rows' features here (the state changes under the worker), clear
         their touched flags (a storage touched before the results come back keeps its newer
         provisional prediction), and hand the network to the worker."""
         state, kern, pt = self._state, self._kernel, self._pt
-        t = state._native_tab
-        slots = t.rows[:m].copy()
-        job = _Job(position, m, n_live, slots)
-        kern.gather(state, t.rows_addr, m, n_live, job.X, job.ctx, job.sids)
-        state.touched[slots] = False
+        job = self._buf = self._buf.start(position, m, n_live)
+        xa, ca, la, ia = job.addr[:4]
+        kern.gather(state, state._native_tab.rows_addr, m, n_live, xa, ca, ia, la)
         self.candidates += m
+        self.handoffs += 1
+        self.handoff_rows += m
         mt = kern.model_table(self.model)
         args = (mt, job.X, m, job.ctx, pt.logreps, pt.lower, self.quantile, self.recheck, position, job.score, job.due)
+        if self._pool is None and getattr(self.view, "host_now", None) is None:
+            # rule 11: modelled where the view keeps a host clock (the simulator), a real thread otherwise
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynn-pilot")
         if self._pool is not None:
             job.future = self._pool.submit(kern.finish, *args)
         else:
@@ -558,7 +602,7 @@ class PilotPolicy(NextUsePolicy):
             t0 = timer()
             kern.finish(*args)
             self._finish_s = timer() - t0
-            spent = 0.0 if self.host_cost is None else self.host_cost[0] + m * self.host_cost[1]
+            spent = 0.0 if self.host_cost is None else self.handoff_cost[0] + m * self.handoff_cost[1]
             a, b = self.worker_cost
             start = max(self.view.host_now() + spent, self._worker_free)
             job.ready = self._worker_free = start + a + b * m
@@ -588,8 +632,8 @@ class PilotPolicy(NextUsePolicy):
             job.future.result()  # re-raises what the worker raised
         if len(self._due) < self._state._cap:
             self._grow_due()
-        self.merged += self._absorb(job.score.ctypes.data, job.due.ctypes.data, job.sids.ctypes.data,
-                                    job.slots.ctypes.data, job.m, job.n_live)
+        _, _, la, ia, sa, da = job.addr
+        self.merged += self._absorb(sa, da, ia, la, job.m, job.n_live)
 
     def _absorb(self, score_addr: int, due_addr: int | None, sids_addr: int, slots_addr: int, m: int,
                 n_live: int) -> int:
@@ -766,21 +810,37 @@ def _compact(heap: list[tuple[float, int]], cached: Any, sign: float) -> list[tu
 
 
 class _Job:
-    """A decision point on the worker (rule 11): the gathered rows and the results' buffers."""
+    """A decision point on the worker (rule 11): the gathered rows and the results' buffers, kept
+    from one decision point to the next (one is in flight at a time) and grown as needed."""
 
-    __slots__ = ("position", "m", "n_live", "slots", "X", "ctx", "sids", "score", "due", "ready", "future")
+    __slots__ = ("position", "m", "n_live", "cap", "slots", "X", "ctx", "sids", "score", "due", "addr",
+                 "ready", "future")
 
-    def __init__(self, position: int, m: int, n_live: int, slots: np.ndarray) -> None:
+    def __init__(self, cap: int = 256) -> None:
         from .features import CAND_FEATURES, CTX_FEATURES
 
-        self.position, self.m, self.n_live, self.slots = position, m, n_live, slots
-        self.X = np.empty((m, len(CAND_FEATURES)), dtype=np.float32)
+        self.position = self.m = self.n_live = 0
+        self.cap = cap
+        self.X = np.empty((cap, len(CAND_FEATURES)), dtype=np.float32)
         self.ctx = np.empty(len(CTX_FEATURES), dtype=np.float32)
-        self.sids = np.empty(m, dtype=np.int64)
-        self.score = np.empty(m, dtype=np.float64)
-        self.due = np.empty(m, dtype=np.float64)
+        self.slots = np.empty(cap, dtype=np.int64)
+        self.sids = np.empty(cap, dtype=np.int64)
+        self.score = np.empty(cap, dtype=np.float64)
+        self.due = np.empty(cap, dtype=np.float64)
+        #: the buffers' addresses: X, ctx, slots, sids, score, due
+        self.addr = tuple(a.ctypes.data for a in (self.X, self.ctx, self.slots, self.sids, self.score, self.due))
         self.ready = 0.0
         self.future: Any = None
+
+    def start(self, position: int, m: int, n_live: int) -> _Job:
+        """This buffer set for a decision point of ``m`` rows (a bigger one if it has no room)."""
+        job = self if m <= self.cap else _Job(max(m, 2 * self.cap))
+        job.position, job.m, job.n_live = position, m, n_live
+        job.ready, job.future = 0.0, None
+        return job
+
+    def __reduce__(self) -> Any:  # the rows in flight are not state worth keeping: a fresh buffer set
+        return _Job, (self.cap,)
 
 
 class _PyHeap:

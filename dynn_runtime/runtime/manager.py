@@ -325,6 +325,8 @@ class MemoryManager:
         self._in_optimizer = False
         self._seen_backward = False
         self._t0 = time.perf_counter()
+        #: device_slack's mark: a CUDA event on the compute stream and the host time it was recorded
+        self._slack_mark: tuple[Any, float] | None = None
         self._pending_stalls: list[tuple[Any, Any]] = []
         #: storages whose copy is in flight (async copies only; kept by ``_S.status``)
         self._flight: dict[int, _S] = {}
@@ -745,6 +747,23 @@ class MemoryManager:
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
+
+    def device_slack(self) -> float | None:
+        """Roughly how many seconds of issued work the GPU has still to run (the pilot's rule 12
+        decides on this thread when that hides the decision), or None on a CPU device, where the
+        operators run on this thread. Each call records an event on the compute stream and queries
+        the previous call's: still pending, the GPU has not reached what was issued then, and the
+        time since is the estimate; done, 0 (the GPU is keeping up with this thread)."""
+        if self.device.type != "cuda":
+            return None
+        now = time.perf_counter()
+        mark, self._slack_mark = self._slack_mark, None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._slack_mark = (ev, now)
+        if mark is None or mark[0].query():
+            return 0.0
+        return now - mark[1]
 
     def forward_done(self, sid: int) -> bool:
         """Only autograd (and the manager) still refer to ``sid``: the forward pass is done with it."""

@@ -181,7 +181,7 @@ class Simulator:
         self.phase = "forward"
         #: rule 8: a host clock issues the operators; dispatch seconds per operator (None: the profile's floor)
         self.host_timeline = host_timeline is not False
-        self.h = 0.0  # rule 8: the host's clock (host_now)
+        self.h = self.t = 0.0  # rule 8: the host's clock (host_now); the device's (set again by run)
         self.dispatch_s: float | None = None
         if not isinstance(host_timeline, bool):
             d = float(host_timeline) if isinstance(host_timeline, (int, float)) else math.nan
@@ -273,6 +273,13 @@ class Simulator:
         timeline's, or without one the device's (the host is taken to keep pace). A policy with work
         on another host thread (the pilot's worker, its rule 11) reads it to know what has finished."""
         return self.h if self.host_timeline else self.t
+
+    def device_slack(self) -> float | None:
+        """Seconds of issued work the device has still to run before it would wait for the host
+        (rule 8: the device's clock ahead of the host's), or None without a host timeline (the
+        host's time is not modelled). The pilot (its rule 12) decides on the issuing thread when
+        that hides the decision."""
+        return max(0.0, self.t - self.h) if self.host_timeline else None
 
     def forward_done(self, sid: int) -> bool:
         """The forward pass will not touch ``sid`` again (its Python references are gone)."""

@@ -155,7 +155,7 @@ def test_host_cost_model_charges_the_governor_and_the_host_timeline(trace, model
     budget = int(unmanaged_peak(trace) * 0.25)
     free = Simulator(trace, PilotPolicy(model=model), budget).run()
     a, b, c = 3e-6, 0.5e-6, 1e-6
-    pol = PilotPolicy(model=model, host_cost=(a, b, c))
+    pol = PilotPolicy(model=model, host_cost=(a, b, c), worker=False)
     r = Simulator(trace, pol, budget, host_timeline=True).run()
     assert pol.ops == r.ops and pol.decisions > 0
     assert pol.host_seconds == r.policy_host_s == pytest.approx(pol.decisions * a + pol.candidates * b + r.ops * c)
@@ -237,7 +237,8 @@ def test_a_worker_that_costs_nothing_takes_the_same_decisions(trace, model):
     _native_or_skip()
     for budget in (0.5, 0.25):
         sync = PilotPolicy(model=model)
-        work = PilotPolicy(model=model, worker=True, worker_cost=(0.0, 0.0), host_cost=(0.0, 0.0, 0.0))
+        work = PilotPolicy(model=model, worker=True, worker_cost=(0.0, 0.0), host_cost=(0.0, 0.0, 0.0),
+                           handoff_cost=(0.0, 0.0))
         a, b = simulate(trace, sync, budget), simulate(trace, work, budget)
         assert a.as_dict() == b.as_dict()
         assert work.merged > 0 and work.candidates == sync.candidates and work.wait_s == 0.0
@@ -249,7 +250,8 @@ def test_worker_results_arrive_later_and_skip_what_moved(trace, model):
     scored), a decision point that finds the previous one still in flight waits for it (charged as
     host time), and a result still in flight when the iteration ends is dropped."""
     _native_or_skip()
-    slow = PilotPolicy(model=model, worker=True, worker_cost=(50e-6, 1e-6), host_cost=(1e-6, 0.0, 0.0))
+    slow = PilotPolicy(model=model, worker=True, worker_cost=(50e-6, 1e-6), host_cost=(1e-6, 0.0, 0.0),
+                       handoff_cost=(1e-6, 0.0))
     r = simulate(trace, slow, 0.5, host_timeline=True)
     assert r.feasible
     assert 0 < slow.merged < slow.candidates
@@ -262,6 +264,44 @@ def test_worker_results_arrive_later_and_skip_what_moved(trace, model):
     assert never.wait_s >= 10.0 and never.merged > 0  # each decision point waited for the previous one
     with pytest.raises(PolicyError, match="worker_cost"):
         PilotPolicy(model=model, worker=True, worker_cost=(1e-6,))
+
+
+class _Placed(PilotPolicy):
+    """Records, per decision point with rows, whether it was full and whether it was handed off."""
+
+    def _hand_off(self, m, full):
+        handed = super()._hand_off(m, full)
+        self.__dict__.setdefault("placed", []).append((full, handed))
+        return handed
+
+
+def test_auto_worker_decides_here_when_the_device_has_work_queued(trace, model):
+    """Rule 12: ``worker="auto"`` hands a decision point to the worker only when the device's
+    queued work (``device_slack``) would not hide deciding here, and never a full rescoring. No host
+    timeline: no slack known, every decision here (the synchronous run). Deciding for free: always
+    hidden, never handed off. Deciding dearer than any slack: every decision point with rows handed
+    off but the full ones."""
+    _native_or_skip()
+    for budget in (0.5, 0.25):
+        sync = simulate(trace, PilotPolicy(model=model), budget).as_dict()
+        auto = PilotPolicy(model=model, worker="auto")
+        assert simulate(trace, auto, budget).as_dict() == sync and auto.handoffs == 0
+        free = PilotPolicy(model=model, worker="auto", host_cost=(0.0, 0.0, 0.0))
+        free_sync = PilotPolicy(model=model, host_cost=(0.0, 0.0, 0.0))
+        assert (simulate(trace, free, budget, host_timeline=True).as_dict()
+                == simulate(trace, free_sync, budget, host_timeline=True).as_dict())
+        assert free.handoffs == 0 and free.decisions > 0
+        dear = _Placed(model=model, worker="auto", host_cost=(1.0, 0.0, 0.0), handoff_cost=(1e-6, 0.0))
+        assert simulate(trace, dear, budget, host_timeline=True).feasible
+        assert dear.handoffs > 0 and any(full for full, _ in dear.placed)
+        assert all(handed == (not full) for full, handed in dear.placed)
+        assert dear.handoffs == sum(handed for _, handed in dear.placed)
+        # the slack it reads: the device's clock ahead of the host's, never negative
+        sim = Simulator(trace, "none", int(budget * unmanaged_peak(trace)), host_timeline=True)
+        assert sim.device_slack() == 0.0
+        assert Simulator(trace, "none", int(budget * unmanaged_peak(trace))).device_slack() is None
+    with pytest.raises(PolicyError, match="worker"):
+        PilotPolicy(model=model, worker="sometimes")
 
 
 class _NoHostClock(Simulator):
