@@ -92,9 +92,23 @@ How a prediction is made and kept (why):
    host clock (``view.host_now()``) with ``worker_cost`` (default :data:`WORKER_COST`), so runs are
    deterministic; a free worker gives the synchronous run exactly. Where the view has no host clock
    (the live runtime) it is a real thread. Measured (docs/pilot.md): the issuing thread's share is
-   ~18 us + 0.064 us per row instead of ~14 us + 0.33 us, but the results land operators later,
-   which costs decisions on some cells (skipnet `small` 1/4 +3.8%, evoformer `small` 1/8 +6.6% with
-   the default worker cost): not the default.
+   8.2 us + 0.065 us per row (:data:`HANDOFF_COST`: one kernel call gathers the rows, their slots and
+   clears their touched flags into buffers kept between decision points) instead of ~14 us + 0.33
+   us, but the results land operators later, which costs decisions on some cells (skipnet `small`
+   1/4 +3.8%, evoformer `small` 1/8 +6.6% with the default worker cost), so ``worker=True`` (every
+   decision point on the worker) is for experiments; the default is rule 12.
+12. Where inference runs (``worker="auto"``, the default). Deciding on the issuing thread costs the
+   iteration nothing while the device has enough issued work queued to run meanwhile; it is on the
+   critical path when the device is waiting for the host (small operators at the launch floor). So a
+   decision point goes to the worker only when ``view.device_slack()`` (the simulator: its device
+   clock ahead of its host clock; the live runtime: the CUDA event recorded at the previous call is
+   still pending) is under ``slack_margin`` (10) times the decision's host cost (``host_cost``, or
+   :data:`SYNC_COST`), and never a full rescoring (at a phase change every prediction is replaced;
+   late ones cost most there: large early_exit 1/2 +6.0% -> 0.0%). No slack known (an untimed
+   simulation, a CPU device): every decision here, the synchronous run exactly. Measured on the h100
+   host timeline (docs/pilot.md): inference exposed at most 1.7% of the iteration on every `small`
+   and `large` cell (synchronous: up to 17.7%, moe `small` 1/2), decisions as synchronous where the
+   device is busy with copies (skipnet 1/4, evoformer 1/8).
 """
 
 from __future__ import annotations

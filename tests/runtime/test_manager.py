@@ -362,3 +362,24 @@ def test_in_flight_copies_are_registered_by_status():
     sync = _S(8, 0, None, 16, "activation", movable=True, step=0)  # synchronous copies: no registry
     sync.status = OFFLOADING
     assert sync.status == OFFLOADING and sync.flight is None
+
+
+def test_pilot_worker_in_the_live_runtime():
+    """Rule 11 on a real thread under the live manager: the same numbers as unmanaged training, the
+    worker's results merged. Rule 12 (the default, ``worker="auto"``) on a CPU device: the operators
+    run on this thread, the manager reports no device slack, every decision is taken here."""
+    from dynn_runtime.pilot import native
+    from dynn_runtime.pilot.policy import PilotPolicy
+
+    assert dr.MemoryManager(1 << 20, device="cpu").device_slack() is None
+    _, _, peak = _baseline("moe")
+    budget = int(peak * SMALLEST["moe"])
+    for worker in ((True, "auto") if native.available() else ("auto",)):
+        pol = PilotPolicy(worker=worker)
+        losses, state, stats = _train("moe", pol, budget)
+        _assert_same("moe", losses, state)
+        assert stats["evictions"] > 0 and pol.decisions > 0
+        if worker is True:
+            assert pol.handoffs > 0 and pol.merged > 0 and pol._pool is not None
+        else:
+            assert pol.handoffs == 0 and pol._pool is None
