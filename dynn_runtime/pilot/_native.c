@@ -37,7 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define DYNN_PILOT_ABI 6
+#define DYNN_PILOT_ABI 7
 
 #if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
 #define MADD(a, b, c) fmaf((a), (b), (c))
@@ -46,7 +46,7 @@
 #endif
 
 /* ---- feature layout (dynn_runtime/pilot/features.py CAND_FEATURES / CTX_FEATURES) ------------- */
-#define NF 77
+#define NF 90
 #define NC 23
 #define N_KINDS 7
 #define N_THRESH 8
@@ -57,7 +57,8 @@ enum {
     F_ON_STACK = 38, F_LOG_STACK_DEPTH = 39, F_STACK_TOP = 40, F_MATCHED = 41, F_PREV_USED = 42,
     F_LOG_PREV_DIST = 43, F_LOG_PREV_COUNT = 44, F_OCC_HAS_NEXT = 45, F_LOG_OCC_REMAINING = 46,
     F_LOG_OCC_GAP = 47, F_AGE0 = 48, F_EXT_BY_ORDER = 49, F_LOG_STACK_SPAN = 50, F_LOG_STACK_EST = 51,
-    F_STACK_OVERDUE = 52, F_PREV_LE0 = 53, F_OCC_LE0 = 61, F_STACK_LE0 = 69
+    F_STACK_OVERDUE = 52, F_PREV_LE0 = 53, F_OCC_LE0 = 61, F_STACK_LE0 = 69, F_MIRROR = 77,
+    F_MIRROR_LINKED = 78, F_MIRROR_FINAL = 79, F_LOG_MIRROR_SPAN = 80, F_LOG_MIRROR_EST = 81, F_MIRROR_LE0 = 82
 };
 enum {
     X_PHASE0 = 0, X_LOG_IN_PHASE = 3, X_HAS_HISTORY = 4, X_ANCHORED_PROGRESS = 5, X_PROGRESS = 6,
@@ -106,8 +107,13 @@ typedef struct {
     double ratio;
     double log1p_ratio;           /* float32(log1p(ratio)), widened */
     int64_t n_prev;               /* counterparts: len(prev_count) */
+    const int64_t *mirror_tgt;    /* per slot: the forward storage it follows (rule 9), -1: none */
+    const int64_t *mir_pos;       /* forward storage i's forward access positions: */
+    const int64_t *mir_off;       /* mir_pos[mir_off[i]:mir_off[i + 1]] (sorted) */
+    const int64_t *mir_sid;       /* forward storage i's id */
+    int64_t n_mir;
 } dynn_state;
-#define STATE_WORDS 38
+#define STATE_WORDS 43
 
 /* one call: the FeatureState's scalars at the decision point, the slots asked for, and the
  * counterparts of pending external storages when the kernel asked for them (rem, nrem; nrem -1: not
@@ -120,8 +126,9 @@ typedef struct {
     int64_t m;
     const int64_t *rem;
     int64_t nrem;
+    int64_t mirror;               /* forward position of the node backward is running (-1: none) */
 } dynn_point;
-#define POINT_WORDS 13
+#define POINT_WORDS 14
 
 /* the policy's side of dynn_pilot_decide (PilotPolicy._score) */
 typedef struct {
@@ -289,6 +296,17 @@ static inline int64_t upper_bound(const int64_t *a, int64_t n, int64_t v)
     return lo;
 }
 
+/* numpy.searchsorted(a, v, side="left") */
+static inline int64_t lower_bound(const int64_t *a, int64_t n, int64_t v)
+{
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+        int64_t mid = lo + ((hi - lo) >> 1);
+        if (a[mid] < v) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
 /* table entry n, n clamped to [0, ntab - 1]: prepare() checked that every argument of a decision
  * point is below ntab (a count, an age or a distance is at most the position, the previous
  * iteration's length, or the number of slots); the upper clamp only keeps a broken state in bounds */
@@ -356,6 +374,24 @@ static void feature_row(const prep_t *P, int64_t s, float *restrict x)
         x[F_LOG_STACK_SPAN] = tab(S->l8, span, S->ntab);
         x[F_LOG_STACK_EST] = tab(S->lest, span, S->ntab);
         for (int t = 0; t < N_THRESH; t++) x[F_STACK_LE0 + t] = (float)(est <= (double)THRESH[t]);
+    }
+    /* backward mirrors forward (rule 9): the latest forward access below the mirror */
+    if (D->phase == 1 && D->mirror >= 0) {
+        const int64_t t = S->mirror_tgt[s];
+        if (t >= 0 && t < S->n_mir) {
+            const int64_t *seg = S->mir_pos + S->mir_off[t];
+            const int64_t k = lower_bound(seg, S->mir_off[t + 1] - S->mir_off[t], D->mirror);
+            if (k > 0) {
+                const int64_t span = D->mirror - seg[k - 1];
+                const double est = (double)span * S->ratio;
+                x[F_MIRROR] = 1.0f;
+                x[F_MIRROR_LINKED] = (float)(S->mir_sid[t] != S->sid[s]);
+                x[F_MIRROR_FINAL] = (float)(k == 1);
+                x[F_LOG_MIRROR_SPAN] = tab(S->l8, span, S->ntab);
+                x[F_LOG_MIRROR_EST] = tab(S->lest, span, S->ntab);
+                for (int i = 0; i < N_THRESH; i++) x[F_MIRROR_LE0 + i] = (float)(est <= (double)THRESH[i]);
+            }
+        }
     }
     /* anchored replay (rule 4) */
     int64_t pi = S->prev[s];
@@ -1076,6 +1112,7 @@ int64_t dynn_pilot_layout(int64_t *out, int64_t n)
         F_CONSUMER0, F_ON_STACK, F_LOG_STACK_DEPTH, F_STACK_TOP, F_MATCHED, F_PREV_USED, F_LOG_PREV_DIST,
         F_LOG_PREV_COUNT, F_OCC_HAS_NEXT, F_LOG_OCC_REMAINING, F_LOG_OCC_GAP, F_AGE0, F_EXT_BY_ORDER,
         F_LOG_STACK_SPAN, F_LOG_STACK_EST, F_STACK_OVERDUE, F_PREV_LE0, F_OCC_LE0, F_STACK_LE0,
+        F_MIRROR, F_MIRROR_LINKED, F_MIRROR_FINAL, F_LOG_MIRROR_SPAN, F_LOG_MIRROR_EST, F_MIRROR_LE0,
         X_PHASE0, X_LOG_IN_PHASE, X_HAS_HISTORY, X_ANCHORED_PROGRESS, X_PROGRESS, X_LOG_SINCE_ANCHOR,
         X_HIST_FAST0, X_HIST_SLOW0, X_HIST_SLOW_ALLOCS, X_LOG_CANDIDATES, X_LOG_BWD_FWD_RATIO,
     };

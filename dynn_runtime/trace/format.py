@@ -36,7 +36,7 @@ __all__ = [
     "Storage",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MAGIC = "dynn-trace"
 
 #: Tensor kinds, most specific first. A storage's kind only moves up this list.
@@ -173,6 +173,9 @@ class Op:
     flops: int
     #: bytes of the tensor arguments and results (as tensors, not storages)
     nbytes: int
+    #: autograd node (sequence number): in forward the node this op created, in backward the node
+    #: that ran it; -1: none (no grad, an op that is not differentiable, or a trace without it)
+    node: int = -1
 
 
 @dataclass
@@ -297,7 +300,7 @@ def read_trace(path: str | Path) -> Trace:
                     name=name, idiom=iv, phase=phase, module=mods[int(rec.get("m", 0))], inputs=ins, outputs=outs,
                     writes=tuple(rec.get("w", ())), allocs=tuple(rec.get("a", ())),
                     duration_s=float(rec.get("d", 0.0)) * 1e-6, flops=int(rec.get("f", 0)),
-                    nbytes=int(rec.get("by", 0)),
+                    nbytes=int(rec.get("by", 0)), node=int(rec.get("q", -1)),
                 ))
             elif t == "K":
                 st = storage(lineno, int(rec["s"]))

@@ -52,6 +52,34 @@ def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
         return 0
 
 
+class AutogradNodes:
+    """Which autograd node an operator belongs to; call it right after the operator ran in a
+    ``TorchDispatchMode``. In backward: the node that ran it. In forward: the node it created, if it
+    created one (autograd makes the node before the call reaches the mode, so the thread's sequence
+    counter has already moved past it; an op that created none leaves the counter where it was).
+    Returns the node's sequence number, or -1 (no node: no grad, not differentiable).
+
+    Backward runs the node of each forward operator, so the pair maps a backward operator to the
+    forward operator whose gradient it computes (the pilot's *mirror*, docs/pilot.md).
+    """
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last = -1
+
+    def __call__(self) -> int:
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            q = node._sequence_nr()
+            return q if q < (1 << 62) else -1  # AccumulateGrad nodes carry UINT64_MAX
+        q = torch._C._autograd._get_sequence_nr() - 1
+        if q > self._last:
+            self._last = q
+            return q
+        return -1
+
+
 class TraceRecorder(TorchDispatchMode):
     """Records ops and storage lifetimes into a list of records; ``TraceWriter`` streams them out.
 
@@ -80,6 +108,7 @@ class TraceRecorder(TorchDispatchMode):
         self._closed = False
         self._cuda_events: list[tuple[dict, Any, Any]] = []
         self._saved_ctx: Any = None
+        self._nodes = AutogradNodes()
         self.n_ops = 0
         self._register_model_state()
 
@@ -201,6 +230,9 @@ class TraceRecorder(TorchDispatchMode):
         if fl:
             rec["f"] = fl
         rec["by"] = nbytes
+        q = self._nodes()
+        if q >= 0:
+            rec["q"] = q
         if cuda:
             self._cuda_events.append((rec, start, end))
         else:

@@ -383,3 +383,30 @@ def test_pilot_worker_in_the_live_runtime():
             assert pol.handoffs > 0 and pol.merged > 0 and pol._pool is not None
         else:
             assert pol.handoffs == 0 and pol._pool is None
+
+
+def test_live_operators_carry_the_autograd_nodes_the_recorder_writes():
+    """The pilot's mirror (rule 9 of its features) needs each operator's autograd node in the live
+    runtime too: the operators a policy sees under the manager name the same nodes as a recording."""
+    from dynn_runtime.policies.basic import LRUPolicy
+
+    class Ops(LRUPolicy):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def on_op(self, position, op):
+            super().on_op(position, op)
+            self.ops.append(op)
+
+    pol = Ops()
+    _, _, peak = _baseline("tree_lstm")
+    _train("tree_lstm", pol, int(peak * 0.8), steps=1)
+    fwd = {op.node: op.name for op in pol.ops if op.phase == "forward" and op.node >= 0}
+    bwd = [op for op in pol.ops if op.phase == "backward"]
+    assert len(fwd) > 50 and len(bwd) > 50
+    assert sum(op.node in fwd for op in bwd) >= 0.95 * len(bwd)
+    for op in bwd:
+        if op.name in ("aten::tanh_backward", "aten::sigmoid_backward"):
+            assert fwd[op.node] == op.name.replace("_backward", "")
+    assert all(op.node < 0 for op in pol.ops if op.phase == "optimizer")
