@@ -68,6 +68,7 @@ Rules it keeps (why each is there):
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -343,8 +344,7 @@ class FeatureState:
     def _reset_mirror(self) -> None:
         self._mirror = -1  # forward position of the node backward is running; -1: none yet
         self._mir_built = False
-        self._fwd_sids: list[int] = []  # every forward access, as (storage, position) in two lists
-        self._fwd_pos: list[int] = []
+        self._fwd_log: list[tuple[int, Any]] = []  # per forward operator: (position, storages accessed)
         self._fwd_node: dict[int, tuple[int, tuple[int, ...]]] = {}  # node -> (position, inputs)
         self._fwd_freed: dict[int, float] = {}  # log_bytes of storages forward freed
         self._mir_index: dict[int, int] = {}
@@ -354,18 +354,13 @@ class FeatureState:
         self._mir_keys = np.zeros(0, dtype=np.int64)
         self._native_tab = None
 
-    def _note_forward(self, position: int, op: Any, acc: Any) -> None:
-        self._fwd_sids.extend(acc)
-        self._fwd_pos.extend([position] * len(acc))
-        node = getattr(op, "node", -1)
-        if node >= 0:
-            self._fwd_node[node] = (position, op.inputs)
-
     def _build_mirror(self) -> None:
         """Backward starts: index forward's accesses per storage (sorted segments of positions) and
         point every live storage that forward accessed at its own segment."""
-        sids = np.asarray(self._fwd_sids, dtype=np.int64)
-        pos = np.asarray(self._fwd_pos, dtype=np.int64)
+        log = self._fwd_log
+        sids = np.fromiter(itertools.chain.from_iterable(a for _, a in log), dtype=np.int64)
+        pos = np.repeat(np.fromiter((p for p, _ in log), dtype=np.int64, count=len(log)),
+                        np.fromiter((len(a) for _, a in log), dtype=np.int64, count=len(log)))
         uniq, first, inv = np.unique(sids, return_index=True, return_inverse=True)
         order = np.argsort(first, kind="stable")  # segments in first-access order
         rank = np.empty(len(uniq), dtype=np.int64)
@@ -381,20 +376,15 @@ class FeatureState:
         mi = self._mir_index
         for sid, s in self._slot.items():
             self.mirror_tgt[s] = mi.get(sid, -1)
-        self._fwd_sids, self._fwd_pos = [], []
+        self._fwd_log = []
         self._mir_built = True
         self._native_tab = None
 
-    def _note_backward(self, op: Any) -> None:
-        node = getattr(op, "node", -1)
-        hit = self._fwd_node.get(node) if node >= 0 else None
-        if hit is None:
-            return
-        self._mirror, inputs = hit
-        if not op.allocs:
-            return
+    def _link(self, allocs: Any, inputs: Any) -> None:
+        """Storages a backward operator allocated follow the mirrored forward operator's input of the
+        nearest size at least their own (its gradient, or a piece of it)."""
         mi, slot, lb, freed = self._mir_index, self._slot, self.log_bytes, self._fwd_freed
-        for sid in op.allocs:
+        for sid in allocs:
             s = slot.get(sid)
             if s is None:
                 continue
@@ -479,10 +469,14 @@ class FeatureState:
         else:
             new_phase = position == 0
         self.position = position
-        if ph == 1:
+        if ph == 1:  # rule 9: the mirror moves to the forward operator of the node running
             if not self._mir_built:
                 self._build_mirror()
-            self._note_backward(op)
+            hit = self._fwd_node.get(getattr(op, "node", -1))
+            if hit is not None:
+                self._mirror = hit[0]
+                if op.allocs:
+                    self._link(op.allocs, hit[1])
         if self._kernel is not None:
             return self._op_native(position, op, ph, new_phase)
         iv = _IV_CACHE.get(op.idiom)
@@ -513,8 +507,11 @@ class FeatureState:
             if i < len(prev_allocs):
                 self.prev[s] = self._prev_idx.get(prev_allocs[i], -1)
         acc = {*op.inputs, *op.outputs, *op.writes}
-        if ph == 0:
-            self._note_forward(position, op, acc)
+        if ph == 0:  # rule 9: forward's accesses and nodes, for backward
+            self._fwd_log.append((position, acc))
+            node = getattr(op, "node", -1)
+            if node >= 0:
+                self._fwd_node[node] = (position, op.inputs)
         for sid in acc:
             s = slot.get(sid)
             if s is None:
@@ -593,8 +590,11 @@ class FeatureState:
                     a_slots.append(s)
                     a_prev.append(prev_idx.get(prev_allocs[i], -1) if i < n_prev else -2)
         acc = list({*op.inputs, *op.outputs, *op.writes})
-        if ph == 0:
-            self._note_forward(position, op, acc)
+        if ph == 0:  # rule 9: forward's accesses and nodes, for backward
+            self._fwd_log.append((position, acc))
+            node = getattr(op, "node", -1)
+            if node >= 0:
+                self._fwd_node[node] = (position, op.inputs)
         rep, match = self._kernel.op(self, position, ph, hit[0], hit[1], a_slots, a_prev,
                                      [slot.get(sid, -1) for sid in acc])
         replayed = self.replayed
