@@ -208,7 +208,7 @@ class _Shifted:
 
 
 def shift() -> None:
-    from dynn_runtime.trace import read_trace, record
+    from dynn_runtime.trace import SCHEMA_VERSION, read_trace, record
 
     model = load_model(default_weights_path())
     cases = [
@@ -218,7 +218,7 @@ def shift() -> None:
     ]
     out = {}
     for fam, changes in cases:
-        path = Path(".dynn-cache/traces") / f"shift-{fam}-tiny-seed20-steps12.jsonl.gz"
+        path = Path(".dynn-cache/traces") / f"shift-{fam}-tiny-seed20-steps12-v{SCHEMA_VERSION}.jsonl.gz"
         if not path.exists():
             tmp = path.with_name(".tmp-" + path.name)
             record(_Shifted(fam, "tiny", 4, 20, **changes), tmp, steps=12, preset="tiny", seed=20)

@@ -75,6 +75,7 @@ from typing import Any
 
 import numpy as np
 
+from .._log import logger
 from ..trace.format import KINDS, PHASES
 
 __all__ = [
@@ -188,6 +189,7 @@ class FeatureState:
         self._grow(1024)
         self._stack_counter = 0
         self._announced = 0
+        self._warned_nodes = False
         self._ratio = 1.5
         self._prev_ops: dict[tuple[str, str, str, int], int] = {}
         self._prev_len = 0
@@ -343,7 +345,6 @@ class FeatureState:
     # ---- rule 9: backward mirrors forward ------------------------------------------------------
     def _reset_mirror(self) -> None:
         self._mirror = -1  # forward position of the node backward is running; -1: none yet
-        self._mir_built = False
         self._fwd_log: list[tuple[int, Any]] = []  # per forward operator: (position, storages accessed)
         self._fwd_node: dict[int, tuple[int, tuple[int, ...]]] = {}  # node -> (position, inputs)
         self._fwd_freed: dict[int, float] = {}  # log_bytes of storages forward freed
@@ -355,9 +356,15 @@ class FeatureState:
         self._native_tab = None
 
     def _build_mirror(self) -> None:
-        """Backward starts: index forward's accesses per storage (sorted segments of positions) and
-        point every live storage that forward accessed at its own segment."""
+        """Backward starts: index the forward accesses since the last backward (several forward and
+        backward passes in one step: each backward mirrors its own forward) per storage, as sorted
+        segments of positions, and point every live storage that forward accessed at its own segment."""
         log = self._fwd_log
+        if log and not self._fwd_node and not self._warned_nodes:
+            self._warned_nodes = True
+            logger.warning("pilot: no forward operator of this iteration carries an autograd node (a trace "
+                           "recorded before schema 2?), so backward has no mirror (rule 9) and the pilot "
+                           "predicts backward less well. Re-record the trace with this dynn-runtime.")
         sids = np.fromiter(itertools.chain.from_iterable(a for _, a in log), dtype=np.int64)
         pos = np.repeat(np.fromiter((p for p, _ in log), dtype=np.int64, count=len(log)),
                         np.fromiter((len(a) for _, a in log), dtype=np.int64, count=len(log)))
@@ -377,7 +384,7 @@ class FeatureState:
         for sid, s in self._slot.items():
             self.mirror_tgt[s] = mi.get(sid, -1)
         self._fwd_log = []
-        self._mir_built = True
+        self._mirror = -1
         self._native_tab = None
 
     def _link(self, allocs: Any, inputs: Any) -> None:
@@ -453,7 +460,7 @@ class FeatureState:
     def free(self, sid: int) -> None:
         s = self._slot.pop(sid, None)
         if s is not None:
-            if not self._mir_built:
+            if self.phase == 0:
                 self._fwd_freed[sid] = self.log_bytes.item(s)
             self.active[s] = False
             self.sid[s] = -1
@@ -470,7 +477,7 @@ class FeatureState:
             new_phase = position == 0
         self.position = position
         if ph == 1:  # rule 9: the mirror moves to the forward operator of the node running
-            if not self._mir_built:
+            if self._fwd_log:
                 self._build_mirror()
             hit = self._fwd_node.get(getattr(op, "node", -1))
             if hit is not None:

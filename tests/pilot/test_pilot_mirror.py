@@ -24,39 +24,47 @@ MIRROR_COLS = [i for n, i in C.items() if "mirror" in n]
 BACKENDS = ["numpy"] + (["native"] if native.available() else [])
 
 
-def _hand_trace() -> Trace:
+def _hand_trace(passes: int = 1) -> Trace:
     """Forward: a = f(x) [node 0], b = g(a) [node 1], loss = h(b, a) [node 2]; backward runs the
-    nodes in reverse and each allocates the gradient of its forward op's input."""
+    nodes in reverse and each allocates the gradient of its forward op's input. ``passes`` > 1:
+    forward and backward again in the same step (gradient accumulation), with new storages and nodes."""
     st = {}
+    ops = []
+    for k in range(passes):
+        ops += _hand_pass(st, 10 * k, 3 * k, len(ops))
+    it = Iteration(index=0, ops=ops, phase_starts={"forward": 0, "backward": 3})
+    header = {"t": "H", "magic": "dynn-trace", "schema": 2, "device": "cpu", "workload": "hand"}
+    return Trace(header=header, storages=st, iterations=[it])
+
+
+def _hand_pass(st: dict, o: int, n: int, at: int) -> list[Op]:
 
     def s(sid, nbytes, kind="temp", saved=False, pre=False):
         st[sid] = Storage(sid=sid, nbytes=nbytes, dtype="float32", kind=kind, saved=saved, preexisting=pre,
                           alloc_at=(0, 0))
         return sid
 
-    x, a, b, loss = s(1, 64, "input", pre=True), s(2, 64, saved=True), s(3, 64, saved=True), s(4, 4)
-    gl, gb, ga, ga2 = s(5, 4), s(6, 64), s(7, 64), s(8, 64)
+    x, a, b, loss = s(o + 1, 64, "input", pre=True), s(o + 2, 64, saved=True), s(o + 3, 64, saved=True), s(o + 4, 4)
+    gl, gb, ga, ga2 = s(o + 5, 4), s(o + 6, 64), s(o + 7, 64), s(o + 8, 64)
 
     def op(name, phase, ins, allocs, node):
         return Op(name=name, idiom=(0,) * 6, phase=phase, module="", inputs=ins, outputs=allocs, writes=(),
                   allocs=allocs, duration_s=1e-6, flops=0, nbytes=0, node=node)
 
     ops = [
-        op("aten::f", "forward", (x,), (a,), 0),             # 0
-        op("aten::g", "forward", (a,), (b,), 1),             # 1
-        op("aten::h", "forward", (b, a), (loss,), 2),        # 2
+        op("aten::f", "forward", (x,), (a,), n),             # 0
+        op("aten::g", "forward", (a,), (b,), n + 1),         # 1
+        op("aten::h", "forward", (b, a), (loss,), n + 2),    # 2
         op("aten::ones_like", "backward", (loss,), (gl,), -1),  # 3: no node yet
-        op("aten::h_backward", "backward", (gl, b), (gb,), 2),  # 4: mirror 2; gb follows b
-        op("aten::h_backward", "backward", (gl, b), (ga2,), 2),  # 5: a's share, follows a
-        op("aten::g_backward", "backward", (gb, a), (ga,), 1),  # 6: mirror 1; ga follows a
-        op("aten::add", "backward", (ga, ga2), (), 1),       # 7
-        op("aten::f_backward", "backward", (ga, x), (), 0),  # 8: mirror 0
+        op("aten::h_backward", "backward", (gl, b), (gb,), n + 2),  # 4: mirror 2; gb follows b
+        op("aten::h_backward", "backward", (gl, b), (ga2,), n + 2),  # 5: a's share, follows a
+        op("aten::g_backward", "backward", (gb, a), (ga,), n + 1),  # 6: mirror 1; ga follows a
+        op("aten::add", "backward", (ga, ga2), (), n + 1),   # 7
+        op("aten::f_backward", "backward", (ga, x), (), n),  # 8: mirror 0
     ]
-    for sid, j in ((gl, 3), (gb, 4), (ga2, 5), (ga, 6)):
-        st[sid].alloc_at = (0, j)
-    it = Iteration(index=0, ops=ops, phase_starts={"forward": 0, "backward": 3})
-    header = {"t": "H", "magic": "dynn-trace", "schema": 2, "device": "cpu", "workload": "hand"}
-    return Trace(header=header, storages=st, iterations=[it])
+    for sid, j in ((a, 0), (b, 1), (loss, 2), (gl, 3), (gb, 4), (ga2, 5), (ga, 6)):
+        st[sid].alloc_at = (0, at + j)
+    return ops
 
 
 def _rows(trace: Trace, backend: str) -> dict[int, dict[int, np.ndarray]]:
@@ -77,8 +85,8 @@ def _rows(trace: Trace, backend: str) -> dict[int, dict[int, np.ndarray]]:
     fs.begin_iteration(0, [])
     it = trace.iterations[0]
     out = {}
-    for sid in (1, 2, 3, 4):  # x is alive at the start; a, b, loss are allocated by their ops below
-        if sid == 1:
+    for sid, st in trace.storages.items():  # the inputs x are alive at the start, the rest allocated below
+        if st.preexisting:
             fs.alloc(sid, -1)
     for j, op in enumerate(it.ops):
         for sid in op.allocs:
@@ -117,7 +125,8 @@ def test_mirror_features_on_a_hand_built_trace(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_trace_without_nodes_has_no_mirror_and_the_rest_unchanged(backend):
+def test_a_trace_without_nodes_has_no_mirror_and_the_rest_unchanged(backend, caplog):
+    """A trace recorded before schema 2 still works, with a warning that says to re-record it."""
     tr = _hand_trace()
     plain = dataclasses.replace(tr, iterations=[dataclasses.replace(
         tr.iterations[0], ops=[dataclasses.replace(op, node=-1) for op in tr.iterations[0].ops])])
@@ -130,6 +139,8 @@ def test_a_trace_without_nodes_has_no_mirror_and_the_rest_unchanged(backend):
             np.testing.assert_array_equal(row[others], with_nodes[j][sid][others])
             seen += with_nodes[j][sid][C["mirror"]] > 0
     assert seen > 0
+    warned = [r.getMessage() for r in caplog.records if "autograd node" in r.getMessage()]
+    assert len(warned) == 1 and "Re-record" in warned[0]
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +187,14 @@ def test_mirror_estimate_orders_backward_next_uses(tree_trace):
     rhos = [r for r in rhos if r is not None]
     print(f"coverage {covered / total:.3f}, rho {np.mean(rhos):.3f} over {len(rhos)} decision points")
     assert np.mean(rhos) > 0.9
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_backward_mirrors_its_own_forward_when_a_step_runs_several(backend):
+    """Gradient accumulation (forward, backward, forward, backward in one step): the second backward
+    sees its own forward, at the same distances as the first."""
+    once, twice = _rows(_hand_trace(1), backend), _rows(_hand_trace(2), backend)
+    for j in range(9):
+        for sid, row in once[j].items():
+            np.testing.assert_array_equal(twice[9 + j][10 + sid][MIRROR_COLS], row[MIRROR_COLS], err_msg=f"{j} {sid}")
+    assert any(r[C["mirror"]] for r in twice[13].values())
