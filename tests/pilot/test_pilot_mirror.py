@@ -198,3 +198,40 @@ def test_each_backward_mirrors_its_own_forward_when_a_step_runs_several(backend)
         for sid, row in once[j].items():
             np.testing.assert_array_equal(twice[9 + j][10 + sid][MIRROR_COLS], row[MIRROR_COLS], err_msg=f"{j} {sid}")
     assert any(r[C["mirror"]] for r in twice[13].values())
+
+
+def test_autograd_nodes_pair_backward_with_forward_and_stay_quiet_without_grad():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dynn_runtime.trace.recorder import AutogradNodes
+
+    class Mode(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.nodes, self.seen = AutogradNodes(), []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen.append((func.name(), self.nodes()))
+            return out
+
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, 3, requires_grad=True)
+    mode = Mode()
+    with mode:
+        y = (x @ w).tanh()
+        z = y.detach() * 2  # no node: detached
+        loss = y.sum()
+        n_fwd = len(mode.seen)
+        loss.backward()
+        with torch.no_grad():
+            (x @ w).tanh()
+    fwd, bwd, ng = mode.seen[:n_fwd], mode.seen[n_fwd:-2], mode.seen[-2:]
+    made = {name: q for name, q in fwd}
+    assert made["aten::mm"] >= 0 and made["aten::tanh"] > made["aten::mm"] and made["aten::sum"] > made["aten::tanh"]
+    assert made["aten::mul.Tensor"] == -1 and z.grad_fn is None
+    ran = dict(bwd)
+    assert ran["aten::tanh_backward"] == made["aten::tanh"]
+    assert [q for name, q in bwd if name == "aten::mm"] == [made["aten::mm"]] * 2  # grad of x and of w
+    assert all(q == -1 for _, q in ng)
