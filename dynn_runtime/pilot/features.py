@@ -345,7 +345,7 @@ class FeatureState:
     # ---- rule 9: backward mirrors forward ------------------------------------------------------
     def _reset_mirror(self) -> None:
         self._mirror = -1  # forward position of the node backward is running; -1: none yet
-        self._fwd_log: list[tuple[int, Any]] = []  # per forward operator: (position, storages accessed)
+        self._fwd_log: list[tuple[int, Any]] = []  # (position, operator) of forward since the last backward
         self._fwd_node: dict[int, tuple[int, tuple[int, ...]]] = {}  # node -> (position, inputs)
         self._fwd_freed: dict[int, float] = {}  # log_bytes of storages forward freed
         self._mir_index: dict[int, int] = {}
@@ -360,14 +360,20 @@ class FeatureState:
         backward passes in one step: each backward mirrors its own forward) per storage, as sorted
         segments of positions, and point every live storage that forward accessed at its own segment."""
         log = self._fwd_log
-        if log and not self._fwd_node and not self._warned_nodes:
+        nodes = self._fwd_node
+        for p, op in log:
+            node = getattr(op, "node", -1)
+            if node >= 0:
+                nodes[node] = (p, op.inputs)
+        if log and not nodes and not self._warned_nodes:
             self._warned_nodes = True
             logger.warning("pilot: no forward operator of this iteration carries an autograd node (a trace "
                            "recorded before schema 2?), so backward has no mirror (rule 9) and the pilot "
                            "predicts backward less well. Re-record the trace with this dynn-runtime.")
-        sids = np.fromiter(itertools.chain.from_iterable(a for _, a in log), dtype=np.int64)
+        acc = [{*op.inputs, *op.outputs, *op.writes} for _, op in log]
+        sids = np.fromiter(itertools.chain.from_iterable(acc), dtype=np.int64)
         pos = np.repeat(np.fromiter((p for p, _ in log), dtype=np.int64, count=len(log)),
-                        np.fromiter((len(a) for _, a in log), dtype=np.int64, count=len(log)))
+                        np.fromiter(map(len, acc), dtype=np.int64, count=len(acc)))
         uniq, first, inv = np.unique(sids, return_index=True, return_inverse=True)
         order = np.argsort(first, kind="stable")  # segments in first-access order
         rank = np.empty(len(uniq), dtype=np.int64)
@@ -476,7 +482,9 @@ class FeatureState:
         else:
             new_phase = position == 0
         self.position = position
-        if ph == 1:  # rule 9: the mirror moves to the forward operator of the node running
+        if ph == 0:  # rule 9: forward, indexed for backward when it starts
+            self._fwd_log.append((position, op))
+        elif ph == 1:  # rule 9: the mirror moves to the forward operator of the node running
             if self._fwd_log:
                 self._build_mirror()
             hit = self._fwd_node.get(getattr(op, "node", -1))
@@ -513,13 +521,7 @@ class FeatureState:
             self.has_producer[s] = 1.0
             if i < len(prev_allocs):
                 self.prev[s] = self._prev_idx.get(prev_allocs[i], -1)
-        acc = {*op.inputs, *op.outputs, *op.writes}
-        if ph == 0:  # rule 9: forward's accesses and nodes, for backward
-            self._fwd_log.append((position, acc))
-            node = getattr(op, "node", -1)
-            if node >= 0:
-                self._fwd_node[node] = (position, op.inputs)
-        for sid in acc:
+        for sid in {*op.inputs, *op.outputs, *op.writes}:
             s = slot.get(sid)
             if s is None:
                 continue
@@ -597,11 +599,6 @@ class FeatureState:
                     a_slots.append(s)
                     a_prev.append(prev_idx.get(prev_allocs[i], -1) if i < n_prev else -2)
         acc = list({*op.inputs, *op.outputs, *op.writes})
-        if ph == 0:  # rule 9: forward's accesses and nodes, for backward
-            self._fwd_log.append((position, acc))
-            node = getattr(op, "node", -1)
-            if node >= 0:
-                self._fwd_node[node] = (position, op.inputs)
         rep, match = self._kernel.op(self, position, ph, hit[0], hit[1], a_slots, a_prev,
                                      [slot.get(sid, -1) for sid in acc])
         replayed = self.replayed
