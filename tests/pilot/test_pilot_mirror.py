@@ -235,3 +235,54 @@ def test_autograd_nodes_pair_backward_with_forward_and_stay_quiet_without_grad()
     assert ran["aten::tanh_backward"] == made["aten::tanh"]
     assert [q for name, q in bwd if name == "aten::mm"] == [made["aten::mm"]] * 2  # grad of x and of w
     assert all(q == -1 for _, q in ng)
+
+
+def _pass_through_trace() -> Trace:
+    """Forward: a = f(x) [node 0], s = index_add(a, i, src) [node 1], loss = g(s) [node 2], where
+    index_add's gradient for ``a`` is its output's gradient itself (no operator runs for it), and
+    t = k(s) [node 3] is a side branch. Backward: g's allocates gs; index_add's reads gs (for src's
+    gradient) and passes gs on to a; f's reads gs again."""
+    st = {}
+
+    def s(sid, nbytes, kind="temp", pre=False):
+        st[sid] = Storage(sid=sid, nbytes=nbytes, dtype="float32", kind=kind, saved=False, preexisting=pre,
+                          alloc_at=(0, 0))
+        return sid
+
+    x, i, src = s(1, 64, "input", pre=True), s(2, 8, "input", pre=True), s(3, 64, "input", pre=True)
+    a, sm, loss, gl, gs, gsrc = s(4, 64), s(5, 64), s(6, 4), s(7, 4), s(8, 64), s(9, 64)
+
+    def op(name, phase, ins, allocs, node):
+        return Op(name=name, idiom=(0,) * 6, phase=phase, module="", inputs=ins, outputs=allocs, writes=(),
+                  allocs=allocs, duration_s=1e-6, flops=0, nbytes=0, node=node)
+
+    ops = [
+        op("aten::f", "forward", (x,), (a,), 0),                  # 0
+        op("aten::index_add", "forward", (a, i, src), (sm,), 1),  # 1
+        op("aten::g", "forward", (sm,), (loss,), 2),              # 2
+        op("aten::ones_like", "backward", (loss,), (gl,), -1),    # 3
+        op("aten::g_backward", "backward", (gl, sm), (gs,), 2),   # 4: gs follows s
+        op("aten::index_select", "backward", (gs, i), (gsrc,), 1),  # 5: mirror 1, s's producer
+        op("aten::f_backward", "backward", (gs, x), (), 0),       # 6: gs was passed on to a
+    ]
+    for sid, j in ((a, 0), (sm, 1), (loss, 2), (gl, 3), (gs, 4), (gsrc, 5)):
+        st[sid].alloc_at = (0, j)
+    it = Iteration(index=0, ops=ops, phase_starts={"forward": 0, "backward": 3})
+    header = {"t": "H", "magic": "dynn-trace", "schema": 2, "device": "cpu", "workload": "hand"}
+    return Trace(header=header, storages=st, iterations=[it])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_passed_through_gradient_follows_the_producers_input(backend):
+    rows = _rows(_pass_through_trace(), backend)
+    gs = rows[4][8]  # mirror 2: gs follows s, accessed at 1 (its producer), one operator back
+    assert gs[C["mirror"]] == 1 and gs[C["mirror_linked"]] == 1 and gs[C["mirror_final"]] == 1
+    assert gs[C["log_mirror_span"]] == np.float32(np.log1p(1.0) / 8.0)
+    # mirror 1: s has no access below it any more; gs now follows index_add's first input of its size
+    # (a, not the index i, which is smaller), whose producer f sits one operator back
+    gs = rows[5][8]
+    assert gs[C["mirror"]] == 1 and gs[C["mirror_linked"]] == 1 and gs[C["mirror_final"]] == 1
+    assert gs[C["log_mirror_span"]] == np.float32(np.log1p(1.0) / 8.0)
+    # src's gradient ties a (64 bytes, first): the same rule, so it is linked too
+    assert rows[5][9][C["mirror"]] == 1
+    assert not rows[6][8][MIRROR_COLS].any()  # mirror 0: nothing of forward lies below
