@@ -17,6 +17,7 @@ from .errors import (
     TraceError,
     WorkloadError,
 )
+from . import hints
 from .runtime import MemoryManager
 from .workload import load_workload, train
 
@@ -32,6 +33,7 @@ __all__ = [
     "NativeError",
     "HostMemoryError",
     "MemoryManager",
+    "hints",
     "load_workload",
     "train",
 ]

@@ -10,6 +10,10 @@ nodes, the depth, and the fan-in of each node change per batch. Nodes are batche
 each step and which earlier levels feed it are all decided by the data. Labels are per node: the
 sign of a subtree's "sentiment" (word polarities summed, flipped under negation words), so every
 node is trained as in SST.
+
+What it tells the memory manager (:mod:`dynn_runtime.hints`): each level is a step, and the batch's
+trees say, before the level runs, which lower levels it reads; so every level's states are hinted
+with the next level that reads them (or the final concatenation), as is each level's index tensors.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dynn_runtime import hints
 
 from ._common import Family, ZooWorkload, positive_ints, require
 
@@ -84,10 +90,23 @@ class ChildSumTreeLSTM(nn.Module):
     def forward(self, batch: TreeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Return logits of every node in level order, and the labels in the same order."""
         h_dim = self.hidden
+        n = len(batch.levels)
+        # the workload's steps are the levels (1..n; the output is step n + 1): which later levels
+        # read each level's states is known from the batch before any level runs
+        tell = hints.listening()
+        readers: list[list[int]] = [[] for _ in range(n)]
+        if tell:
+            for level, edges in enumerate(batch.edges):
+                for lower, _, _ in edges:
+                    readers[lower].append(level)
+            for level, edges in enumerate(batch.edges):
+                hints.next_use(batch.levels[level], *(t for _, cp, pp in edges for t in (cp, pp)), steps=level + 1)
         wx_all = self.w(self.embed(batch.tokens))
+        hints.next_use(wx_all, steps=1)
         hs: list[torch.Tensor] = []
         cs: list[torch.Tensor] = []
-        for nodes, edges in zip(batch.levels, batch.edges):
+        for level, (nodes, edges) in enumerate(zip(batch.levels, batch.edges)):
+            hints.step()
             wx = wx_all.index_select(0, nodes)
             wx_iou, wx_f = wx[:, : 3 * h_dim], wx[:, 3 * h_dim :]
             h_sum = wx.new_zeros(nodes.numel(), h_dim)
@@ -98,13 +117,29 @@ class ChildSumTreeLSTM(nn.Module):
                 h_sum = h_sum.index_add(0, parent_pos, h_k)
                 f_k = torch.sigmoid(wx_f.index_select(0, parent_pos) + self.u_f(h_k))
                 fc_sum = fc_sum.index_add(0, parent_pos, f_k * c_k)
+                if tell:
+                    _tell_next(readers[lower], level, n, hs[lower], cs[lower])
             i, o, u = (wx_iou + self.u_iou(h_sum)).chunk(3, dim=1)
             c = torch.sigmoid(i) * torch.tanh(u) + fc_sum
             hs.append(torch.sigmoid(o) * torch.tanh(c))
             cs.append(c)
+            if tell:
+                _tell_next(readers[level], level, n, hs[level], cs[level])
+                hints.next_use(nodes, steps=n - level)  # read again by the labels' gather at the end
+                hints.next_use(*(t for _, cp, pp in edges for t in (cp, pp)), steps=None)
+                hints.next_use(wx_all, steps=1 if level + 1 < n else None)
+        hints.step()
         logits = self.out(torch.cat(hs, dim=0))
         labels = batch.labels.index_select(0, torch.cat(batch.levels))
         return logits, labels
+
+
+def _tell_next(readers: list[int], level: int, n: int, h: torch.Tensor, c: torch.Tensor) -> None:
+    """Hint a level's states with the next level (after ``level``) that reads them: ``h`` is also
+    read by the output at step n + 1, ``c`` by nothing after its last reader."""
+    nxt = next((r for r in readers if r > level), None)
+    hints.next_use(h, steps=(nxt if nxt is not None else n) - level)
+    hints.next_use(c, steps=None if nxt is None else nxt - level)
 
 
 def random_tree(gen: torch.Generator, n: int) -> list[int]:

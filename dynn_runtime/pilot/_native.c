@@ -37,7 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define DYNN_PILOT_ABI 7
+#define DYNN_PILOT_ABI 8
 
 #if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
 #define MADD(a, b, c) fmaf((a), (b), (c))
@@ -46,8 +46,8 @@
 #endif
 
 /* ---- feature layout (dynn_runtime/pilot/features.py CAND_FEATURES / CTX_FEATURES) ------------- */
-#define NF 90
-#define NC 23
+#define NF 102
+#define NC 24
 #define N_KINDS 7
 #define N_THRESH 8
 enum {
@@ -58,14 +58,16 @@ enum {
     F_LOG_PREV_DIST = 43, F_LOG_PREV_COUNT = 44, F_OCC_HAS_NEXT = 45, F_LOG_OCC_REMAINING = 46,
     F_LOG_OCC_GAP = 47, F_AGE0 = 48, F_EXT_BY_ORDER = 49, F_LOG_STACK_SPAN = 50, F_LOG_STACK_EST = 51,
     F_STACK_OVERDUE = 52, F_PREV_LE0 = 53, F_OCC_LE0 = 61, F_STACK_LE0 = 69, F_MIRROR = 77,
-    F_MIRROR_LINKED = 78, F_MIRROR_FINAL = 79, F_LOG_MIRROR_SPAN = 80, F_LOG_MIRROR_EST = 81, F_MIRROR_LE0 = 82
+    F_MIRROR_LINKED = 78, F_MIRROR_FINAL = 79, F_LOG_MIRROR_SPAN = 80, F_LOG_MIRROR_EST = 81, F_MIRROR_LE0 = 82,
+    F_HINTED = 90, F_HINT_DONE = 91, F_LOG_HINT_STEPS = 92, F_LOG_HINT_EST = 93, F_HINT_LE0 = 94
 };
 enum {
     X_PHASE0 = 0, X_LOG_IN_PHASE = 3, X_HAS_HISTORY = 4, X_ANCHORED_PROGRESS = 5, X_PROGRESS = 6,
     X_LOG_SINCE_ANCHOR = 7, X_HIST_FAST0 = 8, X_HIST_SLOW0 = 14, X_HIST_SLOW_ALLOCS = 20,
-    X_LOG_CANDIDATES = 21, X_LOG_BWD_FWD_RATIO = 22
+    X_LOG_CANDIDATES = 21, X_LOG_BWD_FWD_RATIO = 22, X_HINTS = 23
 };
 static const int64_t THRESH[N_THRESH] = {8, 16, 32, 48, 64, 96, 128, 256};
+#define HINT_MAX 4095
 
 /* ---- the state native.py passes (FeatureState's arrays; one word per field) ------------------- */
 typedef struct {
@@ -112,8 +114,9 @@ typedef struct {
     const int64_t *mir_off;       /* mir_pos[mir_off[i]:mir_off[i + 1]] (sorted) */
     const int64_t *mir_sid;       /* forward storage i's id */
     int64_t n_mir;
+    const int64_t *hint_at;       /* per slot: the workload step it is hinted for (rule 10); -1 none, -2 done */
 } dynn_state;
-#define STATE_WORDS 43
+#define STATE_WORDS 44
 
 /* one call: the FeatureState's scalars at the decision point, the slots asked for, and the
  * counterparts of pending external storages when the kernel asked for them (rem, nrem; nrem -1: not
@@ -127,8 +130,10 @@ typedef struct {
     const int64_t *rem;
     int64_t nrem;
     int64_t mirror;               /* forward position of the node backward is running (-1: none) */
+    int64_t h_active;             /* rule 10: the iteration has workload hints */
+    int64_t h_step, h_start, h_len; /* the current step, its first operator, operators per step */
 } dynn_point;
-#define POINT_WORDS 14
+#define POINT_WORDS 18
 
 /* the policy's side of dynn_pilot_decide (PilotPolicy._score) */
 typedef struct {
@@ -393,6 +398,22 @@ static void feature_row(const prep_t *P, int64_t s, float *restrict x)
             }
         }
     }
+    /* workload hints (rule 10) */
+    if (D->h_active) {
+        const int64_t at = S->hint_at[s];
+        if (at >= 0) {
+            int64_t steps = at - D->h_step;
+            steps = steps < 0 ? 0 : (steps > HINT_MAX ? HINT_MAX : steps);
+            int64_t est = steps * D->h_len - (pos + 1 - D->h_start);
+            est = est < 0 ? 0 : (est > HINT_MAX ? HINT_MAX : est);
+            x[F_HINTED] = 1.0f;
+            x[F_LOG_HINT_STEPS] = tab(S->l4, steps, S->ntab);
+            x[F_LOG_HINT_EST] = tab(S->l8, est, S->ntab);
+            for (int t = 0; t < N_THRESH; t++) x[F_HINT_LE0 + t] = (float)(est <= THRESH[t]);
+        } else if (at == -2) {
+            x[F_HINT_DONE] = 1.0f;
+        }
+    }
     /* anchored replay (rule 4) */
     int64_t pi = S->prev[s];
     x[F_MATCHED] = (float)(pi >= 0);
@@ -461,6 +482,7 @@ static void context_row(const prep_t *P, float *restrict c)
     c[X_HIST_SLOW_ALLOCS] = (float)((8.0 < ha ? 8.0 : ha) / 4.0);
     c[X_LOG_CANDIDATES] = tab(S->l8, P->n_live, S->ntab);
     c[X_LOG_BWD_FWD_RATIO] = (float)S->log1p_ratio;
+    c[X_HINTS] = (float)(D->h_active != 0);
 }
 
 /* FeatureState.features for the slots D->rows: X (m, NF), ctx (NC,), sids (m,). Returns prepare()'s
@@ -1113,8 +1135,9 @@ int64_t dynn_pilot_layout(int64_t *out, int64_t n)
         F_LOG_PREV_COUNT, F_OCC_HAS_NEXT, F_LOG_OCC_REMAINING, F_LOG_OCC_GAP, F_AGE0, F_EXT_BY_ORDER,
         F_LOG_STACK_SPAN, F_LOG_STACK_EST, F_STACK_OVERDUE, F_PREV_LE0, F_OCC_LE0, F_STACK_LE0,
         F_MIRROR, F_MIRROR_LINKED, F_MIRROR_FINAL, F_LOG_MIRROR_SPAN, F_LOG_MIRROR_EST, F_MIRROR_LE0,
+        F_HINTED, F_HINT_DONE, F_LOG_HINT_STEPS, F_LOG_HINT_EST, F_HINT_LE0, HINT_MAX,
         X_PHASE0, X_LOG_IN_PHASE, X_HAS_HISTORY, X_ANCHORED_PROGRESS, X_PROGRESS, X_LOG_SINCE_ANCHOR,
-        X_HIST_FAST0, X_HIST_SLOW0, X_HIST_SLOW_ALLOCS, X_LOG_CANDIDATES, X_LOG_BWD_FWD_RATIO,
+        X_HIST_FAST0, X_HIST_SLOW0, X_HIST_SLOW_ALLOCS, X_LOG_CANDIDATES, X_LOG_BWD_FWD_RATIO, X_HINTS,
     };
     const int64_t len = (int64_t)(sizeof(v) / sizeof(v[0]));
     for (int64_t i = 0; i < n && i < len; i++) out[i] = v[i];

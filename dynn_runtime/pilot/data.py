@@ -154,6 +154,8 @@ def walk(trace: Trace, iteration: int, group: int = 16, baselines: bool = True,
             state.free(sid)
             if replay is not None:
                 replay.on_free(sid)
+        for h in it.hints.get(j, ()):
+            state.hint(h)
         for sid in op.allocs:
             view.live.add(sid)
             state.alloc(sid, j)

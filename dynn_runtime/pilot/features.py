@@ -67,6 +67,16 @@ Rules it keeps (why each is there):
    stack) enters with cumulative indicators. Trace-agnostic: any autograd workload has nodes. On
    the held-out tree_lstm traces (whose backward follows each batch's trees, which no earlier
    iteration predicts) a tree_lstm-only model's window recall rose from 85.0% to 92.1%.
+10. The workload may say what it knows of its own near future (:mod:`dynn_runtime.hints`), in its
+   own steps (a tree level, a layer, a recycling pass): ``step()`` marks a step's start and
+   ``next_use(tensors, steps=k)`` says they are read again k steps on (``None``: not again in this
+   pass). A hinted storage gets the steps to its hinted step and their estimate in operators (the
+   pass's mean operators per completed step, else the previous pass's, minus those already run in
+   the current step), with cumulative indicators; the context row says whether this iteration has
+   hints at all, so the network can tell "no hint" from "hints, but none for this storage". A hint
+   holds through its step (a storage read several times in it stays due), and at most until the
+   phase ends; the workload re-hints a storage after its use. The
+   features are generic (any loop can mark steps) and absent for workloads that give no hints.
 """
 
 from __future__ import annotations
@@ -144,13 +154,15 @@ CAND_FEATURES: tuple[str, ...] = (
     *(f"prev_le{t}" for t in _THRESH), *(f"occ_le{t}" for t in _THRESH), *(f"stack_le{t}" for t in _THRESH),
     "mirror", "mirror_linked", "mirror_final", "log_mirror_span", "log_mirror_est",
     *(f"mirror_le{t}" for t in _THRESH),
+    "hinted", "hint_done", "log_hint_steps", "log_hint_est",
+    *(f"hint_le{t}" for t in _THRESH),
 )
 CTX_FEATURES: tuple[str, ...] = (
     *(f"phase_{p}" for p in PHASES),
     "log_in_phase", "has_history", "anchored_progress", "progress", "log_since_anchor",
     *(f"hist_fast_iv{i}" for i in range(6)),
     *(f"hist_slow_iv{i}" for i in range(6)),
-    "hist_slow_allocs", "log_candidates", "log_bwd_fwd_ratio",
+    "hist_slow_allocs", "log_candidates", "log_bwd_fwd_ratio", "hints",
 )
 _C = {n: i for i, n in enumerate(CAND_FEATURES)}
 _THRESH_ARR = np.asarray(_THRESH, dtype=np.float64)
@@ -158,6 +170,8 @@ _X = {n: i for i, n in enumerate(CTX_FEATURES)}
 _BIG = 1 << 32
 #: rule 9: how many producers down a pass-through gradient is followed at once
 _PASS_DEPTH = 8
+#: rule 10: hinted step counts and distances are capped here (the kernel's log tables cover them)
+_HINT_MAX = 4095
 _IV_CACHE: dict[tuple[int, ...], np.ndarray] = {}
 _IVK_CACHE: dict[tuple[Any, ...], np.ndarray] = {}
 #: per (idiom, decays): ((iv, its address), (the histories' increment, its address)), for the kernel
@@ -196,6 +210,7 @@ class FeatureState:
         self._stack_counter = 0
         self._announced = 0
         self._warned_nodes = False
+        self._h_prev_len = 0
         self._ratio = 1.5
         self._prev_ops: dict[tuple[str, str, str, int], int] = {}
         self._prev_len = 0
@@ -248,6 +263,8 @@ class FeatureState:
         self.prev = ext(g(self, "prev", None), -1, np.int64)
         # rule 9: the forward storage (index into this iteration's mirror segments) it follows
         self.mirror_tgt = ext(g(self, "mirror_tgt", None), -1, np.int64)
+        # rule 10: the workload's step it said the storage is next read in; -2: not again this pass
+        self.hint_at = ext(g(self, "hint_at", None), -1, np.int64)
         # owned by the policy: the predicted next-use position of the last scoring (the policy's cache
         # holds the current prediction, provisional ones included), and "moved since the last decision"
         self.pred = ext(g(self, "pred", None), np.inf, np.float64)
@@ -297,6 +314,8 @@ class FeatureState:
         self.prev[:n] = -1
         self.mirror_tgt[:n] = -1
         self._reset_mirror()
+        self._reset_hints(n)
+        self._h_active = False
         self._index_previous(history[-1] if history else None)
         for sid, s in self._slot.items():
             self.persistent[s] = 1.0
@@ -349,6 +368,56 @@ class FeatureState:
         self._prev_count = counts
 
     # ---- rule 9: backward mirrors forward ------------------------------------------------------
+    def _reset_hints(self, n: int) -> None:
+        """Rule 10: hints hold for the pass they were given in; a new phase starts without any."""
+        if self._h_steps_len() > 0:
+            self._h_prev_len = self._h_steps_len()
+        self.hint_at[:n] = -1
+        self._h_live = False  # some storage holds a hint
+        self._h_step = 0  # the workload's steps started in this pass
+        self._h_first = -1  # position of the first step's first operator
+        self._h_start = 0  # position of the current step's first operator
+
+    def _h_steps_len(self) -> int:
+        """Operators per workload step, measured over this pass's completed steps (0: fewer than one)."""
+        if getattr(self, "_h_step", 0) >= 2:
+            return (self._h_start - self._h_first) // (self._h_step - 1)
+        return 0
+
+    def _hint_len(self) -> int:
+        """Operators per step to convert hinted steps into operators: this pass's mean, else the
+        previous pass's, else the current step's length so far."""
+        n = self._h_steps_len()
+        if n > 0:
+            return n
+        if self._h_prev_len > 0:
+            return self._h_prev_len
+        return max(self.position + 1 - self._h_start, 1)
+
+    def hint(self, hint: Any) -> None:
+        """``on_hint``: a :class:`~dynn_runtime.hints.Hint` from the workload, before the next operator."""
+        self._h_active = True
+        if hint.kind == "step":
+            start = self.position + 1
+            if self._h_step == 0:
+                self._h_first = start
+            self._h_step += 1
+            self._h_start = start
+            if self._h_live:  # a hint holds through its step: those for the step that ended expire
+                at = self.hint_at[: self._cap]
+                over = np.flatnonzero((at >= 0) & (at < self._h_step))
+                at[over] = -1
+                self.touched[over] = True
+            return
+        at = -2 if hint.steps is None else self._h_step + int(hint.steps)
+        slot = self._slot
+        for sid in hint.sids:
+            s = slot.get(sid)
+            if s is not None:
+                self.hint_at[s] = at
+                self.touched[s] = True
+                self._h_live = True
+
     def _reset_mirror(self) -> None:
         self._mirror = -1  # forward position of the node backward is running; -1: none yet
         self._fwd_log: list[tuple[int, Any]] = []  # (position, operator) of forward since the last backward
@@ -474,6 +543,7 @@ class FeatureState:
         announce = self._announced
         self._announced += 1
         self.mirror_tgt[s] = -1
+        self.hint_at[s] = -1
         if self._kernel is not None:
             self._kernel.alloc(self, s, kind_idx, 1.0 if saved else 0.0, log_bytes, announce, position, prev)
             return s, kind, saved
@@ -524,6 +594,8 @@ class FeatureState:
             self.phase = ph
             self.phase_start = position
             new_phase = True
+            if self._h_live or self._h_step:
+                self._reset_hints(self._cap)
         else:
             new_phase = position == 0
         self.position = position
@@ -830,6 +902,18 @@ class FeatureState:
             X[rows, _C["log_occ_gap"]] = np.where(okn, np.log1p(np.maximum(gap, 0)) / 8.0, 0.0)
             X[rows, _C["log_occ_remaining"]] = np.where(okn, np.log1p(np.maximum(gap - age_r, 0)) / 8.0, 0.0)
             X[rows, _C["occ_le8"]: _C["occ_le256"] + 1] = okn[:, None] & ((gap - age_r)[:, None] <= _THRESH_ARR)
+        # workload hints (rule 10)
+        if self._h_active:
+            at = self.hint_at[idx]
+            rows = np.flatnonzero(at >= 0)
+            if len(rows):
+                steps = np.minimum(np.maximum(at[rows] - self._h_step, 0), _HINT_MAX)
+                est = np.minimum(np.maximum(steps * self._hint_len() - (pos + 1 - self._h_start), 0), _HINT_MAX)
+                X[rows, _C["hinted"]] = 1.0
+                X[rows, _C["log_hint_steps"]] = np.log1p(steps.astype(np.float32)) / 4.0
+                X[rows, _C["log_hint_est"]] = np.log1p(est) / 8.0
+                X[rows, _C["hint_le8"]: _C["hint_le256"] + 1] = est[:, None] <= _THRESH_ARR
+            X[at == -2, _C["hint_done"]] = 1.0
         ctx = np.zeros(len(CTX_FEATURES), dtype=np.float32)
         ctx[self.phase] = 1.0
         ctx[_X["log_in_phase"]] = np.log1p(pos - self.phase_start) / 8.0
@@ -844,6 +928,7 @@ class FeatureState:
         ctx[_X["hist_slow_allocs"]] = min(self._hist_allocs, 8.0) / 4.0
         ctx[_X["log_candidates"]] = np.log1p(m if n_live is None else n_live) / 8.0
         ctx[_X["log_bwd_fwd_ratio"]] = np.log1p(self._ratio)
+        ctx[_X["hints"]] = self._h_active
         return self.sid[idx].copy(), X, ctx
 
     def expected_length(self) -> int:

@@ -51,8 +51,8 @@ FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-fPIC", "-shared", "-std=c99", "-ffp-contract=off"),
 )
 LIBS = ("-lm",)
-_ABI = 7
-_STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS, _OP_WORDS = 43, 14, 16, 7, 16
+_ABI = 8
+_STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS, _OP_WORDS = 44, 18, 16, 7, 16
 _LANES = 16
 _MAX_H, _MAX_K = 256, 64  # widest hidden layer and most (padded) outputs the kernel takes
 
@@ -259,7 +259,8 @@ class _Point(ctypes.Structure):
     _fields_ = [*((f, ctypes.c_int64) for f in ("pos", "phase", "phase_start", "frontier", "p_here", "q",
                                                 "stack_counter", "n_live")),
                 ("hist_allocs", ctypes.c_double), ("rows", ctypes.c_void_p), ("m", ctypes.c_int64),
-                ("rem", ctypes.c_void_p), ("nrem", ctypes.c_int64), ("mirror", ctypes.c_int64)]
+                ("rem", ctypes.c_void_p), ("nrem", ctypes.c_int64), ("mirror", ctypes.c_int64),
+                *((f, ctypes.c_int64) for f in ("h_active", "h_step", "h_start", "h_len"))]
 
 
 class _Policy(ctypes.Structure):
@@ -324,7 +325,10 @@ class StateTable:
                 raise RuntimeError(f"pilot native: mirror array {i} is {a.dtype}, contiguous={a.flags.c_contiguous}")
             words[38 + i] = a.ctypes.data
         words[42] = len(st._mir_sid)
-        arrays += mirror
+        if st.hint_at.dtype != np.int64 or not st.hint_at.flags.c_contiguous:
+            raise RuntimeError("pilot native: hint array is not contiguous int64")
+        words[43] = st.hint_at.ctypes.data
+        arrays += [*mirror, (st.hint_at, np.int64)]
         self.keep = arrays
         self.words = words
         self.addr = words.ctypes.data
@@ -381,6 +385,9 @@ class StateTable:
         p.m = m
         p.nrem = -1
         p.mirror = st._mirror
+        p.h_active = st._h_active
+        if st._h_active:
+            p.h_step, p.h_start, p.h_len = st._h_step, st._h_start, st._hint_len()
 
 
 class ModelTable:
@@ -603,7 +610,7 @@ class NativeKernel:
         return (kernel, ())
 
     def _check_layout(self) -> None:
-        from .features import _THRESH, CAND_FEATURES, CTX_FEATURES, KINDS
+        from .features import _HINT_MAX, _THRESH, CAND_FEATURES, CTX_FEATURES, KINDS
 
         out = np.zeros(128, dtype=np.int64)
         n = self.lib.dynn_pilot_layout(out.ctypes.data, len(out))
@@ -615,12 +622,13 @@ class NativeKernel:
                 "prev_used_again", "log_prev_dist", "log_prev_count", "occ_has_next", "log_occ_remaining",
                 "log_occ_gap", "age0", "ext_by_order", "log_stack_span", "log_stack_est", "stack_overdue", "prev_le8",
                 "occ_le8", "stack_le8", "mirror", "mirror_linked", "mirror_final", "log_mirror_span", "log_mirror_est",
-                "mirror_le8"]
+                "mirror_le8", "hinted", "hint_done", "log_hint_steps", "log_hint_est", "hint_le8"]
         ctx = ["phase_forward", "log_in_phase", "has_history", "anchored_progress", "progress", "log_since_anchor",
-               "hist_fast_iv0", "hist_slow_iv0", "hist_slow_allocs", "log_candidates", "log_bwd_fwd_ratio"]
+               "hist_fast_iv0", "hist_slow_iv0", "hist_slow_allocs", "log_candidates", "log_bwd_fwd_ratio", "hints"]
         want = [_ABI, _STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS, _OP_WORDS, _MAX_H, _MAX_K, len(CAND_FEATURES),
                 len(CTX_FEATURES),
-                len(KINDS), len(_THRESH), *_THRESH, *(c[k] for k in cols), *(x[k] for k in ctx)]
+                len(KINDS), len(_THRESH), *_THRESH, *(c[k] for k in cols[:-5]), *(c[k] for k in cols[-5:]), _HINT_MAX,
+                *(x[k] for k in ctx)]
         got = out[:n].tolist()
         if got != want:
             i = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))

@@ -440,6 +440,11 @@ class PilotPolicy(NextUsePolicy):
         self._state.free(sid)
         super().on_free(sid)
 
+    def on_hint(self, hint: Any) -> None:
+        t0 = self._timer()
+        self._state.hint(hint)
+        self.bookkeeping_s += self._timer() - t0
+
     def _skip_small(self) -> bool:
         """Rule 8: whether the small storages are left out of scoring now: yes, unless one of them
         had to be offered as a victim in this run (memory is then so short that their order

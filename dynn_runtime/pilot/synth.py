@@ -11,6 +11,10 @@ architectures:
   (later stages skipped when an exit fires), recycling loops with a per-step pass count (earlier
   passes optionally without gradient), top-1 routing of rows among experts, plain layers.
 
+Half of the networks (drawn per seed) tell what they know of their near future through
+:mod:`dynn_runtime.hints` (tree levels, skipped and exited blocks, idle experts, recycling passes),
+so the pilot learns to use hints from architectures no zoo family has and to do without them.
+
 Every dynamic choice (tree shapes, skips, exits, passes, routes) is drawn per step from the batch's
 seeded generator, so a seed gives the same traces on every run and different steps differ. Sizes
 are tiny (width 8-24, batch 4): a 3-step trace records in well under a second on a CPU.
@@ -30,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import hints
+
 __all__ = ["SynthNet", "SynthWorkload", "synth_traces", "SYNTH_FAMILY"]
 
 #: the workload name synthetic traces carry (never one of the zoo's families)
@@ -45,14 +51,25 @@ class _Tree(nn.Module):
         self.wx = nn.Linear(w, 2 * w)
         self.uh = nn.Linear(w, 2 * w, bias=False)
 
-    def forward(self, b: dict[str, Any]) -> torch.Tensor:
+    def forward(self, b: dict[str, Any], tell: bool = False) -> torch.Tensor:
         x = self.emb(b["tokens"])
         h = torch.zeros_like(x)
-        for nodes, child, slot in b["levels"]:
+        levels = b["levels"]
+        if tell:
+            for i, lv in enumerate(levels):
+                hints.next_use(*lv, steps=i + 1)
+        for i, (nodes, child, slot) in enumerate(levels):
+            if tell:
+                hints.step()
             s = torch.zeros(len(nodes), x.shape[1], dtype=x.dtype).index_add(0, slot, h[child])
             z = self.wx(x[nodes]) + self.uh(s)
             g, c = z.chunk(2, dim=1)
             h = h.index_copy(0, nodes, torch.sigmoid(g) * torch.tanh(c))
+            if tell:
+                hints.next_use(nodes, child, slot, steps=None)
+                hints.next_use(h, x, steps=1)
+        if tell:
+            hints.step()
         return h[b["roots"]]
 
 
@@ -117,10 +134,12 @@ class SynthNet(nn.Module):
         self.stage_mods = mods
         self.no_grad_recycles = r.random() < 0.5
         self.head = nn.Linear(w, 1)
+        self.tell = r.random() < 0.5  # drawn last: the architecture of a seed is as before hints
 
     def forward(self, b: dict[str, Any]) -> torch.Tensor:
+        tell = self.tell and hints.listening()
         if self.trunk == "tree":
-            h = self.tree(b)
+            h = self.tree(b, tell)
         else:
             h = F.relu(self.stem(b["x"]))
             if self.conv:
@@ -131,20 +150,29 @@ class SynthNet(nn.Module):
         for (kind, _n), m, p in zip(self.stages, self.stage_mods, plan):
             if self.conv and kind not in ("skip",) and h.dim() == 4:
                 h = h.mean(dim=(2, 3))
+            if tell:
+                _tell_stage(kind, m, p)
             if kind == "skip":
                 for blk, run in zip(m, p):
+                    if tell:
+                        hints.step()
                     if run:
                         if blk.conv != (h.dim() == 4):
                             continue
                         h = blk(h)
             elif kind == "exit":
                 for i, e in enumerate(m):
+                    if tell:
+                        hints.step()
                     h = e["blk"](h)
                     loss = loss + e["head"](h).pow(2).mean()
                     if i == p:
                         return loss  # an exit fired: later stages do not run this step
             elif kind == "recycle":
                 for k in range(p):
+                    if tell:
+                        hints.step()
+                        hints.next_use(*m.parameters(), steps=None if k == p - 1 else 1)
                     last = k == p - 1
                     with torch.set_grad_enabled(last or not self.no_grad_recycles):
                         for blk in m:
@@ -165,6 +193,20 @@ class SynthNet(nn.Module):
         if h.dim() == 4:
             h = h.mean(dim=(2, 3))
         return loss + self.head(h).pow(2).mean()
+
+
+def _tell_stage(kind: str, m: nn.Module, p: Any) -> None:
+    """Hints a stage's parameters with the step (counted from the stage's start) that reads them."""
+    if kind == "skip":
+        for i, (blk, run) in enumerate(zip(m, p)):
+            hints.next_use(*blk.parameters(), steps=i + 1 if run else None)
+    elif kind == "exit":
+        for i, e in enumerate(m):
+            hints.next_use(*e.parameters(), steps=i + 1 if i <= p or p < 0 else None)
+    elif kind == "moe":
+        hints.step()
+        for e, exp in enumerate(m["experts"]):
+            hints.next_use(*exp.parameters(), steps=0 if len(p[e]) else None)
 
 
 class SynthWorkload:

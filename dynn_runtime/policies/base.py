@@ -13,14 +13,16 @@ time it is; the policy sees that through a :class:`MemoryView` and answers three
    recompute on access) or ``"discard"`` (free, never needed again: only for policies that see the
    future; the mechanism verifies it).
 
-Plus notifications (``on_access``, ``on_alloc``, ``on_free``, ``on_op``) for policies that keep
+Plus notifications (``on_access``, ``on_alloc``, ``on_free``, ``on_op``, ``on_hint``) for policies that keep
 their own statistics or features, and ``begin_iteration`` where a policy that plans (replay,
 oracle) does so. ``on_op(position, op)`` comes after every operator ran, before ``after_op``,
 with the operator's :class:`~dynn_runtime.trace.format.Op` record (name, idiom vector, phase,
 module, the storages it read, wrote and allocated): the simulator passes the trace's record, the
 live runtime the one it builds as the operator runs, so a policy that learns from the operator
 stream (pilot) sees the same thing in both. Storages alive when an iteration starts are announced
-by ``on_alloc(sid, -1)``.
+by ``on_alloc(sid, -1)``. ``on_hint(hint)`` passes on what the workload said about its own near
+future (:mod:`dynn_runtime.hints`), before the operator that follows it: the simulator from the
+trace's hint records, the live runtime as the workload calls :func:`~dynn_runtime.hints.next_use`.
 
 Policies register by name with :func:`register` and declare what they need (``requires``): a
 trace of earlier iterations (``history``), knowledge of the future (``future``: only the oracle),
@@ -124,6 +126,9 @@ class Policy:
 
     def on_op(self, position: int, op: Any) -> None:
         """Operator ``position`` ran; ``op`` is its :class:`~dynn_runtime.trace.format.Op` record."""
+
+    def on_hint(self, hint: Any) -> None:
+        """The workload gave a :class:`~dynn_runtime.hints.Hint` before the next operator."""
 
 
 class SmallStorages:

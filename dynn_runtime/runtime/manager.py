@@ -57,7 +57,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import hints
 from ..errors import BudgetError, ConfigError, PolicyError, _internal_assert
+from ..hints import Hint
 from ..memory import format_bytes, parse_size
 from ..policies.base import Policy, make_policy
 from ..trace.format import Iteration, Op, Trace, read_trace
@@ -318,6 +320,7 @@ class MemoryManager:
         self._nodes = AutogradNodes()
         self._frees: dict[int, list[int]] = {}
         self._pre: dict[int, list[int]] = {}
+        self._hints: dict[int, list[Hint]] = {}
         self._meta_cache: dict[Any, int | None] = {}
         self._idiom_cache: dict[str, tuple[int, ...]] = {}
         self._handles: list[Any] = []
@@ -485,6 +488,7 @@ class MemoryManager:
         self._ops = []
         self._frees = {}
         self._pre = {}
+        self._hints: dict[int, list[Hint]] = {}
         self._oracle_map = {}
         self._in_step = True
         self._t_step = time.perf_counter()
@@ -501,8 +505,10 @@ class MemoryManager:
                 # step, or a budget lowered by hand): get within it before the step starts
                 self._make_room(0, set(), "the start of the step")
             self._cur.peak_device_bytes = self.used
+        hints._listen(self)
 
     def _end_step(self, ok: bool) -> None:
+        hints._stop(self)
         self._in_step = False
         with _no_mode():
             self._drain()
@@ -523,7 +529,7 @@ class MemoryManager:
         cur.wall_seconds = time.perf_counter() - self._t_step
         if ok:
             self.history.append(Iteration(index=self._step_index, ops=self._ops, frees=self._frees,
-                                          pre_allocs=self._pre))
+                                          pre_allocs=self._pre, hints=self._hints))
             del self.history[:-self.history_len]
         self._ops = []
         if self._measure_step and ok:
@@ -603,6 +609,24 @@ class MemoryManager:
             for v in state.values():
                 if isinstance(v, torch.Tensor):
                     self._track(v, "opt_state", fresh=False)
+
+    # ---- workload hints (dynn_runtime.hints): to the policy, before the next operator ----------
+    def _hint_step(self) -> None:
+        self._give_hint(Hint("step"))
+
+    def _hint_use(self, tensors: list[torch.Tensor], steps: int | None) -> None:
+        sids: list[int] = []
+        for t in tensors:
+            sid = self._track(t, "input", fresh=False)
+            if sid is not None and sid not in sids:
+                sids.append(sid)
+        if sids:
+            self._give_hint(Hint("use", tuple(sids), steps))
+
+    def _give_hint(self, h: Hint) -> None:
+        self._hints.setdefault(self.position, []).append(h)
+        with _no_mode():
+            self.policy.on_hint(h)
 
     def _pack(self, t: torch.Tensor) -> Any:
         sid = self._sid(t)

@@ -228,6 +228,7 @@ class Simulator:
         # storages alive when the iteration starts (parameters, optimizer state, the batch)
         self.initial: list[int] = it.live_at_start(tr)
         self.frees = it.frees
+        self.hints = it.hints
 
     def _measured_durations(self) -> bool:
         h = self.trace.header
@@ -615,6 +616,8 @@ class Simulator:
             self.phase = op.phase
             for sid in self.frees.get(j, ()):
                 self._free(sid)
+            for h in self.hints.get(j, ()):
+                pol.on_hint(h)
             allocs = op.allocs
             need = set(op.inputs) | set(op.writes) | (set(op.outputs) - set(allocs))
             for sid in need:

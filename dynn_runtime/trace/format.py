@@ -2,7 +2,8 @@
 
 See ``docs/trace-format.md`` for the full description. In short: a header record, then per
 iteration an iteration mark, phase marks, and interleaved operator (``O``), allocation (``A``),
-kind (``K``), saved-for-backward (``S``) and free (``F``) records in the order they happened.
+kind (``K``), saved-for-backward (``S``), free (``F``) and workload-hint (``T``: next step, ``U``:
+next use; :mod:`dynn_runtime.hints`) records in the order they happened.
 Operator and module names are interned (``D`` and ``M`` records) to keep files small.
 
 The reader validates as it goes and raises :class:`TraceError` naming the file, the line and
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..errors import TraceError
+from ..hints import Hint
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -36,7 +38,7 @@ __all__ = [
     "Storage",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MAGIC = "dynn-trace"
 
 #: Tensor kinds, most specific first. A storage's kind only moves up this list.
@@ -188,6 +190,9 @@ class Iteration:
     pre_allocs: dict[int, list[int]] = field(default_factory=dict)
     phase_starts: dict[str, int] = field(default_factory=dict)
     facts: dict = field(default_factory=dict)
+    #: ``hints[k]`` lists the workload's hints (:class:`~dynn_runtime.hints.Hint`) given after op k-1
+    #: and before op k, in order
+    hints: dict[int, list[Any]] = field(default_factory=dict)
 
     def footprint_peak(self, trace: Trace) -> int:
         """Most bytes of live storages at once in this iteration (everything resident: PyTorch
@@ -317,6 +322,19 @@ def read_trace(path: str | Path) -> Trace:
                 st = storage(lineno, int(rec["s"]))
                 st.free_at = (cur.index, len(cur.ops))
                 cur.frees.setdefault(len(cur.ops), []).append(st.sid)
+            elif t == "T":
+                cur = need_iter(lineno)
+                cur.hints.setdefault(len(cur.ops), []).append(Hint("step"))
+            elif t == "U":
+                cur = need_iter(lineno)
+                sids = tuple(int(v) for v in rec["s"])
+                for sid in sids:
+                    storage(lineno, sid)
+                n = int(rec["n"])
+                if n < -1:
+                    raise TraceError(f"trace: {p}: line {lineno}: a next-use hint's step count is {n}; "
+                                     "expected >= 0, or -1 for 'not again in this pass'.")
+                cur.hints.setdefault(len(cur.ops), []).append(Hint("use", sids, None if n < 0 else n))
             elif t == "E":
                 # what the step decided is only known once it ran: the end record carries it
                 need_iter(lineno).facts.update(rec.get("facts", {}))

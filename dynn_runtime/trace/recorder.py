@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from .. import hints
 from .._version import __version__
 from ..errors import TraceError
 from ..workload import load_workload, make_optimizer, to_device, workload_name
@@ -252,6 +253,20 @@ class TraceRecorder(TorchDispatchMode):
         self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._saved_ctx.__enter__()
         self.__enter__()
+        hints._listen(self)
+
+    # ---- workload hints (dynn_runtime.hints) ------------------------------------------------
+    def _hint_step(self) -> None:
+        self.records.append({"t": "T"})
+
+    def _hint_use(self, tensors: list[torch.Tensor], steps: int | None) -> None:
+        sids: list[int] = []
+        for t in tensors:
+            sid = self._sid_of(t, "input")
+            if sid is not None and sid not in sids:
+                sids.append(sid)
+        if sids:
+            self.records.append({"t": "U", "s": sids, "n": -1 if steps is None else steps})
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         sid = self._sid_of(t, "input")
@@ -263,6 +278,7 @@ class TraceRecorder(TorchDispatchMode):
         return _Phase(self, name)
 
     def end_iteration(self, facts: dict | None = None) -> list[dict]:
+        hints._stop(self)
         self.__exit__(None, None, None)
         self._saved_ctx.__exit__(None, None, None)
         self._modules.remove()
