@@ -2,9 +2,11 @@
 
 Parts: the zoo of dynamic networks (:mod:`dynn_runtime.models`), the idiom tool
 (:mod:`dynn_runtime.idioms`), the trace recorder (:mod:`dynn_runtime.trace`), memory accounting
-(:mod:`dynn_runtime.memory`), and the native (patched PyTorch) hooks (:mod:`dynn_runtime.native`).
+(:mod:`dynn_runtime.memory`), the native (patched PyTorch) hooks (:mod:`dynn_runtime.native`), and
+the hints a workload may give about its own near future (:mod:`dynn_runtime.hints`).
 """
 
+from . import hints
 from ._version import __version__
 from .errors import (
     BudgetError,
@@ -17,7 +19,6 @@ from .errors import (
     TraceError,
     WorkloadError,
 )
-from . import hints
 from .runtime import MemoryManager
 from .workload import load_workload, train
 

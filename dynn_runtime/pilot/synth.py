@@ -58,7 +58,7 @@ class _Tree(nn.Module):
         if tell:
             for i, lv in enumerate(levels):
                 hints.next_use(*lv, steps=i + 1)
-        for i, (nodes, child, slot) in enumerate(levels):
+        for nodes, child, slot in levels:
             if tell:
                 hints.step()
             s = torch.zeros(len(nodes), x.shape[1], dtype=x.dtype).index_add(0, slot, h[child])
