@@ -102,7 +102,8 @@ class ChildSumTreeLSTM(nn.Module):
             for level, edges in enumerate(batch.edges):
                 hints.next_use(batch.levels[level], *(t for _, cp, pp in edges for t in (cp, pp)), steps=level + 1)
         wx_all = self.w(self.embed(batch.tokens))
-        hints.next_use(wx_all, steps=1)
+        if tell:
+            hints.next_use(wx_all, steps=1)
         hs: list[torch.Tensor] = []
         cs: list[torch.Tensor] = []
         for level, (nodes, edges) in enumerate(zip(batch.levels, batch.edges)):

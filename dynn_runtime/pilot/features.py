@@ -210,7 +210,9 @@ class FeatureState:
         self._stack_counter = 0
         self._announced = 0
         self._warned_nodes = False
-        self._h_prev_len = 0
+        self._h_prev_len = 0  # rule 10: operators per step of the previous pass that had steps
+        self._h_step = self._h_start = 0
+        self._h_first = -1
         self._ratio = 1.5
         self._prev_ops: dict[tuple[str, str, str, int], int] = {}
         self._prev_len = 0
@@ -367,11 +369,12 @@ class FeatureState:
         self._prev_keys = np.asarray(keys, dtype=np.int64)  # already sorted: by index, then position
         self._prev_count = counts
 
-    # ---- rule 9: backward mirrors forward ------------------------------------------------------
+    # ---- rule 10: workload hints ---------------------------------------------------------------
     def _reset_hints(self, n: int) -> None:
         """Rule 10: hints hold for the pass they were given in; a new phase starts without any."""
-        if self._h_steps_len() > 0:
-            self._h_prev_len = self._h_steps_len()
+        done = self._h_steps_len()
+        if done > 0:
+            self._h_prev_len = done
         self.hint_at[:n] = -1
         self._h_live = False  # some storage holds a hint
         self._h_step = 0  # the workload's steps started in this pass
@@ -380,7 +383,7 @@ class FeatureState:
 
     def _h_steps_len(self) -> int:
         """Operators per workload step, measured over this pass's completed steps (0: fewer than one)."""
-        if getattr(self, "_h_step", 0) >= 2:
+        if self._h_step >= 2:
             return (self._h_start - self._h_first) // (self._h_step - 1)
         return 0
 
@@ -418,6 +421,7 @@ class FeatureState:
                 self.touched[s] = True
                 self._h_live = True
 
+    # ---- rule 9: backward mirrors forward ------------------------------------------------------
     def _reset_mirror(self) -> None:
         self._mirror = -1  # forward position of the node backward is running; -1: none yet
         self._fwd_log: list[tuple[int, Any]] = []  # (position, operator) of forward since the last backward

@@ -202,7 +202,7 @@ def _tell_stage(kind: str, m: nn.Module, p: Any) -> None:
             hints.next_use(*blk.parameters(), steps=i + 1 if run else None)
     elif kind == "exit":
         for i, e in enumerate(m):
-            hints.next_use(*e.parameters(), steps=i + 1 if i <= p or p < 0 else None)
+            hints.next_use(*e.parameters(), steps=i + 1 if i <= p else None)
     elif kind == "moe":
         hints.step()
         for e, exp in enumerate(m["experts"]):
