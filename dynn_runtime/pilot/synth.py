@@ -6,7 +6,9 @@ random network out of the same dynamic idioms, so that the pilot's training data
 architectures:
 
 * a trunk: MLP on vectors, a small convnet on images, or a recursive cell over random trees batched
-  level by level (per-level index tensors in the batch, children summed with ``index_add``);
+  level by level (per-level index tensors in the batch, children summed with ``index_add``), the
+  cell rewriting one state tensor or (half of the tree trunks) keeping each level's states apart,
+  read later by whichever levels the batch's trees say;
 * then 1-4 random stages: gated residual blocks skipped per step (MLP or conv), early-exit heads
   (later stages skipped when an exit fires), recycling loops with a per-step pass count (earlier
   passes optionally without gradient), top-1 routing of rows among experts, plain layers.
@@ -40,6 +42,8 @@ __all__ = ["SynthNet", "SynthWorkload", "synth_traces", "SYNTH_FAMILY"]
 
 #: the workload name synthetic traces carry (never one of the zoo's families)
 SYNTH_FAMILY = "synthetic"
+#: the generator's version, part of the cached traces' names (2: tree trunks with per-level states)
+GENERATOR_VERSION = 2
 TRUNKS = ("mlp", "conv", "tree")
 STAGES = ("skip", "exit", "recycle", "moe", "plain")
 
@@ -66,11 +70,61 @@ class _Tree(nn.Module):
             g, c = z.chunk(2, dim=1)
             h = h.index_copy(0, nodes, torch.sigmoid(g) * torch.tanh(c))
             if tell:
+                last = nodes is levels[-1][0]
                 hints.next_use(nodes, child, slot, steps=None)
-                hints.next_use(h, x, steps=1)
+                hints.next_use(h, steps=1)  # the next level, or the roots' gather after the last
+                hints.next_use(x, steps=None if last else 1)
         if tell:
             hints.step()
         return h[b["roots"]]
+
+
+class _LevelTree(nn.Module):
+    """A gated recursive cell that keeps each level's states in their own tensor: which later
+    level reads a level's states is decided by the batch's trees (the idiom of child-sum
+    Tree-LSTMs and DAG-RNNs), unlike :class:`_Tree`, whose one state tensor every level rewrites."""
+
+    def __init__(self, vocab: int, w: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, w)
+        self.wx = nn.Linear(w, 2 * w)
+        self.uz = nn.Linear(w, w, bias=False)
+        self.uh = nn.Linear(w, w, bias=False)
+
+    def forward(self, b: dict[str, Any], tell: bool = False) -> torch.Tensor:
+        levels, edges = b["levels"], b["edges"]
+        n = len(levels)
+        readers: list[list[int]] = [[lv for lv in range(n) if any(lo == k for lo, _, _ in edges[lv])]
+                                    for k in range(n)]
+        if tell:
+            for lv, (nodes, _, _) in enumerate(levels):
+                hints.next_use(nodes, *(t for _, cp, pp in edges[lv] for t in (cp, pp)), steps=lv + 1)
+        x_all = self.emb(b["tokens"])
+        hs: list[torch.Tensor] = []
+        for lv, (nodes, _, _) in enumerate(levels):
+            if tell:
+                hints.step()
+            zx, hx = self.wx(x_all.index_select(0, nodes)).chunk(2, dim=1)
+            agg = zx.new_zeros(len(nodes), zx.shape[1])
+            for lower, cp, pp in edges[lv]:
+                agg = agg.index_add(0, pp, hs[lower].index_select(0, cp))
+                if tell:
+                    _tell_reader(readers[lower], lv, n, hs[lower])
+            z = torch.sigmoid(zx + self.uz(agg))
+            hs.append((1 - z) * torch.tanh(hx + self.uh(agg)) + z * agg)
+            if tell:
+                _tell_reader(readers[lv], lv, n, hs[lv])
+                hints.next_use(*(t for _, cp, pp in edges[lv] for t in (cp, pp)), steps=None)
+        if tell:
+            hints.step()
+        return torch.cat(hs, dim=0).index_select(0, b["root_rows"])
+
+
+def _tell_reader(readers: list[int], level: int, n: int, h: torch.Tensor) -> None:
+    """Hint a level's states with the next level after ``level`` that reads them (the roots'
+    gather at step n + 1 reads every level)."""
+    nxt = next((r for r in readers if r > level), n)
+    hints.next_use(h, steps=nxt - level)
 
 
 class _Block(nn.Module):
@@ -134,7 +188,9 @@ class SynthNet(nn.Module):
         self.stage_mods = mods
         self.no_grad_recycles = r.random() < 0.5
         self.head = nn.Linear(w, 1)
-        self.tell = r.random() < 0.5  # drawn last: the architecture of a seed is as before hints
+        self.tell = r.random() < 0.5  # drawn after the architecture: seeds kept theirs when hints came
+        if self.trunk == "tree" and r.random() < 0.5:  # drawn last, for the same reason
+            self.tree = _LevelTree(32, w)
 
     def forward(self, b: dict[str, Any]) -> torch.Tensor:
         tell = self.tell and hints.listening()
@@ -151,7 +207,7 @@ class SynthNet(nn.Module):
             if self.conv and kind not in ("skip",) and h.dim() == 4:
                 h = h.mean(dim=(2, 3))
             if tell:
-                _tell_stage(kind, m, p)
+                _tell_stage(kind, m, p, h.dim() == 4)
             if kind == "skip":
                 for blk, run in zip(m, p):
                     if tell:
@@ -172,11 +228,12 @@ class SynthNet(nn.Module):
                 for k in range(p):
                     if tell:
                         hints.step()
-                        hints.next_use(*m.parameters(), steps=None if k == p - 1 else 1)
                     last = k == p - 1
                     with torch.set_grad_enabled(last or not self.no_grad_recycles):
                         for blk in m:
                             h = blk(h)
+                    if tell:  # read again by the next pass, or not again
+                        hints.next_use(*m.parameters(), steps=None if last else 1)
                     if not last and self.no_grad_recycles:
                         h = h.detach()
             elif kind == "moe":
@@ -195,11 +252,12 @@ class SynthNet(nn.Module):
         return loss + self.head(h).pow(2).mean()
 
 
-def _tell_stage(kind: str, m: nn.Module, p: Any) -> None:
-    """Hints a stage's parameters with the step (counted from the stage's start) that reads them."""
+def _tell_stage(kind: str, m: nn.Module, p: Any, images: bool) -> None:
+    """Hints a stage's parameters with the step (counted from the stage's start) that reads them
+    (``images``: the stage's input is 4-d, so only the convolutional blocks of a skip stage run)."""
     if kind == "skip":
         for i, (blk, run) in enumerate(zip(m, p)):
-            hints.next_use(*blk.parameters(), steps=i + 1 if run else None)
+            hints.next_use(*blk.parameters(), steps=i + 1 if run and blk.conv == images else None)
     elif kind == "exit":
         for i, e in enumerate(m):
             hints.next_use(*e.parameters(), steps=i + 1 if i <= p else None)
@@ -235,16 +293,30 @@ class SynthWorkload:
             p = parents[i]
             if p >= 0:
                 height[p] = max(height[p], height[i] + 1)
-        levels = []
-        for lv in range(max(height) + 1):
+        levels, edges = [], []
+        n_levels = max(height) + 1
+        at = {}  # node -> (level, position inside the level)
+        for lv in range(n_levels):
             nodes = [i for i, hh in enumerate(height) if hh == lv]
             pos = {v: k for k, v in enumerate(nodes)}
+            at.update({v: (lv, k) for v, k in pos.items()})
             child = [i for i, p in enumerate(parents) if p >= 0 and p in pos]
             slot = [pos[parents[i]] for i in child]
             levels.append((torch.tensor(nodes), torch.tensor(child, dtype=torch.long),
                            torch.tensor(slot, dtype=torch.long)))
-        return {"tokens": torch.tensor([r.randrange(32) for _ in parents]), "levels": levels,
-                "roots": torch.tensor(roots)}
+            by_lower: dict[int, tuple[list[int], list[int]]] = {}
+            for c, s in zip(child, slot):
+                lo, k = at[c]
+                by_lower.setdefault(lo, ([], []))[0].append(k)
+                by_lower[lo][1].append(s)
+            edges.append([(lo, torch.tensor(cp, dtype=torch.long), torch.tensor(pp, dtype=torch.long))
+                          for lo, (cp, pp) in sorted(by_lower.items())])
+        offset = [0] * (n_levels + 1)
+        for lv in range(n_levels):
+            offset[lv + 1] = offset[lv] + len(levels[lv][0])
+        root_rows = [offset[at[v][0]] + at[v][1] for v in roots]
+        return {"tokens": torch.tensor([r.randrange(32) for _ in parents]), "levels": levels, "edges": edges,
+                "roots": torch.tensor(roots), "root_rows": torch.tensor(root_rows, dtype=torch.long)}
 
     def make_batch(self, step: int) -> dict[str, Any]:
         r = random.Random(self.seed * 1000 + step)
@@ -284,7 +356,10 @@ class SynthWorkload:
 def describe(seed: int) -> dict[str, Any]:
     """What a seed's network is (trunk, width, stages): for tests and provenance."""
     m = SynthNet(seed)
-    return {"trunk": m.trunk, "width": m.w, "stages": [k for k, _ in m.stages]}
+    out = {"trunk": m.trunk, "width": m.w, "stages": [k for k, _ in m.stages]}
+    if m.trunk == "tree":
+        out["cell"] = "levels" if isinstance(m.tree, _LevelTree) else "shared"
+    return out
 
 
 def synth_traces(seeds: Iterable[int], steps: int = 3, cache_dir: str | Path = ".dynn-cache/traces") -> list[Any]:
@@ -293,7 +368,7 @@ def synth_traces(seeds: Iterable[int], steps: int = 3, cache_dir: str | Path = "
 
     out = []
     for seed in seeds:
-        path = Path(cache_dir) / f"{SYNTH_FAMILY}-seed{seed}-steps{steps}-v{SCHEMA_VERSION}.jsonl.gz"
+        path = Path(cache_dir) / f"{SYNTH_FAMILY}-seed{seed}-steps{steps}-g{GENERATOR_VERSION}-v{SCHEMA_VERSION}.jsonl.gz"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(".tmp-" + path.name)

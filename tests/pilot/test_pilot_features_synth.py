@@ -83,6 +83,7 @@ def test_synthetic_networks_are_deterministic_and_varied(tmp_path):
     kinds = [describe(s) for s in range(24)]
     assert {k["trunk"] for k in kinds} == {"mlp", "conv", "tree"}
     assert {s for k in kinds for s in k["stages"]} == {"skip", "exit", "recycle", "moe", "plain"}
+    assert {k.get("cell") for k in kinds if k["trunk"] == "tree"} == {"levels", "shared"}
     tr = synth_traces([1], steps=3, cache_dir=tmp_path)[0]
     assert tr.header["workload"] == "synthetic"
     lengths = [len(it.ops) for it in tr.iterations]
@@ -154,3 +155,26 @@ def test_replayed_next_use_follows_the_counterparts_occurrences():
     assert st.replayed == {1: 9}
     st.op(4, _op("step", "optimizer", ins=(1,)))  # third access: the counterpart had no fourth
     assert 1 not in st.replayed
+
+
+def test_tree_batches_group_each_levels_children_by_their_level():
+    # a per-level-state cell reads, for each level, the lower levels its nodes' children sit in:
+    # every child must be found exactly once, at its own level and position, under its parent
+    w = next(SynthWorkload(s) for s in range(64) if describe(s).get("cell") == "levels")
+    for step in range(3):
+        b = w.make_batch(step)
+        nodes = [lv[0].tolist() for lv in b["levels"]]
+        level_of = {v: (lv, k) for lv, ns in enumerate(nodes) for k, v in enumerate(ns)}
+        seen = []
+        for lv, edges in enumerate(b["edges"]):
+            _, child, slot = b["levels"][lv]
+            want = sorted(zip(child.tolist(), (nodes[lv][k] for k in slot.tolist())))
+            got = []
+            for lower, cp, pp in edges:
+                assert lower < lv
+                got += [(nodes[lower][c], nodes[lv][p]) for c, p in zip(cp.tolist(), pp.tolist())]
+            assert sorted(got) == want
+            seen += [c for c, _ in got]
+        assert sorted(seen) == sorted(set(seen)) and len(seen) == len(level_of) - len(b["roots"])
+        flat = [v for ns in nodes for v in ns]
+        assert [flat[r] for r in b["root_rows"].tolist()] == b["roots"].tolist()
