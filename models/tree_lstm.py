@@ -11,9 +11,11 @@ each step and which earlier levels feed it are all decided by the data. Labels a
 sign of a subtree's "sentiment" (word polarities summed, flipped under negation words), so every
 node is trained as in SST.
 
-What it tells the memory manager (:mod:`dynn_runtime.hints`): each level is a step, and the batch's
-trees say, before the level runs, which lower levels it reads; so every level's states are hinted
-with the next level that reads them (or the final concatenation), as is each level's index tensors.
+What it tells the memory manager (:mod:`dynn_runtime.hints`): the batch's trees say, before any
+level runs, which lower levels each level reads. The forward's steps are fine (per level: its
+start, one step per lower level feeding it, the cell update; then the output), so each level's
+states, index tensors and input projections, the recurrent weights and the output layer are hinted
+with the exact step that reads them next.
 """
 
 from __future__ import annotations
@@ -91,56 +93,99 @@ class ChildSumTreeLSTM(nn.Module):
         """Return logits of every node in level order, and the labels in the same order."""
         h_dim = self.hidden
         n = len(batch.levels)
-        # the workload's steps are the levels (1..n; the output is step n + 1): which later levels
-        # read each level's states is known from the batch before any level runs
+        plan = _StepPlan(batch.edges)
         tell = hints.listening()
-        readers: list[list[int]] = [[] for _ in range(n)]
-        if tell:
+        if tell:  # which step reads what is known from the batch before any level runs
             for level, edges in enumerate(batch.edges):
-                for lower, _, _ in edges:
-                    readers[lower].append(level)
-            for level, edges in enumerate(batch.edges):
-                hints.next_use(batch.levels[level], *(t for _, cp, pp in edges for t in (cp, pp)), steps=level + 1)
+                plan.tell(plan.start[level], batch.levels[level])
+                for j, (_, cp, pp) in enumerate(edges):
+                    plan.tell(plan.edge[level][j], cp, pp)
+            plan.tell(plan.cell[0], self.u_iou.weight)
+            plan.tell(plan.next_edge(), self.u_f.weight)
+            plan.tell(plan.final, *self.out.parameters())
         wx_all = self.w(self.embed(batch.tokens))
         if tell:
-            hints.next_use(wx_all, steps=1)
+            plan.tell(plan.start[0], wx_all)
         hs: list[torch.Tensor] = []
         cs: list[torch.Tensor] = []
         for level, (nodes, edges) in enumerate(zip(batch.levels, batch.edges)):
-            hints.step()
+            plan.step()  # the level's start
             wx = wx_all.index_select(0, nodes)
             wx_iou, wx_f = wx[:, : 3 * h_dim], wx[:, 3 * h_dim :]
             h_sum = wx.new_zeros(nodes.numel(), h_dim)
             fc_sum = wx.new_zeros(nodes.numel(), h_dim)
-            for lower, child_pos, parent_pos in edges:
+            if tell:
+                plan.tell(plan.start[level + 1] if level + 1 < n else None, wx_all)
+                plan.tell(plan.edge[level][0] if edges else plan.cell[level], wx)
+            for j, (lower, child_pos, parent_pos) in enumerate(edges):
+                plan.step()  # one step per lower level feeding this one
                 h_k = hs[lower].index_select(0, child_pos)
                 c_k = cs[lower].index_select(0, child_pos)
                 h_sum = h_sum.index_add(0, parent_pos, h_k)
                 f_k = torch.sigmoid(wx_f.index_select(0, parent_pos) + self.u_f(h_k))
                 fc_sum = fc_sum.index_add(0, parent_pos, f_k * c_k)
                 if tell:
-                    _tell_next(readers[lower], level, n, hs[lower], cs[lower])
+                    plan.tell_states(lower, hs[lower], cs[lower])
+                    plan.tell(None, child_pos, parent_pos)
+                    plan.tell(plan.next_edge(), self.u_f.weight)
+                    plan.tell(plan.edge[level][j + 1] if j + 1 < len(edges) else plan.cell[level], wx)
+            plan.step()  # the cell update
             i, o, u = (wx_iou + self.u_iou(h_sum)).chunk(3, dim=1)
             c = torch.sigmoid(i) * torch.tanh(u) + fc_sum
             hs.append(torch.sigmoid(o) * torch.tanh(c))
             cs.append(c)
             if tell:
-                _tell_next(readers[level], level, n, hs[level], cs[level])
-                hints.next_use(nodes, steps=n - level)  # read again by the labels' gather at the end
-                hints.next_use(*(t for _, cp, pp in edges for t in (cp, pp)), steps=None)
-                hints.next_use(wx_all, steps=1 if level + 1 < n else None)
-        hints.step()
+                plan.tell_states(level, hs[level], cs[level])
+                plan.tell(plan.final, nodes)  # read again by the labels' gather at the end
+                plan.tell(plan.cell[level + 1] if level + 1 < n else None, self.u_iou.weight)
+                plan.tell(None, wx)
+        plan.step()  # the output
         logits = self.out(torch.cat(hs, dim=0))
         labels = batch.labels.index_select(0, torch.cat(batch.levels))
         return logits, labels
 
 
-def _tell_next(readers: list[int], level: int, n: int, h: torch.Tensor, c: torch.Tensor) -> None:
-    """Hint a level's states with the next level (after ``level``) that reads them: ``h`` is also
-    read by the output at step n + 1, ``c`` by nothing after its last reader."""
-    nxt = next((r for r in readers if r > level), None)
-    hints.next_use(h, steps=(nxt if nxt is not None else n) - level)
-    hints.next_use(c, steps=None if nxt is None else nxt - level)
+class _StepPlan:
+    """The forward's workload steps (:mod:`dynn_runtime.hints`), numbered from 1 as ``step()`` marks
+    them: per level a start (gather the level's inputs), one step per lower level feeding it, and
+    the cell update; then the output. Fine steps of a few operators each make a hinted step an
+    accurate distance; the batch's edges give every step's number before the forward runs."""
+
+    def __init__(self, edges: list[list[tuple[int, torch.Tensor, torch.Tensor]]]) -> None:
+        self.start: list[int] = []
+        self.edge: list[list[int]] = []
+        self.cell: list[int] = []
+        self.readers: list[list[int]] = [[] for _ in edges]  # per level: the steps that read its states
+        k = 0
+        for level_edges in edges:
+            self.start.append(k + 1)
+            self.edge.append(list(range(k + 2, k + 2 + len(level_edges))))
+            for (lower, _, _), at in zip(level_edges, self.edge[-1]):
+                self.readers[lower].append(at)
+            k += 2 + len(level_edges)
+            self.cell.append(k)
+        self.final = k + 1
+        self._edges = [at for e in self.edge for at in e]
+        self.cur = 0
+
+    def step(self) -> None:
+        self.cur += 1
+        hints.step()
+
+    def next_edge(self) -> int | None:
+        """The next step (after the current one) that reads ``u_f``: any lower-level step."""
+        return next((at for at in self._edges if at > self.cur), None)
+
+    def tell(self, at: int | None, *tensors: torch.Tensor) -> None:
+        """Say that ``tensors`` are next read in step ``at`` (``None``: not again in this pass)."""
+        hints.next_use(*tensors, steps=None if at is None else at - self.cur)
+
+    def tell_states(self, level: int, h: torch.Tensor, c: torch.Tensor) -> None:
+        """Hint a level's states with the next step that reads them: ``h`` is also read by the
+        output, ``c`` by nothing after its last reader."""
+        nxt = next((at for at in self.readers[level] if at > self.cur), None)
+        self.tell(self.final if nxt is None else nxt, h)
+        self.tell(nxt, c)
 
 
 def random_tree(gen: torch.Generator, n: int) -> list[int]:

@@ -3,6 +3,7 @@ the live runtime, turned into the pilot's rule-10 features, and true on the zoo'
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 
@@ -124,8 +125,8 @@ def test_the_live_runtime_passes_hints_to_its_policy():
         mm.detach()
     assert not hints.listening()
     steps = [h for k, h in pol.seen if k == "hint" and h.kind == "step"]
-    levels = len(wl.make_batch(0).levels)
-    assert len(steps) == levels + 1
+    b = wl.make_batch(0)
+    assert len(steps) == 2 * len(b.levels) + sum(len(e) for e in b.edges) + 1  # the forward's fine steps
     ops = mm.history[-1].ops
     cat = next(op for op in ops if op.name == "aten::cat")
     told = {s for k, h in pol.seen if k == "hint" and h.kind == "use" for s in h.sids}
@@ -252,6 +253,21 @@ def test_hint_features_on_a_hand_built_trace(backend):
     assert not r[1][HINT_COLS].any() and r[2][C["hint_done"]] == 1
     r, _ = rows[8]  # backward: every hint is over
     assert not any(v[HINT_COLS].any() for v in r.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_hinted_storage_read_in_its_step_is_marked_read(backend):
+    # p is hinted for step 1 (ops 1-3) and read at op 2: "already read" from op 2 to the step's end
+    tr = _hand_trace()
+    it = tr.iterations[0]
+    p, r = 1, 3
+    it.ops = [dataclasses.replace(it.ops[0], inputs=(p,) if j == 2 else (r,)) for j in range(5)]
+    it.phase_starts = {"forward": 0}
+    it.hints = {0: [Hint("use", (p,), 1)], 1: [Hint("step")], 4: [Hint("step")]}
+    rows = _rows(tr, backend)
+    assert [rows[j][0][p][C["hint_read"]] for j in range(4)] == [0, 0, 1, 1]
+    assert rows[1][0][p][C["hinted"]] == 1 and rows[3][0][p][C["hinted"]] == 1
+    assert not rows[4][0][p][HINT_COLS].any()  # the next step: the hint expired
 
 
 def test_without_hints_the_columns_are_zero(tree_trace):

@@ -40,6 +40,7 @@ from pilot_build_weights import (  # noqa: E402
     HELD_OUT,
     HELD_OUT_DEPTH,
     MAX_DECISIONS,
+    REPEAT,
     SYNTH,
     TRAIN,
     TRAIN_DEPTH,
@@ -98,7 +99,7 @@ def lofo() -> None:
         seeds = [int(x) for x in sys.argv[sys.argv.index("--seeds") + 1].split(",")]
     res = {}
     for fam in FAMS:
-        rs = [r for name, r in rows.items() if name != fam]
+        rs = [r for name, r in rows.items() if name != fam for _ in range(REPEAT.get(name, 1))]
         data = Rows(X=np.concatenate([r.X for r in rs]), C=np.concatenate([r.C for r in rs]),
                     y=np.concatenate([r.y for r in rs]), family=[f for r in rs for f in r.family])
         per_seed = {}
@@ -122,7 +123,7 @@ def lofo() -> None:
     _dump("lofo" if with_synth else "lofo_zoo_only", {
                    "config": dataclasses.asdict(cfg), "train": TRAIN, "train_depth": TRAIN_DEPTH,
                    "synthetic": {"seeds": list(SYNTH[0]), "steps": SYNTH[1]} if with_synth else None,
-                   "held_out": HELD_OUT, "evaluated_every_nth_decision": 2, "training_seeds": seeds,
+                   "repeated_families": REPEAT, "held_out": HELD_OUT, "evaluated_every_nth_decision": 2, "training_seeds": seeds,
                    "results": res})
 
 

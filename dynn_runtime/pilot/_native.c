@@ -37,7 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define DYNN_PILOT_ABI 8
+#define DYNN_PILOT_ABI 9
 
 #if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
 #define MADD(a, b, c) fmaf((a), (b), (c))
@@ -46,7 +46,7 @@
 #endif
 
 /* ---- feature layout (dynn_runtime/pilot/features.py CAND_FEATURES / CTX_FEATURES) ------------- */
-#define NF 102
+#define NF 103
 #define NC 24
 #define N_KINDS 7
 #define N_THRESH 8
@@ -59,7 +59,8 @@ enum {
     F_LOG_OCC_GAP = 47, F_AGE0 = 48, F_EXT_BY_ORDER = 49, F_LOG_STACK_SPAN = 50, F_LOG_STACK_EST = 51,
     F_STACK_OVERDUE = 52, F_PREV_LE0 = 53, F_OCC_LE0 = 61, F_STACK_LE0 = 69, F_MIRROR = 77,
     F_MIRROR_LINKED = 78, F_MIRROR_FINAL = 79, F_LOG_MIRROR_SPAN = 80, F_LOG_MIRROR_EST = 81, F_MIRROR_LE0 = 82,
-    F_HINTED = 90, F_HINT_DONE = 91, F_LOG_HINT_STEPS = 92, F_LOG_HINT_EST = 93, F_HINT_LE0 = 94
+    F_HINTED = 90, F_HINT_DONE = 91, F_LOG_HINT_STEPS = 92, F_LOG_HINT_EST = 93, F_HINT_LE0 = 94,
+    F_HINT_READ = 102
 };
 enum {
     X_PHASE0 = 0, X_LOG_IN_PHASE = 3, X_HAS_HISTORY = 4, X_ANCHORED_PROGRESS = 5, X_PROGRESS = 6,
@@ -410,6 +411,7 @@ static void feature_row(const prep_t *P, int64_t s, float *restrict x)
             x[F_LOG_HINT_STEPS] = tab(S->l4, steps, S->ntab);
             x[F_LOG_HINT_EST] = tab(S->l8, est, S->ntab);
             for (int t = 0; t < N_THRESH; t++) x[F_HINT_LE0 + t] = (float)(est <= THRESH[t]);
+            x[F_HINT_READ] = (float)(steps == 0 && last >= D->h_start);
         } else if (at == -2) {
             x[F_HINT_DONE] = 1.0f;
         }
@@ -1135,7 +1137,7 @@ int64_t dynn_pilot_layout(int64_t *out, int64_t n)
         F_LOG_PREV_COUNT, F_OCC_HAS_NEXT, F_LOG_OCC_REMAINING, F_LOG_OCC_GAP, F_AGE0, F_EXT_BY_ORDER,
         F_LOG_STACK_SPAN, F_LOG_STACK_EST, F_STACK_OVERDUE, F_PREV_LE0, F_OCC_LE0, F_STACK_LE0,
         F_MIRROR, F_MIRROR_LINKED, F_MIRROR_FINAL, F_LOG_MIRROR_SPAN, F_LOG_MIRROR_EST, F_MIRROR_LE0,
-        F_HINTED, F_HINT_DONE, F_LOG_HINT_STEPS, F_LOG_HINT_EST, F_HINT_LE0, HINT_MAX,
+        F_HINTED, F_HINT_DONE, F_LOG_HINT_STEPS, F_LOG_HINT_EST, F_HINT_LE0, F_HINT_READ, HINT_MAX,
         X_PHASE0, X_LOG_IN_PHASE, X_HAS_HISTORY, X_ANCHORED_PROGRESS, X_PROGRESS, X_LOG_SINCE_ANCHOR,
         X_HIST_FAST0, X_HIST_SLOW0, X_HIST_SLOW_ALLOCS, X_LOG_CANDIDATES, X_LOG_BWD_FWD_RATIO, X_HINTS,
     };

@@ -72,7 +72,8 @@ Rules it keeps (why each is there):
    ``next_use(tensors, steps=k)`` says they are read again k steps on (``None``: not again in this
    pass). A hinted storage gets the steps to its hinted step and their estimate in operators (the
    pass's mean operators per completed step, else the previous pass's, minus those already run in
-   the current step), with cumulative indicators; the context row says whether this iteration has
+   the current step), with cumulative indicators, and whether a storage hinted for the current step
+   has already been read in it (the read the hint announced may be over); the context row says whether this iteration has
    hints at all, so the network can tell "no hint" from "hints, but none for this storage". A hint
    holds through its step (a storage read several times in it stays due), and at most until the
    phase ends; the workload re-hints a storage after its use. The
@@ -156,6 +157,7 @@ CAND_FEATURES: tuple[str, ...] = (
     *(f"mirror_le{t}" for t in _THRESH),
     "hinted", "hint_done", "log_hint_steps", "log_hint_est",
     *(f"hint_le{t}" for t in _THRESH),
+    "hint_read",
 )
 CTX_FEATURES: tuple[str, ...] = (
     *(f"phase_{p}" for p in PHASES),
@@ -917,6 +919,8 @@ class FeatureState:
                 X[rows, _C["log_hint_steps"]] = np.log1p(steps.astype(np.float32)) / 4.0
                 X[rows, _C["log_hint_est"]] = np.log1p(est) / 8.0
                 X[rows, _C["hint_le8"]: _C["hint_le256"] + 1] = est[:, None] <= _THRESH_ARR
+                # hinted for this step and already read in it: the read the hint announced may be over
+                X[rows, _C["hint_read"]] = (steps == 0) & (self.last[idx[rows]] >= self._h_start)
             X[at == -2, _C["hint_done"]] = 1.0
         ctx = np.zeros(len(CTX_FEATURES), dtype=np.float32)
         ctx[self.phase] = 1.0

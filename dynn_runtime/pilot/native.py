@@ -51,7 +51,7 @@ FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-fPIC", "-shared", "-std=c99", "-ffp-contract=off"),
 )
 LIBS = ("-lm",)
-_ABI = 8
+_ABI = 9
 _STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS, _OP_WORDS = 44, 18, 16, 7, 16
 _LANES = 16
 _MAX_H, _MAX_K = 256, 64  # widest hidden layer and most (padded) outputs the kernel takes
@@ -622,12 +622,12 @@ class NativeKernel:
                 "prev_used_again", "log_prev_dist", "log_prev_count", "occ_has_next", "log_occ_remaining",
                 "log_occ_gap", "age0", "ext_by_order", "log_stack_span", "log_stack_est", "stack_overdue", "prev_le8",
                 "occ_le8", "stack_le8", "mirror", "mirror_linked", "mirror_final", "log_mirror_span", "log_mirror_est",
-                "mirror_le8", "hinted", "hint_done", "log_hint_steps", "log_hint_est", "hint_le8"]
+                "mirror_le8", "hinted", "hint_done", "log_hint_steps", "log_hint_est", "hint_le8", "hint_read"]
         ctx = ["phase_forward", "log_in_phase", "has_history", "anchored_progress", "progress", "log_since_anchor",
                "hist_fast_iv0", "hist_slow_iv0", "hist_slow_allocs", "log_candidates", "log_bwd_fwd_ratio", "hints"]
         want = [_ABI, _STATE_WORDS, _POINT_WORDS, _MODEL_WORDS, _POLICY_WORDS, _OP_WORDS, _MAX_H, _MAX_K, len(CAND_FEATURES),
                 len(CTX_FEATURES),
-                len(KINDS), len(_THRESH), *_THRESH, *(c[k] for k in cols[:-5]), *(c[k] for k in cols[-5:]), _HINT_MAX,
+                len(KINDS), len(_THRESH), *_THRESH, *(c[k] for k in cols), _HINT_MAX,
                 *(x[k] for k in ctx)]
         got = out[:n].tolist()
         if got != want:
