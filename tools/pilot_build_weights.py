@@ -41,16 +41,18 @@ REPEAT = {"tree_lstm": 3}
 #: depth-scaled zoo models (``scaled_overrides(..., "depth")``, tiny preset): scales, seeds, steps
 TRAIN_DEPTH = ((2, 4), (1, 2), 3)
 HELD_OUT_DEPTH = ((8,), (0,), 2)
-#: The shipped weights' training seed, chosen on validation data: seeds 0-3 trained alike, each
-#: simulated on the seed-10 traces (`small` and `tiny`, every family, budgets 1/4 and 1/8, the
-#: feasible ones; never the seed-0 traces the bench and docs report), pilot / oracle iteration time.
-SHIPPED_SEED = 2
+#: The shipped weights' training seed, chosen on validation data by `python
+#: tools/pilot_experiments.py seeds` (out/pilot/seeds.json): seeds 0-3 trained alike, each simulated
+#: on the seed-10 traces (`small` and `tiny`, every family, budgets 1/4 and 1/8, the cases oracle can
+#: run; never the seed-0 traces the bench and docs report), pilot / oracle iteration time.
+SHIPPED_SEED = 0
 SEED_SELECTION = {
     "candidates": [0, 1, 2, 3],
     "validation": "seed-10 traces, small and tiny, budgets 1/4 and 1/8 (11 feasible cases), h100 profile",
-    "geomean_pilot_over_oracle": {"0": 1.1098, "1": 1.1075, "2": 1.0829, "3": 1.1154},
-    "worst_pilot_over_oracle": {"0": 1.181, "1": 1.160, "2": 1.113, "3": 1.152},
-    "note": "selected with the features of c1c87a7; not re-run since operator occurrences count per phase",
+    "geomean_pilot_over_oracle": {"0": 1.0611, "1": 1.0821, "2": 1.0646, "3": 1.1032},
+    "worst_pilot_over_oracle": {"0": 1.411, "1": 1.405, "2": 1.401, "3": 1.506},
+    "worst_case": "skipnet tiny seed 10 at 1/4 for every seed (1.40x-1.51x; the code and weights of 8c2d554: 1.40x)",
+    "note": "session 15 (103 features, 64 synthetic networks, tree_lstm counted 3x); seed 2 before",
 }
 #: decision points per training iteration at most (the deepest evoformer iterations are thinned;
 #: every tiny and small iteration has fewer)
@@ -72,6 +74,16 @@ def synthetic(cache_dir: str = ".dynn-cache/traces") -> list:
     return synth_traces(SYNTH[0], steps=SYNTH[1], cache_dir=cache_dir)
 
 
+def training_traces(with_synthetic: bool = True, cache_dir: str = ".dynn-cache/traces") -> list:
+    """The shipped weights' training traces: the zoo splits, the depth-scaled models, tree_lstm's
+    repeats (REPEAT) and, with ``with_synthetic``, the synthetic networks."""
+    fams = list(models.FAMILIES)
+    out = [t for p, seeds, steps in TRAIN for _, t in zoo_traces(fams, [p], seeds, steps, cache_dir)]
+    out += depth_traces(TRAIN_DEPTH, cache_dir)
+    out += [t for t in out for _ in range(REPEAT.get(t.header.get("workload"), 1) - 1)]
+    return out + (synthetic(cache_dir) if with_synthetic else [])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--epochs", type=int, default=12)
@@ -84,11 +96,7 @@ def main() -> None:
                     help=f"initialisation and shuffling seed (default {SHIPPED_SEED}: see SHIPPED_SEED)")
     args = ap.parse_args()
     fams = list(models.FAMILIES)
-    train_tr = [t for p, seeds, steps in TRAIN for _, t in zoo_traces(fams, [p], seeds, steps, args.cache_dir)]
-    train_tr += depth_traces(TRAIN_DEPTH, args.cache_dir)
-    train_tr += [t for t in train_tr for _ in range(REPEAT.get(t.header.get("workload"), 1) - 1)]
-    if args.synthetic:
-        train_tr += synthetic(args.cache_dir)
+    train_tr = training_traces(args.synthetic, args.cache_dir)
     test_tr = [t for p, seeds, steps in HELD_OUT for _, t in zoo_traces(fams, [p], seeds, steps, args.cache_dir)]
     t0 = time.time()
     model, info = train(train_tr, PilotConfig(epochs=args.epochs, seed=args.seed), log=print,
