@@ -106,6 +106,21 @@ def test_the_simulator_replays_hints_before_their_operator(tree_trace):
     assert pol.seen == want
 
 
+def test_hints_leave_the_simulated_host_timeline_alone(tree_trace):
+    # rule 8's host clock (host_timeline=True) must not be touched by hint delivery: a policy that
+    # ignores hints simulates the same with and without them (the clock was once overwritten)
+    from dynn_runtime.sim import simulate
+
+    tr = read_trace(tree_trace)
+    bare = Trace(header=tr.header, storages=tr.storages, iterations=[
+        dataclasses.replace(it, hints={}) for it in tr.iterations])
+    a = simulate(tr, "pilot", 0.5, iteration=1, host_timeline=True)
+    b = simulate(bare, "lru", 0.5, iteration=1, host_timeline=True)
+    c = simulate(tr, "lru", 0.5, iteration=1, host_timeline=True)
+    assert a.feasible and a.iter_time_s > 0
+    assert (c.iter_time_s, c.stall_time_s, c.bytes_offloaded) == (b.iter_time_s, b.stall_time_s, b.bytes_offloaded)
+
+
 def test_the_live_runtime_passes_hints_to_its_policy():
     """Under the memory manager the Tree-LSTM's hints reach the policy as it runs, naming the storages
     the operators then read: the output's step hints every level's hidden state, all read by the

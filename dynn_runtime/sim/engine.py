@@ -616,8 +616,8 @@ class Simulator:
             self.phase = op.phase
             for sid in self.frees.get(j, ()):
                 self._free(sid)
-            for h in self.hints.get(j, ()):
-                pol.on_hint(h)
+            for hint in self.hints.get(j, ()):  # (not ``h``: that is the host's clock)
+                pol.on_hint(hint)
             allocs = op.allocs
             need = set(op.inputs) | set(op.writes) | (set(op.outputs) - set(allocs))
             for sid in need:
