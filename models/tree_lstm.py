@@ -20,6 +20,7 @@ with the exact step that reads them next.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -174,7 +175,8 @@ class _StepPlan:
 
     def next_edge(self) -> int | None:
         """The next step (after the current one) that reads ``u_f``: any lower-level step."""
-        return next((at for at in self._edges if at > self.cur), None)
+        i = bisect.bisect_right(self._edges, self.cur)  # the edge steps ascend
+        return self._edges[i] if i < len(self._edges) else None
 
     def tell(self, at: int | None, *tensors: torch.Tensor) -> None:
         """Say that ``tensors`` are next read in step ``at`` (``None``: not again in this pass)."""

@@ -73,7 +73,8 @@ Rules it keeps (why each is there):
    pass). A hinted storage gets the steps to its hinted step and their estimate in operators (the
    pass's mean operators per completed step, else the previous pass's, minus those already run in
    the current step), with cumulative indicators, and whether a storage hinted for the current step
-   has already been read in it (the read the hint announced may be over); the context row says whether this iteration has
+   has already been read in it (the read the hint announced may be over: tree_lstm held out 94.7%
+   -> 95.9%); the context row says whether this iteration has
    hints at all, so the network can tell "no hint" from "hints, but none for this storage". A hint
    holds through its step (a storage read several times in it stays due), and at most until the
    phase ends; the workload re-hints a storage after its use. The
