@@ -94,9 +94,11 @@ class _LevelTree(nn.Module):
     def forward(self, b: dict[str, Any], tell: bool = False) -> torch.Tensor:
         levels, edges = b["levels"], b["edges"]
         n = len(levels)
-        readers: list[list[int]] = [[lv for lv in range(n) if any(lo == k for lo, _, _ in edges[lv])]
-                                    for k in range(n)]
+        readers: list[list[int]] = [[] for _ in range(n)]  # per level: the later levels reading its states
         if tell:
+            for lv, level_edges in enumerate(edges):
+                for lower, _, _ in level_edges:
+                    readers[lower].append(lv)
             for lv, (nodes, _, _) in enumerate(levels):
                 hints.next_use(nodes, *(t for _, cp, pp in edges[lv] for t in (cp, pp)), steps=lv + 1)
         x_all = self.emb(b["tokens"])
