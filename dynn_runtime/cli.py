@@ -27,6 +27,27 @@ _SUBSYSTEM_CLIS = (
 )
 
 
+class CommandParser(argparse.ArgumentParser):
+    """The parser class of every ``dynn`` command: an ArgumentParser whose subcommand may be left out.
+
+    ``default_subcommand`` names the subcommand run when the first word is not one of its
+    subcommands (nor an option), so ``dynn trace W -o F`` is ``dynn trace record W -o F`` while
+    ``dynn trace --help`` still lists the subcommands.
+    """
+
+    def __init__(self, *args, default_subcommand: str | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.default_subcommand = default_subcommand
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self.default_subcommand is not None:
+            args = list(sys.argv[1:] if args is None else args)
+            names = {n for a in self._actions if isinstance(a.choices, dict) for n in a.choices}
+            if args and args[0] not in names and not args[0].startswith("-"):
+                args.insert(0, self.default_subcommand)
+        return super().parse_known_args(args, namespace)
+
+
 def _cmd_models(args: argparse.Namespace) -> int:
     from . import models
 
@@ -82,7 +103,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="dynn",
         description="dynn-runtime: train large dynamic neural networks on limited GPU memory.",
     )

@@ -6,8 +6,6 @@ import argparse
 
 from ..memory import format_bytes
 
-_SUB = ("record", "show", "plot", "export", "overhead")
-
 _DESCRIPTION = """Record and inspect traces.
 
   dynn trace WORKLOAD [--preset P] [--steps N] -o FILE   record (same as `dynn trace record ...`)
@@ -19,62 +17,28 @@ _DESCRIPTION = """Record and inspect traces.
 WORKLOAD is a zoo family or path/to/file.py:function. FILE ending in .gz is gzip-compressed."""
 
 
-def _record_parser() -> argparse.ArgumentParser:
-    from ..cli import add_workload_args
+def _cmd_plot(a: argparse.Namespace) -> int:
+    from . import plot_timeline, read_trace
 
-    p = argparse.ArgumentParser(prog="dynn trace [record]", description="Record a trace of training iterations.")
-    add_workload_args(p)
-    p.add_argument("--steps", type=int, default=2, help="iterations to record (default 2)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("-o", "--output", required=True, help="trace file (.jsonl or .jsonl.gz)")
-    p.add_argument("-q", "--quiet", action="store_true")
-    return p
+    print(f"wrote {plot_timeline(read_trace(a.file), a.output)}")
+    return 0
 
 
-def _run(args: argparse.Namespace) -> int:
-    argv = list(args.rest)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_DESCRIPTION)
-        return 0 if argv else 2
-    cmd = argv.pop(0) if argv[0] in _SUB else "record"
-    if cmd == "record":
-        return _record(_record_parser().parse_args(argv))
-    if cmd == "overhead":
-        return _overhead(argv)
-    p = argparse.ArgumentParser(prog=f"dynn trace {cmd}")
-    p.add_argument("file")
-    if cmd == "plot":
-        p.add_argument("-o", "--output", required=True, help="PNG file")
-        a = p.parse_args(argv)
-        from . import plot_timeline, read_trace
+def _cmd_export(a: argparse.Namespace) -> int:
+    from . import export_chrome, read_trace
 
-        print(f"wrote {plot_timeline(read_trace(a.file), a.output)}")
-        return 0
-    if cmd == "export":
-        p.add_argument("--chrome", required=True, metavar="OUT.json", help="Chrome/Perfetto JSON output")
-        a = p.parse_args(argv)
-        from . import export_chrome, read_trace
-
-        print(f"wrote {export_chrome(read_trace(a.file), a.chrome)}")
-        return 0
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    a = p.parse_args(argv)
-    return _show(a.file, a.json)
+    print(f"wrote {export_chrome(read_trace(a.file), a.chrome)}")
+    return 0
 
 
-def _overhead(argv: list[str]) -> int:
+def _overhead(a: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from .. import models
     from .recorder import measure_overhead
 
-    p = argparse.ArgumentParser(prog="dynn trace overhead",
-                                description="Median step time with and without the recorder, interleaved in one run.")
-    p.add_argument("--families", nargs="*", default=list(models.FAMILIES))
-    p.add_argument("--preset", default="small")
-    p.add_argument("--steps", type=int, default=3)
-    a = p.parse_args(argv)
-    rows = [measure_overhead(f, a.preset, a.steps) for f in tqdm(a.families, desc="overhead", leave=False)]
+    families = list(models.FAMILIES) if a.families is None else a.families
+    rows = [measure_overhead(f, a.preset, a.steps) for f in tqdm(families, desc="overhead", leave=False)]
     print(f"{'family':<11} {'preset':<6} {'untraced s':>10} {'traced s':>9} {'ratio':>6}")
     for r in rows:
         print(f"{r.workload:<11} {r.preset:<6} {r.untraced_s:>10.4f} {r.traced_s:>9.4f} {r.ratio:>6.2f}")
@@ -96,12 +60,13 @@ def _record(a: argparse.Namespace) -> int:
     return 0
 
 
-def _show(path: str, as_json: bool) -> int:
+def _show(a: argparse.Namespace) -> int:
     import dataclasses
     import json
 
     from . import read_trace, summarize
 
+    path, as_json = a.file, a.json
     s = summarize(read_trace(path))
     if as_json:
         print(json.dumps(dataclasses.asdict(s), indent=1))
@@ -125,7 +90,43 @@ def _show(path: str, as_json: bool) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
+    from ..cli import add_workload_args
+
     p = sub.add_parser("trace", help="record, summarise, plot and export traces", description=_DESCRIPTION,
-                       formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_run)
+                       formatter_class=argparse.RawDescriptionHelpFormatter, default_subcommand="record")
+    ps = p.add_subparsers(dest="trace_command", metavar="SUBCOMMAND")
+    ps.required = True
+
+    r = ps.add_parser("record", help="record a trace of training iterations (the default subcommand)",
+                      description="Record a trace of training iterations.")
+    add_workload_args(r)
+    r.add_argument("--steps", type=int, default=2, help="iterations to record (default 2)")
+    r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    r.add_argument("-o", "--output", required=True, help="trace file (.jsonl or .jsonl.gz)")
+    r.add_argument("-q", "--quiet", action="store_true")
+    r.set_defaults(func=_record)
+
+    s = ps.add_parser("show", help="summary: ops per phase, bytes by kind, peak, dynamism",
+                      description="Summarise a trace: ops per phase, bytes by tensor kind, peak, dynamism.")
+    s.add_argument("file")
+    s.add_argument("--json", action="store_true", help="print the summary as JSON")
+    s.set_defaults(func=_show)
+
+    pl = ps.add_parser("plot", help="live memory over time stacked by tensor kind (PNG)",
+                       description="Plot live memory over time stacked by tensor kind.")
+    pl.add_argument("file")
+    pl.add_argument("-o", "--output", required=True, help="PNG file")
+    pl.set_defaults(func=_cmd_plot)
+
+    e = ps.add_parser("export", help="Chrome/Perfetto trace (chrome://tracing, ui.perfetto.dev)",
+                      description="Export a trace for chrome://tracing or ui.perfetto.dev.")
+    e.add_argument("file")
+    e.add_argument("--chrome", required=True, metavar="OUT.json", help="Chrome/Perfetto JSON output")
+    e.set_defaults(func=_cmd_export)
+
+    o = ps.add_parser("overhead", help="recording cost: traced / untraced step time",
+                      description="Median step time with and without the recorder, interleaved in one run.")
+    o.add_argument("--families", nargs="*", default=None, help="zoo families (default: all)")
+    o.add_argument("--preset", default="small")
+    o.add_argument("--steps", type=int, default=3)
+    o.set_defaults(func=_overhead)
