@@ -24,17 +24,16 @@ recorded again, with a warning logged.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .._log import logger
-from ..errors import ConfigError, PolicyError, TraceError
+from ..errors import ConfigError, PolicyError
+from ..trace.cache import TraceCache  # re-exported: it moved to trace/
 
 __all__ = [
     "BenchConfig",
@@ -225,53 +224,6 @@ def scaled_overrides(family: str, preset: str, scale: int, which: str = "size") 
         if hasattr(base, low):
             out[low] = getattr(base, low) * scale
     return out
-
-
-class TraceCache:
-    """Recorded traces on disk, keyed by workload, preset, seed, steps and overrides.
-
-    ``recorded`` and ``reused`` count what :meth:`get` did (tests and the report read them).
-    """
-
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
-        self.recorded = 0
-        self.reused = 0
-
-    def path(self, family: str, preset: str, seed: int, steps: int, overrides: dict | None = None) -> Path:
-        from ..trace import SCHEMA_VERSION
-
-        key = "base"
-        if overrides:
-            blob = json.dumps(overrides, sort_keys=True, default=str).encode()
-            key = hashlib.sha1(blob).hexdigest()[:10]
-        return self.root / f"{family}-{preset}-seed{seed}-steps{steps}-{key}-v{SCHEMA_VERSION}.jsonl.gz"
-
-    def get(self, family: str, preset: str, seed: int = 0, steps: int = 2, overrides: dict | None = None):
-        """The trace, read from the cache or recorded into it (atomically: a killed run leaves no half file)."""
-        from ..trace import read_trace, record
-
-        path = self.path(family, preset, seed, steps, overrides)
-        if path.exists():
-            try:
-                trace = read_trace(path)
-                if len(trace.iterations) != steps:
-                    raise TraceError(f"trace: {path} has {len(trace.iterations)} iteration(s), expected {steps}.")
-            except TraceError as exc:
-                logger.warning("bench: cached trace %s does not read back (%s); recording it again.", path, exc)
-            else:
-                self.reused += 1
-                return trace
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name[: -len('.jsonl.gz')]}.tmp{os.getpid()}.jsonl.gz")
-        try:
-            record(family, tmp, steps=steps, preset=preset, seed=seed, overrides=dict(overrides or {}))
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-        self.recorded += 1
-        return read_trace(path)
 
 
 @dataclass

@@ -263,8 +263,8 @@ def load_traces(paths: Iterable[str | Path]) -> list[Trace]:
 
 def zoo_traces(families: Sequence[str], presets: Sequence[str], seeds: Sequence[int], steps: int,
                cache_dir: str | Path = ".dynn-cache/traces") -> list[tuple[str, Trace]]:
-    """Record (or reuse from the bench's trace cache) one trace per family x preset x seed."""
-    from ..bench import TraceCache
+    """Record (or reuse from the trace cache) one trace per family x preset x seed."""
+    from ..trace import TraceCache
 
     cache = TraceCache(cache_dir)
     out = []

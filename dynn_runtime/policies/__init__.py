@@ -1,7 +1,8 @@
 """Memory policies, one interface for the simulator and the live runtime (see :mod:`.base`).
 
 Registered: ``none``, ``lru``, ``save_on_cpu``, ``uvm``, ``checkpoint``, ``dtr``, ``replay``,
-``oracle``, and ``pilot`` (:mod:`dynn_runtime.pilot`; its weights load on first use).
+``oracle``, and ``pilot`` (:mod:`dynn_runtime.pilot`, registered lazily: the module is imported on
+the first lookup of the name and its weights load on first use).
 
 >>> from dynn_runtime.policies import POLICIES, make_policy
 >>> sorted(POLICIES)
@@ -13,9 +14,10 @@ dynn_runtime.errors.PolicyError: policies: oracle needs future, which this calle
 """
 
 from . import basic, nextuse, recompute  # noqa: F401  (registration)
+from .base import POLICIES, Action, MemoryView, Policy, make_policy, policy_names, register, register_lazy
 
-# isort: split
-from ..pilot import policy as _pilot_policy  # noqa: F401  (registers ``pilot`` last; numpy only, weights lazy)
-from .base import POLICIES, Action, MemoryView, Policy, make_policy, policy_names, register
+# a plug-in, named here and imported on first use: the interface does not depend on it
+register_lazy("pilot", "dynn_runtime.pilot.policy")
 
-__all__ = ["POLICIES", "Action", "MemoryView", "Policy", "make_policy", "policy_names", "register"]
+__all__ = ["POLICIES", "Action", "MemoryView", "Policy", "make_policy", "policy_names", "register",
+           "register_lazy"]

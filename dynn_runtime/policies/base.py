@@ -27,18 +27,22 @@ trace's hint records, the live runtime as the workload calls :func:`~dynn_runtim
 Policies register by name with :func:`register` and declare what they need (``requires``): a
 trace of earlier iterations (``history``), knowledge of the future (``future``: only the oracle),
 a trained pilot model (``pilot``), or a GPU (``gpu``). :func:`make_policy` checks those against
-what the caller can provide and says what is missing.
+what the caller can provide and says what is missing. A policy that lives outside this package
+(the pilot) is named with :func:`register_lazy`: its module is imported on the first lookup of its
+name, so this interface never imports its plug-ins.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import importlib
+from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
-from ..errors import PolicyError
+from ..errors import PolicyError, _internal_assert
 
-__all__ = ["Action", "MemoryView", "Policy", "SmallStorages", "register", "make_policy", "POLICIES", "policy_names"]
+__all__ = ["Action", "MemoryView", "Policy", "PolicyRegistry", "SmallStorages", "register", "register_lazy",
+           "make_policy", "POLICIES", "policy_names"]
 
 CAPABILITIES = frozenset({"history", "future", "pilot", "gpu"})
 
@@ -200,7 +204,49 @@ class SmallStorages:
         return sid in self._small
 
 
-POLICIES: dict[str, type[Policy]] = {}
+class PolicyRegistry(MutableMapping[str, "type[Policy]"]):
+    """Registered policies by name, in registration order.
+
+    An entry is a class (:func:`register`) or the path of the module that registers it
+    (:func:`register_lazy`). Looking a lazy name up imports that module, whose ``@register``
+    replaces the entry in place (the order stays the registration order). Listing names,
+    ``len`` and ``in`` import nothing. Assigning a class to a name registers it as :func:`register`
+    does, without the capability check (tests patch the registry that way).
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, type[Policy] | str] = {}
+
+    def __getitem__(self, name: str) -> type[Policy]:
+        entry = self._entries[name]
+        if isinstance(entry, str):
+            importlib.import_module(entry)
+            entry = self._entries[name]
+            _internal_assert(not isinstance(entry, str),
+                             f"policies: importing {entry} did not register a policy named {name!r}")
+        return entry
+
+    def __setitem__(self, name: str, cls: type[Policy]) -> None:
+        self._entries[name] = cls
+
+    def __delitem__(self, name: str) -> None:
+        del self._entries[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add_lazy(self, name: str, module: str) -> None:
+        if not isinstance(self._entries.get(name), type):  # an entry already resolved stays
+            self._entries[name] = module
+
+
+POLICIES = PolicyRegistry()
 
 
 def register(cls: type[Policy]) -> type[Policy]:
@@ -211,6 +257,13 @@ def register(cls: type[Policy]) -> type[Policy]:
                           f"known: {sorted(CAPABILITIES)}.")
     POLICIES[cls.name] = cls
     return cls
+
+
+def register_lazy(name: str, module: str) -> None:
+    """Make policy ``name`` available without importing ``module`` (dotted path) now: the first
+    lookup of ``name`` in :data:`POLICIES` (or :func:`make_policy`) imports it, and its
+    ``@register`` class takes the entry."""
+    POLICIES.add_lazy(name, module)
 
 
 def policy_names() -> list[str]:

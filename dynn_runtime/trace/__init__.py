@@ -10,6 +10,7 @@
 """
 
 from .analysis import Timeline, TraceSummary, export_chrome, live_timeline, plot_timeline, summarize
+from .cache import TraceCache
 from .format import (
     KINDS,
     PHASES,
@@ -27,6 +28,6 @@ from .recorder import RecordResult, TraceRecorder, record
 __all__ = [
     "SCHEMA_VERSION", "KINDS", "PHASES",
     "record", "RecordResult", "TraceRecorder",
-    "read_trace", "iter_records", "TraceWriter", "Trace", "Iteration", "Op", "Storage",
+    "read_trace", "iter_records", "TraceWriter", "Trace", "Iteration", "Op", "Storage", "TraceCache",
     "summarize", "TraceSummary", "live_timeline", "Timeline", "plot_timeline", "export_chrome",
 ]
