@@ -63,7 +63,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_overrides(items: Sequence[str]) -> dict:
+def parse_overrides(items: Sequence[str]) -> dict:
+    """``--set FIELD=VALUE`` items as a dict: a VALUE that reads as a Python literal is that literal,
+    anything else the string."""
     import ast
 
     out = {}
@@ -87,8 +89,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.budget is not None:  # under the memory manager
         from .runtime.cli import run_train
 
-        return run_train(args, _parse_overrides(args.set))
-    wl = load_workload(args.workload, preset=args.preset, seed=args.seed, **_parse_overrides(args.set))
+        return run_train(args, parse_overrides(args.set))
+    wl = load_workload(args.workload, preset=args.preset, seed=args.seed, **parse_overrides(args.set))
     bar = tqdm(total=args.steps, desc=f"train {args.workload}", unit="step", disable=args.quiet, leave=False)
 
     def on_step(step: int, loss: float, peak: int) -> None:

@@ -64,6 +64,7 @@ __all__ = [
     "make_optimizer",
     "TrainResult",
     "train",
+    "resolve_device",
     "workload_name",
 ]
 
@@ -183,7 +184,8 @@ class TrainResult:
     device: str
 
 
-def _resolve_device(device: str | torch.device) -> torch.device:
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a :class:`torch.device`; a :class:`WorkloadError` if it is CUDA and CUDA is not available."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise WorkloadError(
@@ -191,6 +193,11 @@ def _resolve_device(device: str | torch.device) -> torch.device:
             f"(torch {torch.__version__}). Use --device cpu, or install a CUDA build of torch."
         )
     return dev
+
+
+#: the old private name: dynn_runtime.runtime.train still imports it (tests/test_structure.py lists it);
+#: remove once it imports ``resolve_device``
+_resolve_device = resolve_device
 
 
 def train(
@@ -209,7 +216,7 @@ def train(
     """
     from .memory import LiveBytes
 
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     if steps < 1:
         raise WorkloadError(f"train: steps must be at least 1, got {steps}.")
     torch.manual_seed(seed)

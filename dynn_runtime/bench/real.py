@@ -141,9 +141,9 @@ class RealBenchReport:
     meta: dict[str, Any]
 
     def to_json(self) -> dict[str, Any]:
-        from .harness import _strict
+        from .harness import strict_json
 
-        return _strict({"kind": "dynn-bench-real", "config": dataclasses.asdict(self.config), **self.meta,
+        return strict_json({"kind": "dynn-bench-real", "config": dataclasses.asdict(self.config), **self.meta,
                         "results": self.results, "max_size": self.max_size})
 
 

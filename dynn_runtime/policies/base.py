@@ -39,7 +39,7 @@ from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
-from ..errors import PolicyError, _internal_assert
+from ..errors import PolicyError, internal_assert
 
 __all__ = ["Action", "MemoryView", "Policy", "PolicyRegistry", "SmallStorages", "register", "register_lazy",
            "make_policy", "POLICIES", "policy_names"]
@@ -222,7 +222,7 @@ class PolicyRegistry(MutableMapping[str, "type[Policy]"]):
         if isinstance(entry, str):
             importlib.import_module(entry)
             entry = self._entries[name]
-            _internal_assert(not isinstance(entry, str),
+            internal_assert(not isinstance(entry, str),
                              f"policies: importing {entry} did not register a policy named {name!r}")
         return entry
 

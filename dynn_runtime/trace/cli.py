@@ -48,12 +48,12 @@ def _overhead(a: argparse.Namespace) -> int:
 def _record(a: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ..cli import _parse_overrides
+    from ..cli import parse_overrides
     from . import record
 
     bar = tqdm(total=a.steps, desc=f"trace {a.workload}", unit="iter", disable=a.quiet, leave=False)
     res = record(a.workload, a.output, steps=a.steps, preset=a.preset, seed=a.seed, device=a.device,
-                 overrides=_parse_overrides(a.set), on_step=lambda _: bar.update(1))
+                 overrides=parse_overrides(a.set), on_step=lambda _: bar.update(1))
     bar.close()
     size = res.path.stat().st_size
     print(f"wrote {res.path}: {res.iterations} iteration(s), {res.ops} ops, {format_bytes(size)}")

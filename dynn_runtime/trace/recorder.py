@@ -38,9 +38,13 @@ from ..workload import load_workload, make_optimizer, to_device, workload_name
 from .format import MAGIC, SCHEMA_VERSION, TraceWriter
 from .modules import ModuleTracker
 
-__all__ = ["TraceRecorder", "record", "RecordResult"]
+__all__ = ["TraceRecorder", "record", "RecordResult", "IGNORED_OPS"]
 
-_IGNORED_OPS = {"aten::detach", "aten::lift_fresh", "prim::device", "prim::layout", "prim::dtype"}
+#: operators neither recorded nor managed: they make views or read metadata, never touch storage bytes
+IGNORED_OPS = frozenset({"aten::detach", "aten::lift_fresh", "prim::device", "prim::layout", "prim::dtype"})
+#: the old private name: dynn_runtime.runtime.manager still imports it (tests/test_structure.py lists it);
+#: remove once it imports ``IGNORED_OPS``
+_IGNORED_OPS = IGNORED_OPS
 
 
 def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
@@ -189,7 +193,7 @@ class TraceRecorder(TorchDispatchMode):
         if not self._active:
             return out
         name = func.name()
-        if name in _IGNORED_OPS:
+        if name in IGNORED_OPS:
             return out
         in_flat, _ = tree_flatten((args, kwargs))
         out_flat, _ = tree_flatten(out)
