@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from .errors import DynnError
+from .workload import add_workload_args, parse_overrides
 
 # Subsystems that contribute subcommands (module path, each with add_commands(subparsers)).
 _SUBSYSTEM_CLIS = (
@@ -61,23 +62,6 @@ def _cmd_models(args: argparse.Namespace) -> int:
         for f in models.FAMILIES.values():
             print(f"{f.name}: stands for {f.stands_for}; dynamic: {f.dynamic}")
     return 0
-
-
-def parse_overrides(items: Sequence[str]) -> dict:
-    """``--set FIELD=VALUE`` items as a dict: a VALUE that reads as a Python literal is that literal,
-    anything else the string."""
-    import ast
-
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise DynnError(f"cli: --set expects FIELD=VALUE, got {item!r}.")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value
-    return out
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -142,15 +126,6 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         importlib.import_module(modname).add_commands(sub)
     return parser
-
-
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """The arguments every command that names a workload takes."""
-    p.add_argument("workload", help="zoo family name, or path/to/file.py:function")
-    p.add_argument("--preset", default="tiny", help="preset: tiny, small or large (default tiny)")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field of a zoo family, e.g. --set batch=4 (repeatable)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -42,20 +42,21 @@ and then ``dynn train my_workload.py:build --preset tiny``.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from .errors import WorkloadError
+from .errors import DynnError, WorkloadError
 
 __all__ = [
     "Workload",
@@ -65,6 +66,8 @@ __all__ = [
     "TrainResult",
     "train",
     "resolve_device",
+    "add_workload_args",
+    "parse_overrides",
     "workload_name",
 ]
 
@@ -262,3 +265,32 @@ def _one_step(wl: Any, model: nn.Module, opt: torch.optim.Optimizer, batch: Any)
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in {"1", "true", "yes"}
+
+
+# -- how a command line names a workload (every `dynn` command that takes one) --------------------
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The arguments every command that names a workload takes."""
+    p.add_argument("workload", help="zoo family name, or path/to/file.py:function")
+    p.add_argument("--preset", default="tiny", help="preset: tiny, small or large (default tiny)")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a config field of a zoo family, e.g. --set batch=4 (repeatable)")
+
+
+def parse_overrides(items: Sequence[str]) -> dict:
+    """``--set FIELD=VALUE`` items as a dict: a VALUE that reads as a Python literal is that literal,
+    anything else the string."""
+    import ast
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise DynnError(f"cli: --set expects FIELD=VALUE, got {item!r}.")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out

@@ -48,7 +48,7 @@ def _overhead(a: argparse.Namespace) -> int:
 def _record(a: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ..cli import parse_overrides
+    from ..workload import parse_overrides
     from . import record
 
     bar = tqdm(total=a.steps, desc=f"trace {a.workload}", unit="iter", disable=a.quiet, leave=False)
@@ -90,7 +90,7 @@ def _show(a: argparse.Namespace) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    from ..cli import add_workload_args
+    from ..workload import add_workload_args
 
     p = sub.add_parser("trace", help="record, summarise, plot and export traces", description=_DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter, default_subcommand="record")
