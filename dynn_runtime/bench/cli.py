@@ -21,7 +21,18 @@ iteration time of each policy at a cap of --cap of the unlimited peak (CUDA: a h
 torch.cuda.set_per_process_memory_fraction) against unlimited memory, save_on_cpu(pin_memory=True)
 and torch.utils.checkpoint per repeated block; the largest size each trains under a fixed cap
 against PyTorch alone; and the simulator's prediction from a trace recorded on the same device.
---device cpu runs it with a logical budget (exercises the code; the figures need a GPU)."""
+--device cpu runs it with a logical budget (exercises the code; the figures need a GPU).
+
+The simulated grid charges the live manager's own host cost (the simulator's rule 9: seconds per
+operator and per decision point, measured by --overhead) to every policy that runs in the manager;
+--host-cost none turns it off, a number sets it. The results file says which was used.
+
+With --overhead, measures what the live manager costs on the host against PyTorch alone
+(dynn_runtime.bench.overhead): small ATen operators per policy and event source; every zoo family
+and examples/my_workload.py:build with a budget above the peak (none, lru, pilot) and lru at 1/2
+with where the time goes; the pilot's cost per decision point. Prints a markdown table, writes
+--json (default out/bench/overhead.json); --write-calibration stores the figures the simulator
+charges in dynn_runtime/sim/host_cost.json."""
 
 
 def _budgets(text: str) -> list[float]:
@@ -73,6 +84,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="out/bench", metavar="DIR", help="output directory (default out/bench)")
     p.add_argument("--cache-dir", default=".dynn-cache/traces", help="trace cache (default .dynn-cache/traces)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--host-cost", default="calibrated", metavar="calibrated|none|S[,S]",
+                   help="the live manager's host cost charged in the simulated grid (rule 9): the shipped "
+                        "calibration (default), none, or seconds per operator[,per decision point]")
+    p.add_argument("--host-source", default="auto", choices=("auto", "python", "native"),
+                   help="which event source's calibration is charged (default auto: native where measured)")
+    o = p.add_argument_group("--overhead: the live manager's host cost against PyTorch alone")
+    o.add_argument("--overhead", action="store_true", help="measure the manager's host cost (CPU)")
+    o.add_argument("--reps", type=int, default=None, help="--overhead: operator microbenchmark repetitions "
+                   "(default 41, --quick 9)")
+    o.add_argument("--events", nargs="+", default=[], choices=("python", "native"), metavar="SOURCE",
+                   help="--overhead: event sources (default: every one this build runs)")
+    o.add_argument("--write-calibration", nargs="?", const="", default=None, metavar="PATH",
+                   help="--overhead: write the simulator's host-cost calibration (default "
+                        "dynn_runtime/sim/host_cost.json)")
     g = p.add_argument_group("--real: the live memory manager, measured")
     g.add_argument("--real", action="store_true", help="measure the live manager instead of simulating")
     g.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="--real: device (default cuda)")
@@ -115,11 +140,39 @@ def _cmd_real(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_overhead(args: argparse.Namespace) -> int:
+    from .overhead import (
+        OverheadConfig,
+        render_overhead_markdown,
+        run_overhead,
+        write_calibration,
+        write_overhead,
+    )
+
+    cfg = OverheadConfig(
+        workloads=list(args.families), policies=list(args.policies) or ["none", "lru", "pilot"],
+        sources=list(args.events), preset=args.preset, steps=args.steps, reps=args.reps, seed=args.seed,
+        quick=args.quick, json_path=args.json or "out/bench/overhead.json",
+    )
+    cfg.validate()
+    t0 = time.perf_counter()
+    report = run_overhead(cfg, progress=not args.quiet)
+    paths = write_overhead(report)
+    print(render_overhead_markdown(report))
+    print(f"wrote {paths['json']} and {paths['markdown']}; {time.perf_counter() - t0:.1f} s")
+    if args.write_calibration is not None:
+        path = write_calibration(report, args.write_calibration or None)
+        print(f"wrote the host-cost calibration ({', '.join(report.calibration)}) to {path}")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .harness import BenchConfig, render_markdown, run_bench, write_outputs
 
     if args.real:
         return _cmd_real(args)
+    if args.overhead:
+        return _cmd_overhead(args)
     if args.steps is None:
         args.steps = 2
 
@@ -131,6 +184,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         quick=args.quick, max_scale=args.max_scale, max_size_preset=args.max_size_preset,
         grid_depth=args.grid_depth, max_size_knob=args.max_size_knob, overhead_limit=args.overhead_limit,
         out_dir=args.out, json_path=args.json, cache_dir=args.cache_dir,
+        host_cost=args.host_cost, host_source=args.host_source,
     )
     cfg.resolved()  # validate before any work
     handler = logging.StreamHandler(sys.stderr)

@@ -16,6 +16,11 @@ Two experiments, one report:
   passing scale over ``none``'s (which is 1 by construction, unless memory does not grow with the
   knob).
 
+Every policy that runs in the live manager is charged the manager's own host cost (the simulator's
+rule 9, :mod:`dynn_runtime.sim.hostcost`): by default the shipped calibration, ``host_cost="none"``
+for none, or seconds per operator (and per decision point). ``none`` (PyTorch alone, the reference
+of every overhead) and the policies that stand for other mechanisms are never charged.
+
 Traces are cached under ``cache_dir`` by family, preset, seed, steps and a short hash of the config
 overrides; a cached file that does not read back (:class:`~dynn_runtime.errors.TraceError`) is
 recorded again, with a warning logged.
@@ -102,6 +107,11 @@ class BenchConfig:
     """Results file; default ``<out_dir>/bench-<profile>-<preset>-<YYYYmmdd-HHMMSS>.json``."""
     cache_dir: str = ".dynn-cache/traces"
     """Where recorded traces are cached (relative to the current directory)."""
+    host_cost: str = "calibrated"
+    """The live manager's host cost charged (rule 9): ``calibrated`` (the shipped calibration),
+    ``none``, or seconds per operator with optional seconds per decision point (``"40e-6,25e-6"``)."""
+    host_source: str = "auto"
+    """Which event source's calibration: ``python``, ``native``, or ``auto`` (native where measured)."""
 
     def resolved(self) -> BenchConfig:
         """A copy with every default filled in (families, policies, budgets, preset, max_scale), validated."""
@@ -166,6 +176,13 @@ class BenchConfig:
         if self.max_size_knob not in ("size", "depth"):
             raise ConfigError(f"bench: max_size_knob is 'size' (batch, residues) or 'depth' (layers, blocks), "
                               f"got {self.max_size_knob!r}.")
+        from ..sim.hostcost import host_cost_for, parse_host_cost
+
+        spec = parse_host_cost(str(self.host_cost))
+        if self.host_source not in ("auto", "python", "native"):
+            raise ConfigError(f"bench: host_source is auto, python or native, got {self.host_source!r}.")
+        if spec == "calibrated":
+            host_cost_for("lru", self.host_source)  # the calibration reads and has the source
         if not self.overhead_limit >= 1:
             raise ConfigError(f"bench: overhead_limit must be >= 1 (a time ratio), got {self.overhead_limit!r}.")
 
@@ -267,6 +284,42 @@ def strict_json(x: Any) -> Any:
 _strict = strict_json
 
 
+class _Charges:
+    """Per policy, the host cost (rule 9) and policy options a simulation of ``cfg`` charges."""
+
+    def __init__(self, cfg: BenchConfig) -> None:
+        from ..sim.hostcost import load_calibration, parse_host_cost
+
+        self.spec = parse_host_cost(str(cfg.host_cost))
+        self.source = cfg.host_source
+        self.data = load_calibration() if self.spec is not None else None
+
+    def __call__(self, policy: str) -> dict[str, Any]:
+        from ..sim.hostcost import HostCost, host_cost_for, policy_options_for
+
+        if self.spec is None or self.data is None or policy in self.data.get("uncharged", {}):
+            return {}
+        if isinstance(self.spec, HostCost):
+            return {"host_cost": self.spec}
+        return {"host_cost": host_cost_for(policy, self.source, self.data),
+                "policy_options": policy_options_for(policy, self.source, self.data) or None}
+
+    def describe(self, policies: list[str]) -> dict[str, Any]:
+        """What the results file says about the charge."""
+        per = {}
+        for p in policies:
+            c = self(p)
+            per[p] = ({**c["host_cost"].as_dict(), **{k: list(v) if isinstance(v, tuple) else v
+                                                       for k, v in (c.get("policy_options") or {}).items()}}
+                      if c else None)
+        mode = "none" if self.spec is None else ("calibrated" if self.spec == "calibrated" else "model")
+        out: dict[str, Any] = {"mode": mode, "policies": per}
+        if mode == "calibrated" and self.data is not None:
+            used = {c["source"] for c in per.values() if c}
+            out["measured"] = {src: self.data["sources"][src].get("measured") for src in used}
+        return out
+
+
 def _sim_record(family: str, preset: str, policy: str, fraction: float, res: Any, ref_s: float,
                 trace_path: Path) -> dict[str, Any]:
     ok = res.feasible
@@ -282,6 +335,8 @@ def _sim_record(family: str, preset: str, policy: str, fraction: float, res: Any
         "bytes_fetched": res.bytes_fetched, "peak_bytes": res.peak_bytes, "managed": res.managed,
         "evictions": res.evictions, "recomputed_ops": res.recomputed_ops, "prefetch_hits": res.prefetch_hits,
         "prefetch_misses": res.prefetch_misses, "ops": res.ops, "trace": trace_path.name,
+        "decision_points": res.decision_points, "host_cost_s": res.host_cost_s, "host_wait_s": res.host_wait_s,
+        "policy_host_s": res.policy_host_s, "host_cost_source": res.host_cost_source,
     }
 
 
@@ -302,6 +357,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchReport:
     for name, why in skipped.items():
         logger.warning("bench: skipping policy %s: %s", name, why)
     profile = get_profile(cfg.device_profile)
+    charge = _Charges(cfg)
     cache = TraceCache(cfg.cache_dir)
     scales = cfg.scales()
     n_grid = len(cfg.families) * len(cfg.policies) * len(cfg.budgets)
@@ -326,10 +382,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchReport:
             for policy in cfg.policies:
                 for frac in cfg.budgets:
                     bar.set_postfix_str(f"{family} {policy} @{_frac_label(frac)}")
-                    res = simulate(trace, policy, float(frac), profile)
+                    res = simulate(trace, policy, float(frac), profile, **charge(policy))
                     results.append(_sim_record(family, cfg.preset, policy, frac, res, ref.iter_time_s, tpath))
                     bar.update(1)
-        max_size = [rec for family in cfg.families for rec in _scan_family(cfg, family, scales, trace_for, bar)]
+        max_size = [rec for family in cfg.families
+                    for rec in _scan_family(cfg, family, scales, trace_for, bar, charge)]
     finally:
         bar.close()
 
@@ -345,11 +402,13 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchReport:
         "traces_reused": cache.reused,
         "wall_s": time.perf_counter() - t_start,
         "simulated_iteration": -1,
+        "host_cost": charge.describe(cfg.policies),
     }
     return BenchReport(config=cfg, results=results, max_size=max_size, meta=meta)
 
 
-def _scan_family(cfg: BenchConfig, family: str, scales: list[int], trace_for: Any, bar: Any) -> list[dict]:
+def _scan_family(cfg: BenchConfig, family: str, scales: list[int], trace_for: Any, bar: Any,
+                 charge: Any = None) -> list[dict]:
     """The max-size scan of one family (see the module docstring for the rules)."""
     from .. import models
     from ..sim import simulate, unmanaged_peak
@@ -376,7 +435,7 @@ def _scan_family(cfg: BenchConfig, family: str, scales: list[int], trace_for: An
         ref_s = simulate(trace, "none", 1.0, cfg.device_profile).iter_time_s
         for policy in list(alive):
             bar.set_postfix_str(f"max-size {family} x{scale} {policy}")
-            res = simulate(trace, policy, int(capacity), cfg.device_profile)
+            res = simulate(trace, policy, int(capacity), cfg.device_profile, **(charge(policy) if charge else {}))
             overhead = res.iter_time_s / ref_s if res.feasible else math.inf
             if res.feasible and overhead <= cfg.overhead_limit:
                 best[policy] = {"scale": scale, "iter_time_s": res.iter_time_s, "overhead": overhead}
@@ -429,6 +488,8 @@ def render_markdown(report: BenchReport) -> str:
         "",
         "Iteration time over the unlimited-memory time (`none` at budget 1), simulated; budgets are fractions "
         "of the peak under `none`. `OOM`: the policy cannot run the iteration within the budget.",
+        "",
+        f"Manager host cost charged (rule 9): {_host_cost_line(report.meta.get('host_cost'))}.",
     ]
     by_key = {(r["family"], r["policy"], r["budget_fraction"]): r for r in report.results}
     for family in cfg.families:
@@ -465,6 +526,17 @@ def render_markdown(report: BenchReport) -> str:
             lines.append(f"| {family} | {first['knob']} | {_mib(first['capacity_bytes'])} | "
                          + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _host_cost_line(hc: dict[str, Any] | None) -> str:
+    if not hc or hc.get("mode") == "none":
+        return "none"
+    charged = {p: c for p, c in hc["policies"].items() if c}
+    if not charged:
+        return f"{hc['mode']}, no policy here runs in the manager"
+    c = next(iter(charged.values()))
+    return (f"{hc['mode']} ({c['source']}): {c['per_op_s'] * 1e6:.1f} us per operator, "
+            f"{c['per_decision_s'] * 1e6:.1f} us per decision point, on {', '.join(charged)}")
 
 
 def _mib(n: int) -> str:

@@ -34,10 +34,19 @@ Rules the engine keeps (numbered so tests and docs can point at them):
    timeline; a policy's cost is then on the critical path only where the host is the bottleneck
    (operators at the floor, right after a synchronisation). Not modelled: the launch queue's depth
    limit, and the host time of copies and recomputation.
+9. The manager's own host cost (``host_cost=``, a :class:`~dynn_runtime.sim.hostcost.HostCost`;
+   none by default; it turns rule 8's timeline on). The live manager runs on the issuing thread:
+   before each operator is issued the host clock advances by ``per_op_s`` (the event path, nothing
+   moving) and by ``per_decision_s`` for each decision point since the previous operator: a
+   ``victims()`` call (memory short), or an ``after_op()`` that returned actions
+   (:attr:`SimResult.decision_points`). It is charged whether or not the manager engages (rule 7:
+   at a budget above the peak the live manager still sees every operator). With zero figures the
+   run is rule 8's exactly; when the host is the bottleneck (operators at the floor) the iteration
+   grows by ``ops * per_op_s``.
 
 Time: ``compute`` is the sum of operator times (measured on the profile's GPU, or the roofline of
 :func:`~dynn_runtime.sim.profiles.op_time` for traces recorded elsewhere); the iteration time is the
-compute stream's clock at the end: compute + stalls + recompute (+ host waits under rule 8).
+compute stream's clock at the end: compute + stalls + recompute (+ host waits under rules 8 and 9).
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from typing import Any
 from ..errors import BudgetError, ConfigError, TraceError, _internal_assert
 from ..policies.base import Policy, make_policy
 from ..trace.format import SCHEMA_VERSION, Trace
+from .hostcost import HostCost
 from .profiles import DeviceProfile, get_profile, op_time
 
 __all__ = ["Status", "SimResult", "Simulator", "simulate", "unmanaged_peak"]
@@ -114,6 +124,12 @@ class SimResult:
     host_wait_s: float = 0.0
     #: rule 8: the policy's own host seconds over the iteration (its :attr:`Policy.host_seconds`)
     policy_host_s: float = 0.0
+    #: rule 9: policy consultations that moved memory (``victims()`` calls, ``after_op()`` with actions)
+    decision_points: int = 0
+    #: rule 9: the manager's host seconds charged (``ops * per_op_s + decision_points * per_decision_s``)
+    host_cost_s: float = 0.0
+    #: rule 9: where the charge's figures come from (``python``, ``native``, ``model``); empty: none charged
+    host_cost_source: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -157,6 +173,7 @@ class Simulator:
         iteration: int = -1,
         policy_options: dict | None = None,
         host_timeline: bool | float = False,
+        host_cost: HostCost | None = None,
     ) -> None:
         if not trace.iterations:
             raise TraceError("sim: the trace has no iterations.")
@@ -179,8 +196,12 @@ class Simulator:
         self.ops = self.it.ops
         self.position = 0
         self.phase = "forward"
+        if host_cost is not None and not isinstance(host_cost, HostCost):
+            raise ConfigError(f"sim: host_cost takes a HostCost (dynn_runtime.sim.hostcost) or None, got {host_cost!r}.")
+        #: rule 9: the manager's own host cost (None: not charged)
+        self.host_cost = host_cost
         #: rule 8: a host clock issues the operators; dispatch seconds per operator (None: the profile's floor)
-        self.host_timeline = host_timeline is not False
+        self.host_timeline = host_timeline is not False or host_cost is not None
         self.h = self.t = 0.0  # rule 8: the host's clock (host_now); the device's (set again by run)
         self.dispatch_s: float | None = None
         if not isinstance(host_timeline, bool):
@@ -429,6 +450,7 @@ class Simulator:
             return
         self._reap()
         while self.used - self.pending + need > self.budget:
+            self.decision_points += 1
             for sid in self.policy.victims(self.used - self.pending + need - self.budget, exclude):
                 if sid in exclude or sid not in self.st:
                     continue
@@ -548,7 +570,8 @@ class Simulator:
         self._fetching: set[int] = set()
         self._rebuilding: set[tuple[int, int, int]] = set()
         self.bytes_offloaded = self.bytes_fetched = 0
-        self.decisions = self.evictions = self.recomputed_ops = 0
+        self.decisions = self.evictions = self.recomputed_ops = self.decision_points = 0
+        self.host_cost_s = 0.0
         self.prefetch_hits = self.prefetch_misses = self.prefetch_late = 0
         compute = sum(self.op_time)
         peak_none = self._unmanaged_peak()
@@ -587,6 +610,8 @@ class Simulator:
             decisions=self.decisions, evictions=self.evictions, recomputed_ops=self.recomputed_ops,
             prefetch_hits=self.prefetch_hits, prefetch_misses=self.prefetch_misses, ops=len(self.ops),
             managed=managed, host_wait_s=self.host_wait, policy_host_s=self.policy_host,
+            decision_points=self.decision_points, host_cost_s=self.host_cost_s,
+            host_cost_source=self.host_cost.source if self.host_cost is not None else "",
         )
 
     def _unmanaged_peak(self) -> int:
@@ -611,6 +636,9 @@ class Simulator:
         host = self.host_timeline
         h = seen = self.h = 0.0  # rule 8: the host's clock, and the policy's host seconds already on it
         floor = self.profile.op_overhead_s if self.dispatch_s is None else self.dispatch_s
+        hc = self.host_cost
+        per_op, per_dp = (hc.per_op_s, hc.per_decision_s) if hc is not None else (0.0, 0.0)
+        dp_seen = 0  # rule 9: decision points already on the host clock
         for j, op in enumerate(self.ops):
             self.position = j
             self.phase = op.phase
@@ -630,6 +658,11 @@ class Simulator:
                 spent = pol.host_seconds
                 h += spent - seen
                 seen = spent
+                if hc is not None:  # rule 9: the manager's work before this operator is issued
+                    charge = per_op + (self.decision_points - dp_seen) * per_dp
+                    dp_seen = self.decision_points
+                    h += charge
+                    self.host_cost_s += charge
                 if h > self.t:  # the device has run dry: it waits for the host to issue this operator
                     self.host_wait += h - self.t
                     self.t = h
@@ -648,12 +681,17 @@ class Simulator:
             for sid in op.writes:
                 self.st[sid].host_valid = False
             pol.on_op(j, op)
-            self._apply(pol.after_op(j))
+            actions = pol.after_op(j)
+            if actions:
+                self.decision_points += 1
+                self._apply(actions)
         self.position = len(self.ops)
         for sid in self.frees.get(len(self.ops), ()):
             self._free(sid)
         if host:
             self.policy_host = float(pol.host_seconds)
+            if hc is not None and self.decision_points > dp_seen:  # after the last operator: still host time
+                self.host_cost_s += (self.decision_points - dp_seen) * per_dp
 
 
 def simulate(
@@ -664,12 +702,15 @@ def simulate(
     iteration: int = -1,
     policy_options: dict | None = None,
     host_timeline: bool | float = False,
+    host_cost: HostCost | None = None,
 ) -> SimResult:
     """Simulate ``policy`` on one iteration of ``trace``.
 
     ``budget`` is bytes (int) or a fraction in (0, 1] of the iteration's unmanaged peak (float).
     ``host_timeline``: put the policy's host time on a host clock that issues the operators (rule 8);
     a number is the host's dispatch seconds per operator (default: the profile's per-operator floor).
+    ``host_cost``: the live manager's own host cost per operator and per decision point (rule 9;
+    :func:`~dynn_runtime.sim.hostcost.host_cost_for` gives the calibrated one); turns the timeline on.
     """
     if isinstance(budget, float):
         if not 0 < budget <= 1:
@@ -677,4 +718,4 @@ def simulate(
         budget = max(1, int(unmanaged_peak(trace, iteration) * budget))
     elif isinstance(budget, int) and budget <= 0:
         raise BudgetError(f"sim: the budget must be a positive number of bytes, got {budget}.")
-    return Simulator(trace, policy, budget, profile, iteration, policy_options, host_timeline).run()
+    return Simulator(trace, policy, budget, profile, iteration, policy_options, host_timeline, host_cost).run()

@@ -1,0 +1,549 @@
+"""``dynn bench --overhead``: what the live memory manager costs on the host, measured against PyTorch alone.
+
+Three measurements, each interleaving managed and unmanaged runs in one process on the same inputs
+(the machine's noise hits both alike; ratios are taken within a repetition, then the median):
+
+1. **Operators.** A loop of small ATen operators (``mul``, ``add``, ``mm``, ``relu`` on 8x8 tensors)
+   and a small ``Linear`` forward and backward, one intra-op thread, alone and inside a
+   :meth:`MemoryManager.step` whose budget is far above the peak (nothing moves; every event the
+   manager listens to is on), per policy and per event source. Reported: host microseconds per
+   operator over PyTorch alone (median over repetitions).
+2. **Workloads.** Every zoo family at ``preset`` and the README's example
+   (``examples/my_workload.py:build``): step time managed (budget above the peak) over unmanaged,
+   per policy; and ``lru`` at half the peak: the ratio and where the time goes (the manager's
+   ``stall_seconds``, ``copy_seconds``, ``policy_seconds``; the rest is its event path), with the
+   decision points (``victims()`` calls and ``after_op()`` calls that returned actions, counted by
+   a wrapper around the policy: the definition of :mod:`dynn_runtime.sim.hostcost`).
+3. **The pilot.** Per family: its decision points per step, seconds per decision point (its own
+   inference, and the manager's ``policy_seconds`` over them) and its share of the step.
+
+From these, the calibration of the simulator's rule 9 per event source (``--write-calibration``
+writes it into :data:`~dynn_runtime.sim.hostcost.CALIBRATION_PATH`): ``per_op_s`` is the median
+over the zoo families of (managed - unmanaged) / operators with ``lru`` above the peak;
+``per_decision_s`` the seconds over the decision points, summed over the families, of (step at
+half the peak - step above the peak on the same batch - stalls, which on the CPU include the
+synchronous copies); the pilot's ``host_cost``
+model (seconds per decision point, per row scored, per operator) is fitted to its own counters
+(inference per decision point and row) and to the step time it adds over ``lru`` (per operator).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._log import logger
+from ..errors import ConfigError
+
+__all__ = ["OverheadConfig", "OverheadReport", "run_overhead", "render_overhead_markdown", "write_overhead",
+           "calibration_from", "write_calibration", "ZOO_AND_EXAMPLE"]
+
+#: the workloads of measurement 2: the zoo and the README's own example
+ZOO_AND_EXAMPLE = ("moe", "skipnet", "early_exit", "tree_lstm", "evoformer", "varlen", "examples/my_workload.py:build")
+_BIG = 1 << 50  # a budget far above any peak here: nothing moves
+
+
+@dataclass(kw_only=True)
+class OverheadConfig:
+    """What one ``dynn bench --overhead`` run measures; ``None`` fields take the mode's default."""
+
+    workloads: list[str] = field(default_factory=list)
+    """Zoo families or ``path.py:function`` specs; empty: the zoo and ``examples/my_workload.py:build``
+    (left out with a warning when that file is not under the current directory)."""
+    policies: list[str] = field(default_factory=lambda: ["none", "lru", "pilot"])
+    """Policies measured above the peak (the budget-1/2 run is always ``lru``)."""
+    sources: list[str] = field(default_factory=list)
+    """Event sources (``python``, ``native``); empty: every source this build offers."""
+    preset: str | None = None
+    """Workload preset; default ``small`` (quick: ``tiny``)."""
+    steps: int | None = None
+    """Measured steps per workload after one warm-up step (default 6; quick 2)."""
+    reps: int | None = None
+    """Repetitions of the operator microbenchmark (default 41; quick 9)."""
+    seed: int = 0
+    quick: bool = False
+    half: float = 0.5
+    """The constrained budget, a fraction of the peak (lru)."""
+    threads: int = 1
+    """``torch.set_num_threads`` for the run."""
+    json_path: str = "out/bench/overhead.json"
+
+    def resolved(self) -> OverheadConfig:
+        cfg = dataclasses.replace(
+            self,
+            workloads=list(self.workloads) or _default_workloads(),
+            sources=list(self.sources) or available_sources(),
+            preset=self.preset or ("tiny" if self.quick else "small"),
+            steps=self.steps if self.steps is not None else (2 if self.quick else 6),
+            reps=self.reps if self.reps is not None else (9 if self.quick else 41),
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        from .. import models
+        from ..policies import POLICIES
+
+        bad = [p for p in self.policies if p not in POLICIES]
+        if bad:
+            raise ConfigError(f"bench: unknown policies {bad}; registered: {', '.join(POLICIES)}.")
+        for s in self.sources:
+            if s not in ("python", "native"):
+                raise ConfigError(f"bench: an event source is 'python' or 'native', got {s!r}.")
+        if self.preset is not None and self.preset not in models.PRESETS:
+            raise ConfigError(f"bench: unknown preset {self.preset!r}; choices: {', '.join(models.PRESETS)}.")
+        if self.steps is not None and self.steps < 1:
+            raise ConfigError(f"bench: --steps must be >= 1 for --overhead, got {self.steps}.")
+        if self.reps is not None and self.reps < 1:
+            raise ConfigError(f"bench: --reps must be >= 1, got {self.reps}.")
+        if not 0 < self.half < 1:
+            raise ConfigError(f"bench: the constrained budget is a fraction in (0, 1), got {self.half}.")
+
+
+def _default_workloads() -> list[str]:
+    out = list(ZOO_AND_EXAMPLE[:-1])
+    example = ZOO_AND_EXAMPLE[-1]
+    if Path(example.rpartition(":")[0]).is_file():
+        out.append(example)
+    else:
+        logger.warning("bench: %s is not under the current directory; measuring the zoo only", example)
+    return out
+
+
+def _events_kwarg() -> bool:
+    from ..runtime.manager import MemoryManager
+
+    return "events" in inspect.signature(MemoryManager).parameters
+
+
+def _manager(budget: Any, policy: Any, source: str) -> Any:
+    from ..runtime.manager import MemoryManager
+
+    kw = {"events": source} if _events_kwarg() else {}
+    return MemoryManager(budget, policy=policy, device="cpu", **kw)
+
+
+def _source_used(mm: Any) -> str:
+    return str(mm.stats().get("event_source", "python"))
+
+
+def available_sources() -> list[str]:
+    """The event sources this build runs: ``python`` always; ``native`` where the manager takes
+    ``events=`` and a step with ``events="native"`` reports that it used it."""
+    import torch
+
+    out = ["python"]
+    if not _events_kwarg():
+        return out
+    try:
+        model = torch.nn.Linear(4, 4)
+        mm = _manager(_BIG, "none", "native")
+        mm.attach(model)
+        try:
+            with mm.step():
+                model(torch.randn(2, 4)).sum().backward()
+            if _source_used(mm) == "native":
+                out.append("native")
+        finally:
+            mm.detach()
+    except Exception as exc:  # noqa: BLE001 - any failure means the source is not usable here
+        logger.warning("bench: the native event source is not usable here (%s); measuring python only", exc)
+    return out
+
+
+def _counting(policy: str) -> Any:
+    """``policy`` with its decision points counted (rule 9's definition): ``victims()`` calls, and
+    ``after_op()`` calls that return actions."""
+    from ..policies import POLICIES
+
+    base = POLICIES[policy]
+
+    class Counting(base):  # type: ignore[misc, valid-type]
+        decision_points = 0
+
+        def victims(self, need_bytes: int, exclude: set[int]) -> Any:
+            self.decision_points += 1
+            return super().victims(need_bytes, exclude)
+
+        def after_op(self, position: int) -> Any:
+            actions = super().after_op(position)
+            if actions:
+                self.decision_points += 1
+            return actions
+
+    Counting.__name__ = Counting.__qualname__ = f"Counting{base.__name__}"
+    return Counting()
+
+
+def _pilot_counters(pol: Any) -> dict[str, float]:
+    """The pilot's own cumulative counters (zeros for any other policy)."""
+    keys = ("decisions", "candidates", "ops", "inference_s", "bookkeeping_s")
+    return {k: float(getattr(pol, k, 0) or 0) for k in keys} | {"host_seconds": float(pol.host_seconds)}
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"host_cpu": cpu, "cores": os.cpu_count(), "device": "cpu", "torch": torch.__version__,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+# ---- 1: the operator microbenchmark ---------------------------------------------------------------
+
+def _micro(cfg: OverheadConfig, source: str, policy: str, bar: Any) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(cfg.seed)
+    x, w = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    lin = torch.nn.Linear(16, 16)
+    inp = torch.randn(4, 16, generator=g)
+
+    def work() -> None:
+        y = x
+        for _ in range(25):
+            y = torch.relu(torch.mm(y * 0.5 + x, w))
+        lin(inp).sum().backward()
+        lin.zero_grad(set_to_none=True)
+
+    mm = _manager(_BIG, policy, source)
+    mm.attach(lin)
+    per_op: list[float] = []
+    ratio: list[float] = []
+    plain_op: list[float] = []
+    try:
+        work()  # warm-up: allocator, the manager's caches
+        with mm.step():
+            work()
+        used = _source_used(mm)
+        for _ in range(cfg.reps):
+            t0 = time.perf_counter()
+            work()
+            t1 = time.perf_counter()
+            with mm.step():
+                t2 = time.perf_counter()
+                work()
+                t3 = time.perf_counter()
+            ops = max(mm.steps[-1].ops, 1)
+            per_op.append(((t3 - t2) - (t1 - t0)) / ops)
+            ratio.append((t3 - t2) / (t1 - t0))
+            plain_op.append((t1 - t0) / ops)
+            bar.update(1)
+    finally:
+        mm.detach()
+    return {"source": source, "source_used": used, "policy": policy, "ops": mm.steps[-1].ops, "reps": cfg.reps,
+            "plain_us_per_op": statistics.median(plain_op) * 1e6,
+            "overhead_us_per_op": statistics.median(per_op) * 1e6, "ratio": statistics.median(ratio)}
+
+
+# ---- 2 and 3: the workloads ------------------------------------------------------------------------
+
+def _one_step(wl: Any, model: Any, opt: Any, batch: Any) -> None:
+    loss = wl.loss(model, batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dict[str, Any]]:
+    """One workload on one event source: per step, PyTorch alone, then each policy above the peak,
+    then lru at ``half``, each on the same batch (step 0 is a warm-up and the half run's measuring step)."""
+    import torch
+
+    from ..workload import load_workload, make_optimizer, workload_name
+
+    torch.manual_seed(cfg.seed)
+    wl = load_workload(spec, preset=cfg.preset, seed=cfg.seed)
+    model = wl.model
+    opt = make_optimizer(wl, model.parameters())
+    variants: list[tuple[str, str, Any]] = [(p, "above", _manager(_BIG, _counting(p), source))
+                                            for p in cfg.policies]
+    variants.append(("lru", "half", _manager(cfg.half, _counting("lru"), source)))
+    plain: list[float] = []
+    rows: dict[tuple[str, str], list[dict[str, float]]] = {(p, b): [] for p, b, _ in variants}
+    for step in range(cfg.steps + 1):
+        batch = wl.make_batch(step)
+        t0 = time.perf_counter()
+        _one_step(wl, model, opt, batch)
+        dt_plain = time.perf_counter() - t0
+        if step:
+            plain.append(dt_plain)
+        for policy, where, mm in variants:
+            pol = mm.policy
+            before_dp, before = pol.decision_points, _pilot_counters(pol)
+            mm.attach(model, opt)
+            try:
+                with mm.step():
+                    t0 = time.perf_counter()
+                    _one_step(wl, model, opt, batch)
+                    dt = time.perf_counter() - t0
+            finally:
+                mm.detach()
+            if not step:
+                continue
+            s = mm.steps[-1]
+            after = _pilot_counters(pol)
+            rows[(policy, where)].append({
+                "plain_s": dt_plain, "managed_s": dt, "ops": s.ops, "stall_s": s.stall_seconds,
+                "copy_s": s.copy_seconds, "policy_s": s.policy_seconds, "evictions": s.evictions,
+                "decision_points": pol.decision_points - before_dp,
+                "runtime_decision_points": float(mm.stats().get("decision_points", 0) or 0),
+                **{f"pilot_{k}": after[k] - before[k] for k in after},
+            })
+        bar.update(1)
+    out = []
+    name = workload_name(spec)
+    used = {where: _source_used(mm) for _, where, mm in variants}
+    for (policy, where), rs in rows.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        ratio = statistics.median(r["managed_s"] / r["plain_s"] for r in rs)
+        rec = {"workload": name, "spec": spec, "source": source, "source_used": used[where], "policy": policy,
+               "budget": "above peak" if where == "above" else cfg.half, "steps": len(rs), "ratio": ratio,
+               "plain_s": statistics.median(plain), **med}
+        # on the CPU copies are synchronous: stall_seconds includes them (copy_seconds is that part)
+        rec["other_s"] = med["managed_s"] - med["plain_s"] - med["stall_s"] - med["policy_s"]
+        rec["overhead_us_per_op"] = (med["managed_s"] - med["plain_s"]) / max(med["ops"], 1) * 1e6
+        base = rows.get(("lru", "above"))
+        if where == "half" and base:  # paired by step (the same batch): what the decision points added
+            rec["extra_over_above_s"] = statistics.median(h["managed_s"] - a["managed_s"] - h["stall_s"]
+                                                          for h, a in zip(rs, base))
+        if med["pilot_decisions"]:
+            d = med["pilot_decisions"]
+            rec["pilot"] = {"decisions_per_step": d, "inference_us_per_decision": med["pilot_inference_s"] / d * 1e6,
+                            "policy_us_per_decision": med["policy_s"] / d * 1e6,
+                            "share_of_step": med["policy_s"] / med["managed_s"],
+                            "inference_share_of_step": med["pilot_inference_s"] / med["managed_s"]}
+        out.append(rec)
+    return out
+
+
+@dataclass
+class OverheadReport:
+    config: OverheadConfig
+    micro: list[dict[str, Any]]
+    workloads: list[dict[str, Any]]
+    calibration: dict[str, Any]
+    meta: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        from .harness import _strict
+
+        return _strict({"kind": "dynn-bench-overhead", "config": dataclasses.asdict(self.config), **self.meta,
+                        "micro": self.micro, "workloads": self.workloads, "calibration": self.calibration})
+
+
+def run_overhead(cfg: OverheadConfig, progress: bool = True) -> OverheadReport:
+    """Run the three measurements of ``cfg`` (see the module docstring); nothing is written."""
+    import torch
+    from tqdm import tqdm
+
+    from .. import __version__
+
+    cfg = cfg.resolved()
+    t_start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    total = len(cfg.sources) * (len(cfg.policies) * cfg.reps + len(cfg.workloads) * (cfg.steps + 1))
+    bar = tqdm(total=total, desc="bench --overhead", unit="rep", disable=not progress, leave=False,
+               dynamic_ncols=True)
+    micro: list[dict[str, Any]] = []
+    workloads: list[dict[str, Any]] = []
+    try:
+        for source in cfg.sources:
+            for policy in cfg.policies:
+                bar.set_postfix_str(f"{source} ops {policy}")
+                micro.append(_micro(cfg, source, policy, bar))
+            for spec in cfg.workloads:
+                bar.set_postfix_str(f"{source} {spec}")
+                workloads += _workload(cfg, spec, source, bar)
+    finally:
+        bar.close()
+        torch.set_num_threads(threads)
+    now = time.localtime()
+    meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%S", now), "dynn_runtime": __version__,
+            "machine": _machine(), "threads": cfg.threads, "wall_s": time.perf_counter() - t_start}
+    report = OverheadReport(config=cfg, micro=micro, workloads=workloads, calibration={}, meta=meta)
+    report.calibration = calibration_from(report)
+    return report
+
+
+# ---- the calibration of the simulator's rule 9 ------------------------------------------------------
+
+def _fit_pilot(recs: list[dict[str, Any]], lru: dict[str, dict[str, Any]]) -> list[float]:
+    """The pilot's ``host_cost`` (seconds per decision point, per row scored, per operator):
+    inference = a * decisions + b * rows (least squares over the workloads, a and b >= 0; one
+    workload or a negative term: a = inference / decisions, b = 0); per operator, the median over the
+    workloads of (pilot step - lru step - inference) / operators: its feature state and notifications."""
+    import numpy as np
+
+    recs = [r for r in recs if r["pilot_decisions"]]
+    if not recs:
+        return [0.0, 0.0, 0.0]
+    d, c, inf = (np.asarray([r[k] for r in recs], dtype=float)
+                 for k in ("pilot_decisions", "pilot_candidates", "pilot_inference_s"))
+    a, b = float(inf.sum() / d.sum()), 0.0
+    if len(recs) > 1:
+        sol, *_ = np.linalg.lstsq(np.stack([d, c], axis=1), inf, rcond=None)
+        if sol.min() >= 0:
+            a, b = float(sol[0]), float(sol[1])
+    per_op = [(r["managed_s"] - lru[r["workload"]]["managed_s"] - r["pilot_inference_s"]) / max(r["ops"], 1)
+              for r in recs if r["workload"] in lru]
+    if not per_op:
+        per_op = [r["pilot_bookkeeping_s"] / max(r["pilot_ops"], 1) for r in recs]
+    return [a, b, max(0.0, float(np.median(per_op)))]
+
+
+def calibration_from(report: OverheadReport) -> dict[str, Any]:
+    """Per event source measured: the figures :func:`~dynn_runtime.sim.hostcost.host_cost_for` reads."""
+    out: dict[str, Any] = {}
+    zoo = set(ZOO_AND_EXAMPLE[:-1])
+    for source in report.config.sources:
+        recs = [r for r in report.workloads if r["source"] == source and r["source_used"] == source]
+        fam = [r for r in recs if r["spec"] in zoo] or recs
+        above = {r["workload"]: r for r in fam if r["policy"] == "lru" and r["budget"] == "above peak"}
+        half = {r["workload"]: r for r in fam if r["policy"] == "lru" and r["budget"] != "above peak"}
+        per_op = [(r["managed_s"] - r["plain_s"]) / max(r["ops"], 1) for r in above.values()]
+        paired = {w: (max(0.0, h["extra_over_above_s"]), h["decision_points"]) for w, h in half.items()
+                  if h.get("extra_over_above_s") is not None and h["decision_points"]}
+        by_dp = {w: e / n for w, (e, n) in paired.items()}
+        micro = [m for m in report.micro if m["source"] == source and m["source_used"] == source]
+        if not per_op:
+            continue
+        pilot = [r for r in fam if r["policy"] == "pilot" and r["budget"] == "above peak"]
+        out[source] = {
+            "per_op_s": max(0.0, statistics.median(per_op)),
+            # pooled (seconds over decision points, summed over the families): a family with few
+            # decision points weighs little, its per-decision figure being mostly noise
+            "per_decision_s": (sum(e for e, _ in paired.values()) / sum(n for _, n in paired.values())
+                               if paired else 0.0),
+            "per_op_s_micro": {m["policy"]: m["overhead_us_per_op"] * 1e-6 for m in micro},
+            "per_op_s_by_family": {w: v for w, v in zip(above, per_op)},
+            "per_decision_s_by_family": by_dp,
+            "policy_options": {"pilot": {"host_cost": _fit_pilot(pilot, above)}} if pilot else {},
+            "measured": {"date": report.meta["date"], **report.meta["machine"], "threads": report.config.threads,
+                         "preset": report.config.preset, "steps": report.config.steps},
+        }
+    return out
+
+
+#: policies the simulator does not charge: they stand for mechanisms other than the manager
+UNCHARGED = {
+    "none": "PyTorch alone: no manager",
+    "save_on_cpu": "torch.autograd.graph.save_on_cpu: saved-tensor hooks, no per-operator events",
+    "checkpoint": "torch.utils.checkpoint: module wrappers, no per-operator events",
+    "uvm": "CUDA unified memory: the hardware faults, no host bookkeeping",
+    "dtr": "a simulator-only baseline standing for its own runtime, not measured here",
+}
+
+
+def write_calibration(report: OverheadReport, path: str | Path | None = None) -> Path:
+    """Merge ``report``'s calibration into the calibration file (sources not measured now are kept)."""
+    from ..sim.hostcost import CALIBRATION_PATH, CALIBRATION_SCHEMA
+
+    p = Path(path) if path is not None else CALIBRATION_PATH
+    data: dict[str, Any] = {"schema": CALIBRATION_SCHEMA, "uncharged": dict(UNCHARGED), "sources": {}}
+    if p.is_file():
+        try:
+            old = json.loads(p.read_text())
+            if old.get("schema") == CALIBRATION_SCHEMA:
+                data["sources"].update(old.get("sources", {}))
+        except ValueError:
+            pass
+    if not report.calibration:
+        raise ConfigError("bench: no event source produced a calibration (no zoo family measured with lru); "
+                          "run `dynn bench --overhead` with the zoo families.")
+    data["sources"].update(report.calibration)
+    data["note"] = ("Host seconds of the live MemoryManager over PyTorch alone, measured by `dynn bench --overhead "
+                    "--write-calibration`; read by dynn_runtime.sim.hostcost (the simulator's rule 9).")
+    p.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    return p
+
+
+# ---- outputs ---------------------------------------------------------------------------------------
+
+def _x(v: float | None) -> str:
+    return "" if v is None or not math.isfinite(v) else f"{v:.2f}x"
+
+
+def render_overhead_markdown(report: OverheadReport) -> str:
+    cfg, m = report.config, report.meta["machine"]
+    lines = [f"# dynn bench --overhead ({report.meta['date']}): {m['host_cpu']}, {m['cores']} cores, torch "
+             f"{m['torch']}, {cfg.threads} thread(s), preset {cfg.preset}", "",
+             "## Operators: host us per ATen operator over PyTorch alone (budget far above the peak)", "",
+             "| source | policy | ops/rep | PyTorch us/op | manager +us/op | ratio |", "|---|---|---:|---:|---:|---:|"]
+    for r in report.micro:
+        src = r["source"] if r["source_used"] == r["source"] else f"{r['source']} (ran {r['source_used']})"
+        lines.append(f"| {src} | {r['policy']} | {r['ops']} | {r['plain_us_per_op']:.1f} | "
+                     f"{r['overhead_us_per_op']:.1f} | {_x(r['ratio'])} |")
+    by = {(r["source"], r["workload"], r["policy"], r["budget"]): r for r in report.workloads}
+    names = list(dict.fromkeys(r["workload"] for r in report.workloads))
+    for source in cfg.sources:
+        lines += ["", f"## Workloads ({source}): step time managed / PyTorch alone, budget above the peak", "",
+                  "| workload | ops/step | PyTorch ms | " + " | ".join(cfg.policies) + " | lru +us/op |",
+                  "|---|---:|---:|" + "---:|" * (len(cfg.policies) + 1)]
+        for w in names:
+            first = by.get((source, w, cfg.policies[0], "above peak"))
+            if first is None:
+                continue
+            lru = by.get((source, w, "lru", "above peak"))
+            cells = [_x(by[(source, w, p, "above peak")]["ratio"]) if (source, w, p, "above peak") in by else ""
+                     for p in cfg.policies]
+            tail = f" | {lru['overhead_us_per_op']:.1f} |" if lru else " | |"
+            lines.append(f"| {w} | {first['ops']:.0f} | {first['plain_s'] * 1e3:.1f} | " + " | ".join(cells) + tail)
+        lines += ["", f"## Workloads ({source}): lru at {cfg.half:g} of the peak, where the time goes (ms per step)",
+                  "On the CPU copies are synchronous: `stall` includes them (`copy` is that part).", "",
+                  "| workload | ratio | PyTorch | managed | stall | copy | policy | event path, rest | "
+                  "decision points | evictions |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for w in names:
+            r = by.get((source, w, "lru", cfg.half))
+            if r is None:
+                continue
+            lines.append(f"| {w} | {_x(r['ratio'])} | {r['plain_s'] * 1e3:.1f} | {r['managed_s'] * 1e3:.1f} | "
+                         f"{r['stall_s'] * 1e3:.1f} | {r['copy_s'] * 1e3:.1f} | {r['policy_s'] * 1e3:.1f} | "
+                         f"{r['other_s'] * 1e3:.1f} | {r['decision_points']:.0f} | {r['evictions']:.0f} |")
+        pil = [by[(source, w, "pilot", "above peak")] for w in names if (source, w, "pilot", "above peak") in by]
+        pil = [r for r in pil if "pilot" in r]
+        if pil:
+            lines += ["", f"## The pilot ({source}, budget above the peak): per decision point and share of the step",
+                      "", "| workload | decision points/step | inference us/decision | policy_seconds us/decision | "
+                      "policy share of step | inference share |", "|---|---:|---:|---:|---:|---:|"]
+            for r in pil:
+                p = r["pilot"]
+                lines.append(f"| {r['workload']} | {p['decisions_per_step']:.0f} | "
+                             f"{p['inference_us_per_decision']:.1f} | {p['policy_us_per_decision']:.1f} | "
+                             f"{p['share_of_step'] * 100:.1f}% | {p['inference_share_of_step'] * 100:.1f}% |")
+    if report.calibration:
+        lines += ["", "## Calibration of the simulator's rule 9 (dynn_runtime/sim/host_cost.json)", "",
+                  "| source | per operator us | per decision point us | pilot host_cost (us/decision, us/row, us/op) |",
+                  "|---|---:|---:|---|"]
+        for source, c in report.calibration.items():
+            hc = c.get("policy_options", {}).get("pilot", {}).get("host_cost")
+            lines.append(f"| {source} | {c['per_op_s'] * 1e6:.1f} | {c['per_decision_s'] * 1e6:.1f} | "
+                         + (", ".join(f"{v * 1e6:.2f}" for v in hc) if hc else "") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_overhead(report: OverheadReport, path: str | Path | None = None) -> dict[str, Path]:
+    p = Path(path if path is not None else report.config.json_path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(report.to_json(), indent=1, allow_nan=False) + "\n")
+    md = p.with_suffix(".md")
+    md.write_text(render_overhead_markdown(report))
+    return {"json": p, "markdown": md}
+

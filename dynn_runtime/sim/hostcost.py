@@ -1,0 +1,140 @@
+"""What the live memory manager costs on the host, as the simulator charges it (rule 8 of the engine).
+
+The live runtime (:class:`~dynn_runtime.runtime.manager.MemoryManager`) runs on the thread that issues
+the operators. Two numbers describe what it adds there over PyTorch alone:
+
+* ``per_op_s``: seconds per ATen operator the manager sees (its event path: tracking the storages an
+  operator reads and creates, the budget check, the policy's notifications), with nothing moving;
+* ``per_decision_s``: seconds per *decision point*, a consultation of the policy that moves memory:
+  one ``victims()`` call (memory is short; the evictions it leads to and the demand fetches they
+  cause later are part of it), or one ``after_op()`` that returns actions (proactive evictions,
+  prefetches). The simulator counts them the same way (:attr:`SimResult.decision_points`). The copies
+  themselves are the copy engines' time, not the host's: the calibration subtracts them.
+
+The policy's own work beyond that is the policy's :attr:`Policy.host_seconds` (the pilot's inference
+and feature state, charged by its ``host_cost`` model: :func:`policy_options_for`).
+
+Both numbers are measured by ``dynn bench --overhead --write-calibration`` per event source (the
+Python dispatch path, and the native event path where it is built) and kept in ``host_cost.json``
+beside this module, with the machine they were measured on. Policies that stand for something that
+does not run in the manager (``none`` is PyTorch alone; ``save_on_cpu``, ``checkpoint``, ``uvm``
+and ``dtr`` model other mechanisms) are listed there as uncharged.
+
+>>> from dynn_runtime.sim.hostcost import HostCost, host_cost_for
+>>> host_cost_for("none") is None          # PyTorch alone pays no manager
+True
+>>> c = host_cost_for("lru", source="python")
+>>> c.source, c.per_op_s > 0
+('python', True)
+>>> round(HostCost(per_op_s=2e-6, per_decision_s=5e-6, source="model").charge(ops=100, decision_points=4), 9)
+0.00022
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+__all__ = ["HostCost", "CALIBRATION_PATH", "SOURCES", "load_calibration", "host_cost_for", "policy_options_for",
+           "parse_host_cost"]
+
+#: the calibration data shipped with the package (written by ``dynn bench --overhead --write-calibration``)
+CALIBRATION_PATH = Path(__file__).resolve().parent / "host_cost.json"
+#: event sources of the live runtime: the Python dispatch mode, the native extension's event path
+SOURCES = ("python", "native")
+CALIBRATION_SCHEMA = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostCost:
+    """Host seconds the live manager adds over PyTorch alone, as the simulator charges them."""
+
+    per_op_s: float
+    """Seconds per ATen operator, nothing moving (the event path and the policy's notifications)."""
+    per_decision_s: float
+    """Seconds per decision point (a ``victims()`` call, or an ``after_op()`` that returns actions)."""
+    source: str
+    """Where the figures come from: an event source of the calibration (``python``, ``native``), or
+    ``model`` for figures given by hand."""
+
+    def __post_init__(self) -> None:
+        for name in ("per_op_s", "per_decision_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ConfigError(f"sim: HostCost.{name} must be a finite number of seconds >= 0, got {v!r}.")
+
+    def charge(self, ops: int, decision_points: int) -> float:
+        """Host seconds for ``ops`` operators and ``decision_points`` decision points."""
+        return ops * self.per_op_s + decision_points * self.per_decision_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"per_op_s": self.per_op_s, "per_decision_s": self.per_decision_s, "source": self.source}
+
+
+def load_calibration(path: str | Path | None = None) -> dict[str, Any]:
+    """The calibration file's content (default: the one shipped with the package)."""
+    p = Path(path) if path is not None else CALIBRATION_PATH
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"sim: cannot read the host-cost calibration {str(p)!r} ({exc}); re-measure it with "
+                          "`dynn bench --overhead --write-calibration`.") from None
+    if data.get("schema") != CALIBRATION_SCHEMA or not isinstance(data.get("sources"), dict):
+        raise ConfigError(f"sim: {str(p)!r} is not a host-cost calibration of schema {CALIBRATION_SCHEMA} "
+                          f"(found schema {data.get('schema')!r}); re-measure it with "
+                          "`dynn bench --overhead --write-calibration`.")
+    return data
+
+
+def _source(data: dict[str, Any], source: str) -> str:
+    """``auto``: the native event path where it was measured (the runtime uses it where it is built),
+    else the Python path."""
+    if source == "auto":
+        return "native" if "native" in data["sources"] else "python"
+    if source not in data["sources"]:
+        raise ConfigError(f"sim: the host-cost calibration has no figures for the {source!r} event source "
+                          f"(it has {', '.join(data['sources']) or 'none'}); measure them with "
+                          "`dynn bench --overhead --write-calibration` where that source is available.")
+    return source
+
+
+def host_cost_for(policy: str, source: str = "auto", calibration: dict[str, Any] | None = None) -> HostCost | None:
+    """The calibrated :class:`HostCost` of running ``policy`` in the live manager, or None for a
+    policy that does not run in it (listed as uncharged in the calibration)."""
+    data = calibration if calibration is not None else load_calibration()
+    if policy in data.get("uncharged", {}):
+        return None
+    src = _source(data, source)
+    row = data["sources"][src]
+    return HostCost(per_op_s=float(row["per_op_s"]), per_decision_s=float(row["per_decision_s"]), source=src)
+
+
+def policy_options_for(policy: str, source: str = "auto", calibration: dict[str, Any] | None = None) -> dict:
+    """Options that make ``policy`` charge its own host time from the calibration (deterministic
+    simulations): the pilot's ``host_cost`` model. Empty for every other policy."""
+    data = calibration if calibration is not None else load_calibration()
+    if policy in data.get("uncharged", {}):
+        return {}
+    row = data["sources"][_source(data, source)]
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in row.get("policy_options", {}).get(policy, {}).items()}
+
+
+def parse_host_cost(text: str) -> str | HostCost | None:
+    """``dynn bench --host-cost``: ``calibrated`` (the shipped calibration), ``none`` (no charge), or
+    seconds per operator with optional seconds per decision point (``40e-6`` or ``40e-6,25e-6``)."""
+    t = text.strip().lower()
+    if t in ("calibrated", "none"):
+        return None if t == "none" else "calibrated"
+    try:
+        parts = [float(x) for x in t.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (1, 2):
+        raise ConfigError(f"bench: --host-cost takes calibrated, none, or seconds per operator[,per decision "
+                          f"point] like 40e-6,25e-6; got {text!r}.")
+    return HostCost(per_op_s=parts[0], per_decision_s=parts[1] if len(parts) == 2 else 0.0, source="model")

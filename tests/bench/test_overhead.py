@@ -1,0 +1,84 @@
+"""``dynn bench --overhead``: the measurement's records, the calibration it writes and the simulator reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dynn_runtime.bench.overhead import (
+    OverheadConfig,
+    render_overhead_markdown,
+    run_overhead,
+    write_calibration,
+    write_overhead,
+)
+from dynn_runtime.cli import main
+from dynn_runtime.errors import ConfigError
+from dynn_runtime.sim.hostcost import host_cost_for, load_calibration, policy_options_for
+
+EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "my_workload.py") + ":build"
+
+
+@pytest.fixture(scope="module")
+def report():
+    cfg = OverheadConfig(workloads=["tree_lstm", EXAMPLE], policies=["none", "lru", "pilot"], sources=["python"],
+                         preset="tiny", steps=1, reps=2)
+    return run_overhead(cfg, progress=False)
+
+
+def test_records_cover_every_policy_source_and_workload(report):
+    assert {(r["source"], r["policy"]) for r in report.micro} == {("python", p) for p in ("none", "lru", "pilot")}
+    for r in report.micro:
+        assert r["source_used"] == "python" and r["ops"] > 50 and r["plain_us_per_op"] > 0
+    keys = {(r["workload"], r["policy"], r["budget"]) for r in report.workloads}
+    for w in ("tree_lstm", "my_workload.build"):
+        assert {(w, p, "above peak") for p in ("none", "lru", "pilot")} | {(w, "lru", 0.5)} <= keys
+    for r in report.workloads:
+        assert r["ops"] > 0 and r["managed_s"] > 0 and r["plain_s"] > 0 and r["ratio"] > 0
+        if r["budget"] == "above peak":
+            assert r["evictions"] == 0 and r["decision_points"] == 0  # nothing moves above the peak
+        else:  # half the peak: lru is consulted and moves storages
+            assert r["decision_points"] > 0 and r["evictions"] >= r["decision_points"] and r["stall_s"] > 0
+    pilot = [r for r in report.workloads if r["policy"] == "pilot"]
+    assert pilot and all(r["pilot"]["decisions_per_step"] > 0 and 0 < r["pilot"]["share_of_step"] < 1
+                         for r in pilot)
+
+
+def test_calibration_round_trip(report, tmp_path):
+    cal = report.calibration["python"]
+    assert cal["per_op_s"] > 0 and cal["per_decision_s"] >= 0 and len(cal["policy_options"]["pilot"]["host_cost"]) == 3
+    assert cal["measured"]["cores"] and cal["measured"]["torch"]
+    path = tmp_path / "host_cost.json"
+    path.write_text(json.dumps({"schema": 1, "sources": {"native": {"per_op_s": 1e-6, "per_decision_s": 0.0}}}))
+    write_calibration(report, path)
+    data = load_calibration(path)
+    assert set(data["sources"]) == {"python", "native"}  # a source not measured now is kept
+    c = host_cost_for("lru", "python", data)
+    assert c.per_op_s == cal["per_op_s"] and c.per_decision_s == cal["per_decision_s"]
+    assert host_cost_for("lru", "auto", data).source == "native" and host_cost_for("none", "python", data) is None
+    assert policy_options_for("pilot", "python", data)["host_cost"] == tuple(cal["policy_options"]["pilot"]["host_cost"])
+
+
+def test_outputs(report, tmp_path):
+    paths = write_overhead(report, tmp_path / "o.json")
+    data = json.loads(paths["json"].read_text())
+    assert data["kind"] == "dynn-bench-overhead" and data["config"]["preset"] == "tiny" and data["machine"]["cores"]
+    md = paths["markdown"].read_text()
+    assert md == render_overhead_markdown(report)
+    for needle in ("## Operators", "| python | lru |", "| tree_lstm |", "my_workload.build", "lru at 0.5",
+                   "## The pilot", "## Calibration"):
+        assert needle in md
+
+
+def test_bad_input_and_cli(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="event source"):
+        OverheadConfig(sources=["cuda"]).resolved()
+    with pytest.raises(ConfigError, match="unknown policies"):
+        OverheadConfig(policies=["nope"]).resolved()
+    out = tmp_path / "ov.json"
+    assert main(["bench", "--overhead", "--quick", "--families", EXAMPLE, "--policies", "lru", "--reps", "1",
+                 "--steps", "1", "--json", str(out), "-q"]) == 0
+    text = capsys.readouterr().out
+    assert "## Operators" in text and "my_workload.build" in text and out.exists()
