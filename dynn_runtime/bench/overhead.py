@@ -20,11 +20,14 @@ Three measurements, each interleaving managed and unmanaged runs in one process 
 From these, the calibration of the simulator's rule 9 per event source (``--write-calibration``
 writes it into :data:`~dynn_runtime.sim.hostcost.CALIBRATION_PATH`): ``per_op_s`` is the median
 over the zoo families of (managed - unmanaged) / operators with ``lru`` above the peak;
-``per_decision_s`` the seconds over the decision points, summed over the families, of (step at
-half the peak - step above the peak on the same batch - stalls, which on the CPU include the
-synchronous copies); the pilot's ``host_cost``
+``per_move_s`` the sum over the families of (step at half the peak - step above the peak on the
+same batch - stalls, which on the CPU include the synchronous copies) over the storages moved
+(``per_decision_s`` is 0 on the Python path: the policy is consulted after every operator, which
+``per_op_s`` holds, and a joint fit of a per-consultation and a per-move term is not stable on
+noisy machines; the file keeps the per-consultation figure that would explain the same seconds); the pilot's ``host_cost``
 model (seconds per decision point, per row scored, per operator) is fitted to its own counters
-(inference per decision point and row) and to the step time it adds over ``lru`` (per operator).
+(inference per decision point and row) and to the step time it adds over ``lru`` (per operator,
+added to the pilot's ``per_op_s`` as ``policy_per_op_s``).
 """
 
 from __future__ import annotations
@@ -169,6 +172,7 @@ def _counting(policy: str) -> Any:
 
     class Counting(base):  # type: ignore[misc, valid-type]
         decision_points = 0
+        prefetches = 0
 
         def victims(self, need_bytes: int, exclude: set[int]) -> Any:
             self.decision_points += 1
@@ -178,6 +182,7 @@ def _counting(policy: str) -> Any:
             actions = super().after_op(position)
             if actions:
                 self.decision_points += 1
+                self.prefetches += sum(a.kind == "prefetch" for a in actions)
             return actions
 
     Counting.__name__ = Counting.__qualname__ = f"Counting{base.__name__}"
@@ -286,7 +291,7 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dic
             plain.append(dt_plain)
         for policy, where, mm in variants:
             pol = mm.policy
-            before_dp, before = pol.decision_points, _pilot_counters(pol)
+            before_dp, before_pf, before = pol.decision_points, pol.prefetches, _pilot_counters(pol)
             mm.attach(model, opt)
             try:
                 with mm.step():
@@ -303,6 +308,8 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dic
                 "plain_s": dt_plain, "managed_s": dt, "ops": s.ops, "stall_s": s.stall_seconds,
                 "copy_s": s.copy_seconds, "policy_s": s.policy_seconds, "evictions": s.evictions,
                 "decision_points": pol.decision_points - before_dp,
+                # storages moved: evictions, demand fetches, prefetches asked for (an upper bound)
+                "moves": s.evictions + s.prefetch_misses + pol.prefetches - before_pf,
                 "runtime_decision_points": float(mm.stats().get("decision_points", 0) or 0),
                 **{f"pilot_{k}": after[k] - before[k] for k in after},
             })
@@ -419,23 +426,30 @@ def calibration_from(report: OverheadReport) -> dict[str, Any]:
         above = {r["workload"]: r for r in fam if r["policy"] == "lru" and r["budget"] == "above peak"}
         half = {r["workload"]: r for r in fam if r["policy"] == "lru" and r["budget"] != "above peak"}
         per_op = [(r["managed_s"] - r["plain_s"]) / max(r["ops"], 1) for r in above.values()]
-        paired = {w: (max(0.0, h["extra_over_above_s"]), h["decision_points"]) for w, h in half.items()
+        paired = {w: (max(0.0, h["extra_over_above_s"]), h["decision_points"], h["moves"]) for w, h in half.items()
                   if h.get("extra_over_above_s") is not None and h["decision_points"]}
-        by_dp = {w: e / n for w, (e, n) in paired.items()}
+        moved = sum(m for _, _, m in paired.values())
+        per_move = sum(e for e, _, _ in paired.values()) / moved if moved else 0.0
         micro = [m for m in report.micro if m["source"] == source and m["source_used"] == source]
         if not per_op:
             continue
         pilot = [r for r in fam if r["policy"] == "pilot" and r["budget"] == "above peak"]
+        pilot_fit = _fit_pilot(pilot, above)
         out[source] = {
             "per_op_s": max(0.0, statistics.median(per_op)),
-            # pooled (seconds over decision points, summed over the families): a family with few
-            # decision points weighs little, its per-decision figure being mostly noise
-            "per_decision_s": (sum(e for e, _ in paired.values()) / sum(n for _, n in paired.values())
-                               if paired else 0.0),
+            # on the Python path the policy is consulted after every operator (in per_op_s) and what
+            # memory pressure adds scales with the storages moved: charged per move, not per consultation
+            "per_decision_s": 0.0,
+            "per_move_s": per_move,
+            "per_decision_s_if_alone": (sum(e for e, _, _ in paired.values())
+                                        / max(1, sum(d for _, d, _ in paired.values()))),
             "per_op_s_micro": {m["policy"]: m["overhead_us_per_op"] * 1e-6 for m in micro},
             "per_op_s_by_family": {w: v for w, v in zip(above, per_op)},
-            "per_decision_s_by_family": by_dp,
-            "policy_options": {"pilot": {"host_cost": _fit_pilot(pilot, above)}} if pilot else {},
+            "half_extra_s_decision_points_moves_by_family": paired,
+            # the pilot's per-operator term goes to its per_op_s (charged even where rule 7 runs none);
+            # its host_cost model keeps the inference at its decision points
+            "policy_per_op_s": {"pilot": pilot_fit[2]} if pilot else {},
+            "policy_options": {"pilot": {"host_cost": [pilot_fit[0], pilot_fit[1], 0.0]}} if pilot else {},
             "measured": {"date": report.meta["date"], **report.meta["machine"], "threads": report.config.threads,
                          "preset": report.config.preset, "steps": report.config.steps},
         }
@@ -509,14 +523,14 @@ def render_overhead_markdown(report: OverheadReport) -> str:
         lines += ["", f"## Workloads ({source}): lru at {cfg.half:g} of the peak, where the time goes (ms per step)",
                   "On the CPU copies are synchronous: `stall` includes them (`copy` is that part).", "",
                   "| workload | ratio | PyTorch | managed | stall | copy | policy | event path, rest | "
-                  "decision points | evictions |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "decision points | moves |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for w in names:
             r = by.get((source, w, "lru", cfg.half))
             if r is None:
                 continue
             lines.append(f"| {w} | {_x(r['ratio'])} | {r['plain_s'] * 1e3:.1f} | {r['managed_s'] * 1e3:.1f} | "
                          f"{r['stall_s'] * 1e3:.1f} | {r['copy_s'] * 1e3:.1f} | {r['policy_s'] * 1e3:.1f} | "
-                         f"{r['other_s'] * 1e3:.1f} | {r['decision_points']:.0f} | {r['evictions']:.0f} |")
+                         f"{r['other_s'] * 1e3:.1f} | {r['decision_points']:.0f} | {r['moves']:.0f} |")
         pil = [by[(source, w, "pilot", "above peak")] for w in names if (source, w, "pilot", "above peak") in by]
         pil = [r for r in pil if "pilot" in r]
         if pil:
@@ -530,11 +544,14 @@ def render_overhead_markdown(report: OverheadReport) -> str:
                              f"{p['share_of_step'] * 100:.1f}% | {p['inference_share_of_step'] * 100:.1f}% |")
     if report.calibration:
         lines += ["", "## Calibration of the simulator's rule 9 (dynn_runtime/sim/host_cost.json)", "",
-                  "| source | per operator us | per decision point us | pilot host_cost (us/decision, us/row, us/op) |",
-                  "|---|---:|---:|---|"]
+                  "| source | per operator us | per decision point us | per move us | "
+                  "pilot host_cost (us/decision, us/row, us/op) |", "|---|---:|---:|---:|---|"]
         for source, c in report.calibration.items():
             hc = c.get("policy_options", {}).get("pilot", {}).get("host_cost")
+            if hc:
+                hc = [hc[0], hc[1], c.get("policy_per_op_s", {}).get("pilot", 0.0)]
             lines.append(f"| {source} | {c['per_op_s'] * 1e6:.1f} | {c['per_decision_s'] * 1e6:.1f} | "
+                         f"{c['per_move_s'] * 1e6:.1f} | "
                          + (", ".join(f"{v * 1e6:.2f}" for v in hc) if hc else "") + " |")
     return "\n".join(lines) + "\n"
 

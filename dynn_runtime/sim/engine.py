@@ -37,9 +37,10 @@ Rules the engine keeps (numbered so tests and docs can point at them):
 9. The manager's own host cost (``host_cost=``, a :class:`~dynn_runtime.sim.hostcost.HostCost`;
    none by default; it turns rule 8's timeline on). The live manager runs on the issuing thread:
    before each operator is issued the host clock advances by ``per_op_s`` (the event path, nothing
-   moving) and by ``per_decision_s`` for each decision point since the previous operator: a
-   ``victims()`` call (memory short), or an ``after_op()`` that returned actions
-   (:attr:`SimResult.decision_points`). It is charged whether or not the manager engages (rule 7:
+   moving), by ``per_decision_s`` for each decision point since the previous operator (a
+   ``victims()`` call, memory short, or an ``after_op()`` that returned actions:
+   :attr:`SimResult.decision_points`) and by ``per_move_s`` for each storage moved since (evicted,
+   prefetched, fetched on demand: :attr:`SimResult.moves`). It is charged whether or not the manager engages (rule 7:
    at a budget above the peak the live manager still sees every operator). With zero figures the
    run is rule 8's exactly; when the host is the bottleneck (operators at the floor) the iteration
    grows by ``ops * per_op_s``.
@@ -126,7 +127,9 @@ class SimResult:
     policy_host_s: float = 0.0
     #: rule 9: policy consultations that moved memory (``victims()`` calls, ``after_op()`` with actions)
     decision_points: int = 0
-    #: rule 9: the manager's host seconds charged (``ops * per_op_s + decision_points * per_decision_s``)
+    #: rule 9: storages moved (evictions, prefetches issued, demand fetches)
+    moves: int = 0
+    #: rule 9: the manager's host seconds charged (:meth:`HostCost.charge` of the counts above)
     host_cost_s: float = 0.0
     #: rule 9: where the charge's figures come from (``python``, ``native``, ``model``); empty: none charged
     host_cost_source: str = ""
@@ -428,6 +431,7 @@ class Simulator:
             else:
                 self._set(sid, S.DROPPED)
                 self.evictions += 1
+                self.moves += 1
                 return True
         if mode == "drop":
             if not self.recomputable(sid):
@@ -443,6 +447,7 @@ class Simulator:
             if s.ready_at <= self.t:
                 self._set(sid, S.HOST)
         self.evictions += 1
+        self.moves += 1
         return True
 
     def _make_room(self, need: int, exclude: set[int]) -> None:
@@ -486,6 +491,7 @@ class Simulator:
         if s.status is S.HOST:
             self._make_room(s.nbytes, exclude)
             self.prefetch_misses += 1
+            self.moves += 1
             self.bytes_fetched += s.nbytes
             self._stall_until(self._copy_h2d(s.nbytes))
             self._set(sid, S.FETCHING)
@@ -559,6 +565,7 @@ class Simulator:
                 self.bytes_fetched += s.nbytes
                 self._set(a.sid, S.FETCHING)
                 self.decisions += 1
+                self.moves += 1
 
     # ---- the run ----------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -570,7 +577,7 @@ class Simulator:
         self._fetching: set[int] = set()
         self._rebuilding: set[tuple[int, int, int]] = set()
         self.bytes_offloaded = self.bytes_fetched = 0
-        self.decisions = self.evictions = self.recomputed_ops = self.decision_points = 0
+        self.decisions = self.evictions = self.recomputed_ops = self.decision_points = self.moves = 0
         self.host_cost_s = 0.0
         self.prefetch_hits = self.prefetch_misses = self.prefetch_late = 0
         compute = sum(self.op_time)
@@ -610,7 +617,7 @@ class Simulator:
             decisions=self.decisions, evictions=self.evictions, recomputed_ops=self.recomputed_ops,
             prefetch_hits=self.prefetch_hits, prefetch_misses=self.prefetch_misses, ops=len(self.ops),
             managed=managed, host_wait_s=self.host_wait, policy_host_s=self.policy_host,
-            decision_points=self.decision_points, host_cost_s=self.host_cost_s,
+            decision_points=self.decision_points, moves=self.moves, host_cost_s=self.host_cost_s,
             host_cost_source=self.host_cost.source if self.host_cost is not None else "",
         )
 
@@ -637,8 +644,7 @@ class Simulator:
         h = seen = self.h = 0.0  # rule 8: the host's clock, and the policy's host seconds already on it
         floor = self.profile.op_overhead_s if self.dispatch_s is None else self.dispatch_s
         hc = self.host_cost
-        per_op, per_dp = (hc.per_op_s, hc.per_decision_s) if hc is not None else (0.0, 0.0)
-        dp_seen = 0  # rule 9: decision points already on the host clock
+        dp_seen = mv_seen = 0  # rule 9: decision points and moves already on the host clock
         for j, op in enumerate(self.ops):
             self.position = j
             self.phase = op.phase
@@ -659,8 +665,8 @@ class Simulator:
                 h += spent - seen
                 seen = spent
                 if hc is not None:  # rule 9: the manager's work before this operator is issued
-                    charge = per_op + (self.decision_points - dp_seen) * per_dp
-                    dp_seen = self.decision_points
+                    charge = hc.charge(1, self.decision_points - dp_seen, self.moves - mv_seen)
+                    dp_seen, mv_seen = self.decision_points, self.moves
                     h += charge
                     self.host_cost_s += charge
                 if h > self.t:  # the device has run dry: it waits for the host to issue this operator
@@ -690,8 +696,8 @@ class Simulator:
             self._free(sid)
         if host:
             self.policy_host = float(pol.host_seconds)
-            if hc is not None and self.decision_points > dp_seen:  # after the last operator: still host time
-                self.host_cost_s += (self.decision_points - dp_seen) * per_dp
+            if hc is not None:  # after the last operator: still host time
+                self.host_cost_s += hc.charge(0, self.decision_points - dp_seen, self.moves - mv_seen)
 
 
 def simulate(

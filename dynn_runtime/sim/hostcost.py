@@ -6,13 +6,21 @@ the operators. Two numbers describe what it adds there over PyTorch alone:
 * ``per_op_s``: seconds per ATen operator the manager sees (its event path: tracking the storages an
   operator reads and creates, the budget check, the policy's notifications), with nothing moving;
 * ``per_decision_s``: seconds per *decision point*, a consultation of the policy that moves memory:
-  one ``victims()`` call (memory is short; the evictions it leads to and the demand fetches they
-  cause later are part of it), or one ``after_op()`` that returns actions (proactive evictions,
-  prefetches). The simulator counts them the same way (:attr:`SimResult.decision_points`). The copies
-  themselves are the copy engines' time, not the host's: the calibration subtracts them.
+  one ``victims()`` call (memory is short), or one ``after_op()`` that returns actions (proactive
+  evictions, prefetches);
+* ``per_move_s``: seconds per storage moved (an eviction, a prefetch, a demand fetch): the
+  bookkeeping and the issue of its copy. The copy itself is the copy engines' time, not the
+  host's: the calibration subtracts it.
 
-The policy's own work beyond that is the policy's :attr:`Policy.host_seconds` (the pilot's inference
-and feature state, charged by its ``host_cost`` model: :func:`policy_options_for`).
+The simulator counts decision points and moves the same way (:attr:`SimResult.decision_points`,
+:attr:`SimResult.moves`).
+
+A policy whose notifications cost more than ``lru``'s (the pilot's feature state, every operator)
+has that added to its ``per_op_s`` (``policy_per_op_s`` in the file): the live manager runs it even
+when nothing needs to move, so it is charged even where the simulator's rule 7 runs ``none``. Its
+work at its own decision points (the pilot's inference) is the policy's
+:attr:`Policy.host_seconds`, charged by its ``host_cost`` model (:func:`policy_options_for`) where
+the policy runs.
 
 Both numbers are measured by ``dynn bench --overhead --write-calibration`` per event source (the
 Python dispatch path, and the native event path where it is built) and kept in ``host_cost.json``
@@ -26,8 +34,8 @@ True
 >>> c = host_cost_for("lru", source="python")
 >>> c.source, c.per_op_s > 0
 ('python', True)
->>> round(HostCost(per_op_s=2e-6, per_decision_s=5e-6, source="model").charge(ops=100, decision_points=4), 9)
-0.00022
+>>> round(HostCost(per_op_s=2e-6, per_decision_s=5e-6, per_move_s=1e-6, source="model").charge(100, 4, 10), 9)
+0.00023
 """
 
 from __future__ import annotations
@@ -58,22 +66,25 @@ class HostCost:
     """Seconds per ATen operator, nothing moving (the event path and the policy's notifications)."""
     per_decision_s: float
     """Seconds per decision point (a ``victims()`` call, or an ``after_op()`` that returns actions)."""
+    per_move_s: float = 0.0
+    """Seconds per storage moved (eviction, prefetch, demand fetch), the copy itself not included."""
     source: str
     """Where the figures come from: an event source of the calibration (``python``, ``native``), or
     ``model`` for figures given by hand."""
 
     def __post_init__(self) -> None:
-        for name in ("per_op_s", "per_decision_s"):
+        for name in ("per_op_s", "per_decision_s", "per_move_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ConfigError(f"sim: HostCost.{name} must be a finite number of seconds >= 0, got {v!r}.")
 
-    def charge(self, ops: int, decision_points: int) -> float:
-        """Host seconds for ``ops`` operators and ``decision_points`` decision points."""
-        return ops * self.per_op_s + decision_points * self.per_decision_s
+    def charge(self, ops: int, decision_points: int, moves: int = 0) -> float:
+        """Host seconds for ``ops`` operators, ``decision_points`` decision points and ``moves`` moves."""
+        return ops * self.per_op_s + decision_points * self.per_decision_s + moves * self.per_move_s
 
     def as_dict(self) -> dict[str, Any]:
-        return {"per_op_s": self.per_op_s, "per_decision_s": self.per_decision_s, "source": self.source}
+        return {"per_op_s": self.per_op_s, "per_decision_s": self.per_decision_s, "per_move_s": self.per_move_s,
+                "source": self.source}
 
 
 def load_calibration(path: str | Path | None = None) -> dict[str, Any]:
@@ -111,7 +122,9 @@ def host_cost_for(policy: str, source: str = "auto", calibration: dict[str, Any]
         return None
     src = _source(data, source)
     row = data["sources"][src]
-    return HostCost(per_op_s=float(row["per_op_s"]), per_decision_s=float(row["per_decision_s"]), source=src)
+    per_op = float(row["per_op_s"]) + float(row.get("policy_per_op_s", {}).get(policy, 0.0))
+    return HostCost(per_op_s=per_op, per_decision_s=float(row["per_decision_s"]),
+                    per_move_s=float(row.get("per_move_s", 0.0)), source=src)
 
 
 def policy_options_for(policy: str, source: str = "auto", calibration: dict[str, Any] | None = None) -> dict:
@@ -126,7 +139,8 @@ def policy_options_for(policy: str, source: str = "auto", calibration: dict[str,
 
 def parse_host_cost(text: str) -> str | HostCost | None:
     """``dynn bench --host-cost``: ``calibrated`` (the shipped calibration), ``none`` (no charge), or
-    seconds per operator with optional seconds per decision point (``40e-6`` or ``40e-6,25e-6``)."""
+    seconds per operator with optional seconds per decision point and per move (``40e-6``,
+    ``40e-6,25e-6`` or ``40e-6,25e-6,10e-6``)."""
     t = text.strip().lower()
     if t in ("calibrated", "none"):
         return None if t == "none" else "calibrated"
@@ -134,7 +148,8 @@ def parse_host_cost(text: str) -> str | HostCost | None:
         parts = [float(x) for x in t.split(",")]
     except ValueError:
         parts = []
-    if len(parts) not in (1, 2):
+    if len(parts) not in (1, 2, 3):
         raise ConfigError(f"bench: --host-cost takes calibrated, none, or seconds per operator[,per decision "
-                          f"point] like 40e-6,25e-6; got {text!r}.")
-    return HostCost(per_op_s=parts[0], per_decision_s=parts[1] if len(parts) == 2 else 0.0, source="model")
+                          f"point[,per move]] like 40e-6,25e-6,10e-6; got {text!r}.")
+    parts += [0.0] * (3 - len(parts))
+    return HostCost(per_op_s=parts[0], per_decision_s=parts[1], per_move_s=parts[2], source="model")

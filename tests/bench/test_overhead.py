@@ -41,6 +41,7 @@ def test_records_cover_every_policy_source_and_workload(report):
             assert r["evictions"] == 0 and r["decision_points"] == 0  # nothing moves above the peak
         else:  # half the peak: lru is consulted and moves storages
             assert r["decision_points"] > 0 and r["evictions"] >= r["decision_points"] and r["stall_s"] > 0
+            assert r["moves"] >= r["evictions"] and r["extra_over_above_s"] is not None
     pilot = [r for r in report.workloads if r["policy"] == "pilot"]
     assert pilot and all(r["pilot"]["decisions_per_step"] > 0 and 0 < r["pilot"]["share_of_step"] < 1
                          for r in pilot)
@@ -48,7 +49,8 @@ def test_records_cover_every_policy_source_and_workload(report):
 
 def test_calibration_round_trip(report, tmp_path):
     cal = report.calibration["python"]
-    assert cal["per_op_s"] > 0 and cal["per_decision_s"] >= 0 and len(cal["policy_options"]["pilot"]["host_cost"]) == 3
+    assert cal["per_op_s"] > 0 and cal["per_decision_s"] >= 0 and cal["per_move_s"] >= 0
+    assert len(cal["policy_options"]["pilot"]["host_cost"]) == 3 and cal["policy_per_op_s"]["pilot"] >= 0
     assert cal["measured"]["cores"] and cal["measured"]["torch"]
     path = tmp_path / "host_cost.json"
     path.write_text(json.dumps({"schema": 1, "sources": {"native": {"per_op_s": 1e-6, "per_decision_s": 0.0}}}))
@@ -57,6 +59,7 @@ def test_calibration_round_trip(report, tmp_path):
     assert set(data["sources"]) == {"python", "native"}  # a source not measured now is kept
     c = host_cost_for("lru", "python", data)
     assert c.per_op_s == cal["per_op_s"] and c.per_decision_s == cal["per_decision_s"]
+    assert c.per_move_s == cal["per_move_s"] >= 0
     assert host_cost_for("lru", "auto", data).source == "native" and host_cost_for("none", "python", data) is None
     assert policy_options_for("pilot", "python", data)["host_cost"] == tuple(cal["policy_options"]["pilot"]["host_cost"])
 
@@ -82,3 +85,4 @@ def test_bad_input_and_cli(tmp_path, capsys):
                  "--steps", "1", "--json", str(out), "-q"]) == 0
     text = capsys.readouterr().out
     assert "## Operators" in text and "my_workload.build" in text and out.exists()
+

@@ -89,6 +89,11 @@ def test_decision_points_are_counted_and_charged():
                                                                        source="model"))
     assert r.decision_points == 2 and r.host_cost_s == pytest.approx(1.0)
     assert r.iter_time_s == pytest.approx(base.iter_time_s + 0.5) and r.host_wait_s == pytest.approx(0.5)
+    assert r.moves == 3  # P out, A out, P back on demand
+    m = simulate(tr, "lru", 300, UNIT, iteration=0, host_cost=HostCost(per_op_s=0.0, per_decision_s=0.0,
+                                                                       per_move_s=0.5, source="model"))
+    # P's eviction before op2 is exposed (0.5 s); A out and P back (1 s) hide behind op3's stall
+    assert m.moves == 3 and m.host_cost_s == pytest.approx(1.5) and m.iter_time_s == pytest.approx(base.iter_time_s + 0.5)
     # the oracle's proactive moves (after_op with actions) are decision points too
     o = simulate(tr, "oracle", 300, UNIT, iteration=0, host_cost=ZERO)
     assert o.decision_points >= 1
@@ -111,6 +116,9 @@ def test_shipped_calibration_charges_the_manager_policies_only():
         assert c.source == "python" and c.per_op_s > 0 and c.per_decision_s >= 0
     auto = host_cost_for("lru", source="auto", calibration=data)
     assert auto.source == ("native" if "native" in data["sources"] else "python")
+    pilot = host_cost_for("pilot", source="python", calibration=data)
+    extra = data["sources"]["python"].get("policy_per_op_s", {}).get("pilot", 0.0)
+    assert pilot.per_op_s == pytest.approx(host_cost_for("lru", source="python", calibration=data).per_op_s + extra)
     opts = policy_options_for("pilot", source="python", calibration=data)
     assert len(opts["host_cost"]) == 3 and all(x >= 0 for x in opts["host_cost"])
 
@@ -124,12 +132,17 @@ def test_calibration_errors_name_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="native"):
         host_cost_for("lru", source="native", calibration=only_python)
     assert host_cost_for("lru", calibration=only_python).source == "python"
+    # a policy's own per-operator work is added to its per_op_s (charged even where rule 7 runs none)
+    only_python["sources"]["python"]["policy_per_op_s"] = {"pilot": 2e-5}
+    assert host_cost_for("pilot", calibration=only_python).per_op_s == pytest.approx(3e-5)
+    assert host_cost_for("lru", calibration=only_python).per_op_s == pytest.approx(1e-5)
 
 
 def test_parse_host_cost():
     assert parse_host_cost("calibrated") == "calibrated" and parse_host_cost("none") is None
     assert parse_host_cost("40e-6") == HostCost(per_op_s=40e-6, per_decision_s=0.0, source="model")
     assert parse_host_cost("40e-6,25e-6").per_decision_s == 25e-6
+    assert parse_host_cost("40e-6,25e-6,5e-6").per_move_s == 5e-6
     with pytest.raises(ConfigError, match="--host-cost"):
         parse_host_cost("fast")
 
