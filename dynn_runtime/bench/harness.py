@@ -335,7 +335,8 @@ def _sim_record(family: str, preset: str, policy: str, fraction: float, res: Any
         "bytes_fetched": res.bytes_fetched, "peak_bytes": res.peak_bytes, "managed": res.managed,
         "evictions": res.evictions, "recomputed_ops": res.recomputed_ops, "prefetch_hits": res.prefetch_hits,
         "prefetch_misses": res.prefetch_misses, "ops": res.ops, "trace": trace_path.name,
-        "decision_points": res.decision_points, "host_cost_s": res.host_cost_s, "host_wait_s": res.host_wait_s,
+        "decision_points": res.decision_points, "moves": res.moves, "host_cost_s": res.host_cost_s,
+        "host_wait_s": res.host_wait_s,
         "policy_host_s": res.policy_host_s, "host_cost_source": res.host_cost_source,
     }
 
@@ -534,9 +535,12 @@ def _host_cost_line(hc: dict[str, Any] | None) -> str:
     charged = {p: c for p, c in hc["policies"].items() if c}
     if not charged:
         return f"{hc['mode']}, no policy here runs in the manager"
-    c = next(iter(charged.values()))
-    return (f"{hc['mode']} ({c['source']}): {c['per_op_s'] * 1e6:.1f} us per operator, "
-            f"{c['per_decision_s'] * 1e6:.1f} us per decision point, on {', '.join(charged)}")
+    c = min(charged.values(), key=lambda x: x["per_op_s"])
+    more = [f"{p} {x['per_op_s'] * 1e6:.1f}" for p, x in charged.items() if x["per_op_s"] != c["per_op_s"]]
+    return (f"{hc['mode']} ({c['source']}): {c['per_op_s'] * 1e6:.1f} us per operator"
+            + (f" ({', '.join(more)})" if more else "")
+            + f", {c['per_decision_s'] * 1e6:.1f} us per decision point, {c.get('per_move_s', 0.0) * 1e6:.1f} us "
+            f"per storage moved, on {', '.join(charged)}")
 
 
 def _mib(n: int) -> str:
