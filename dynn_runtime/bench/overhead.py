@@ -189,6 +189,11 @@ def _counting(policy: str) -> Any:
     return Counting()
 
 
+def _runtime_decision_points(mm: Any) -> float:
+    """``stats()["decision_points"]`` (cumulative), 0 where the runtime does not report it."""
+    return float(mm.stats().get("decision_points", 0) or 0)
+
+
 def _pilot_counters(pol: Any) -> dict[str, float]:
     """The pilot's own cumulative counters (zeros for any other policy)."""
     keys = ("decisions", "candidates", "ops", "inference_s", "bookkeeping_s")
@@ -292,6 +297,7 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dic
         for policy, where, mm in variants:
             pol = mm.policy
             before_dp, before_pf, before = pol.decision_points, pol.prefetches, _pilot_counters(pol)
+            before_rt = _runtime_decision_points(mm)
             mm.attach(model, opt)
             try:
                 with mm.step():
@@ -310,7 +316,8 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dic
                 "decision_points": pol.decision_points - before_dp,
                 # storages moved: evictions, demand fetches, prefetches asked for (an upper bound)
                 "moves": s.evictions + s.prefetch_misses + pol.prefetches - before_pf,
-                "runtime_decision_points": float(mm.stats().get("decision_points", 0) or 0),
+                # the runtime's own count where it reports one (the native event path's Python entries)
+                "runtime_decision_points": _runtime_decision_points(mm) - before_rt,
                 **{f"pilot_{k}": after[k] - before[k] for k in after},
             })
         bar.update(1)

@@ -40,10 +40,10 @@ Rules the engine keeps (numbered so tests and docs can point at them):
    moving), by ``per_decision_s`` for each decision point since the previous operator (a
    ``victims()`` call, memory short, or an ``after_op()`` that returned actions:
    :attr:`SimResult.decision_points`) and by ``per_move_s`` for each storage moved since (evicted,
-   prefetched, fetched on demand: :attr:`SimResult.moves`). It is charged whether or not the manager engages (rule 7:
-   at a budget above the peak the live manager still sees every operator). With zero figures the
-   run is rule 8's exactly; when the host is the bottleneck (operators at the floor) the iteration
-   grows by ``ops * per_op_s``.
+   prefetched, fetched on demand: :attr:`SimResult.moves`). It is charged whether or not the
+   manager engages (rule 7: at a budget above the peak the live manager still sees every
+   operator). With zero figures the run is rule 8's exactly; when the host is the bottleneck
+   (operators at the floor) the iteration grows by ``ops * per_op_s``.
 
 Time: ``compute`` is the sum of operator times (measured on the profile's GPU, or the roofline of
 :func:`~dynn_runtime.sim.profiles.op_time` for traces recorded elsewhere); the iteration time is the
