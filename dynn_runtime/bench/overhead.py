@@ -99,6 +99,10 @@ class OverheadConfig:
         bad = [p for p in self.policies if p not in POLICIES]
         if bad:
             raise ConfigError(f"bench: unknown policies {bad}; registered: {', '.join(POLICIES)}.")
+        bad = [w for w in self.workloads if ".py:" not in w and w not in models.FAMILIES]
+        if bad:
+            raise ConfigError(f"bench: unknown workload(s) {', '.join(map(repr, bad))}; give zoo families "
+                              f"({', '.join(models.FAMILIES)}) or path/to/file.py:function.")
         for s in self.sources:
             if s not in ("python", "native"):
                 raise ConfigError(f"bench: an event source is 'python' or 'native', got {s!r}.")

@@ -78,6 +78,8 @@ def test_outputs(report, tmp_path):
 def test_bad_input_and_cli(tmp_path, capsys):
     with pytest.raises(ConfigError, match="event source"):
         OverheadConfig(sources=["cuda"]).resolved()
+    with pytest.raises(ConfigError, match="path/to/file.py:function"):
+        OverheadConfig(workloads=["nope"]).resolved()
     with pytest.raises(ConfigError, match="unknown policies"):
         OverheadConfig(policies=["nope"]).resolved()
     out = tmp_path / "ov.json"
