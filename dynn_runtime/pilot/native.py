@@ -6,7 +6,9 @@ The numpy code stays the reference and the fallback (:meth:`FeatureState.feature
 (its logarithms come from tables that numpy fills here, so both round alike) and the same network up
 to float32 summation order.
 
-Build: the system C compiler (``$CC``, else ``cc``) with ``-O3 -march=native`` (retried without
+Build: CMake builds it at install (``pilot/_kernel.so``, with ``_kernel.sha256``, the hash of the
+source it was built from); it is used when that hash matches this source and
+``DYNN_PILOT_INSTALLED`` is not ``0``. Otherwise it is compiled at run time: the system C compiler (``$CC``, else ``cc``) with ``-O3 -march=native`` (retried without
 ``-march=native`` if the compiler refuses it) into ``$DYNN_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/dynn_runtime``, else ``~/.cache/dynn_runtime``; the file name is keyed by a hash of
 the source, the compiler's ``--version``, the flags and the CPU (machine and its feature flags), so
@@ -106,9 +108,37 @@ def _compile(cc: list[str], flags: tuple[str, ...], path: Path) -> str | None:
             os.unlink(tmp)
 
 
+def _installed() -> tuple[NativeKernel, str] | None:
+    """The kernel CMake built at install (``pilot/_kernel.so``), if it was built from this very
+    source (its ``_kernel.sha256``): an editable checkout whose source changed since compiles anew."""
+    if os.environ.get("DYNN_PILOT_INSTALLED", "").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    dirs = [SOURCE.parent]
+    try:  # an editable install keeps built files beside the installed package, not the source
+        import importlib.util
+
+        spec = importlib.util.find_spec("dynn_runtime._C")
+        if spec is not None and spec.origin:
+            dirs.append(Path(spec.origin).parent / "pilot")
+    except (ImportError, ValueError):
+        pass
+    for d in dirs:
+        lib, stamp = d / "_kernel.so", d / "_kernel.sha256"
+        try:
+            if stamp.read_text().strip() != hashlib.sha256(SOURCE.read_bytes()).hexdigest():
+                continue
+            return NativeKernel(lib), f"native kernel {lib} (built at install)"
+        except (OSError, RuntimeError, AttributeError):
+            continue
+    return None
+
+
 def _build() -> tuple[NativeKernel | None, str]:
     if os.environ.get("DYNN_PILOT_NATIVE", "").strip().lower() in ("0", "false", "no", "off"):
         return None, "disabled by DYNN_PILOT_NATIVE=0"
+    installed = _installed()
+    if installed is not None:
+        return installed
     cc = _compiler()
     if not cc:
         return None, "no C compiler ($CC is empty)"

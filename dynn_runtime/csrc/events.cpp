@@ -1,0 +1,539 @@
+// The live runtime's native event source: what the memory manager must do for every ATen operator,
+// done in C++ so that Python runs only at decision points.
+//
+// An `Observer` installs a thread-local `at::RecordFunction` callback (propagated by autograd to its
+// worker threads with the rest of the thread-local state). For every operator that reaches a kernel
+// (composite-implicit operators are skipped: the operators they decompose into are seen instead;
+// operators a kernel calls internally are skipped: their inputs are the outer operator's), it:
+//
+//   * registers every storage on the managed device it has not seen (an input seen first, or an
+//     output the operator created), with its bytes, and accounts them in `used`;
+//   * before the kernel runs, collects the storages that are away (offloaded) and hands their ids
+//     to the Python fault handler, which brings them back (the only way a kernel ever sees one);
+//   * marks written storages' host copies stale (a later eviction must copy again);
+//   * appends the operator to the log (operator id, phase, autograd node, storage ids) that the
+//     policies read in batches at decision points;
+//   * after the kernel, if `used` is over the budget (after forgetting storages that died), or every
+//     `decide_every` operators, calls the Python decision handler.
+//
+// Invariants:
+//   1. A tracked storage's key (its StorageImpl address) cannot be reused while it is tracked: the
+//      entry holds a weak reference, which keeps the StorageImpl object (not its data) allocated.
+//   2. `used` = bytes of tracked, alive storages that are not away. Python changes "away" only
+//      through set_away(), which moves `used` with it.
+//   3. Exceptions never cross the RecordFunction boundary (PyTorch would swallow them): a Python
+//      handler's exception is kept and re-raised by take_error() at the next Python-side check.
+//   4. Python handlers run with RecordFunction disabled on this thread, so the manager's own copies
+//      and resizes are not observed.
+
+#include <ATen/ATen.h>
+#include <ATen/SequenceNumber.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace dynn {
+namespace {
+
+// log record tags (first word of each record)
+constexpr int64_t kOp = 1;     // kOp, op_id, phase, node, n_in, n_out, n_write, n_alloc, ids...
+constexpr int64_t kAlloc = 2;  // kAlloc, sid, nbytes, fresh (1: an operator's output; 0: seen as input)
+constexpr int64_t kFree = 3;   // kFree, sid
+
+constexpr int64_t kForward = 0, kBackward = 1, kOptimizer = 2;
+
+struct OpInfo {
+  int64_t id = -1;           // interned name, -1 until assigned
+  bool skip = false;         // composite-implicit, or ignored (detach, lift_fresh)
+  std::vector<int> writes;   // schema argument indices written in place
+};
+
+struct Entry {
+  c10::weak_intrusive_ptr<c10::StorageImpl> weak;
+  int64_t sid;
+  int64_t nbytes;
+  int64_t last_access = -1;
+  int64_t count = 0;
+  bool away = false;        // offloaded: must be fetched before any kernel reads it
+  bool host_valid = false;  // its host copy equals the device bytes (no write since)
+
+  Entry(c10::weak_intrusive_ptr<c10::StorageImpl> w, int64_t s, int64_t n)
+      : weak(std::move(w)), sid(s), nbytes(n) {}
+};
+
+class Observer;
+// The started observer. One per process: the callback is thread-local (autograd's worker threads
+// inherit it), the observer it serves is not. Operators run on one thread at a time (autograd's
+// caller waits for the engine), so the observer's tables need no lock.
+std::atomic<Observer*> g_active{nullptr};
+thread_local int tls_depth = 0;  // >0 inside an observed operator's kernel
+
+struct Ctx : at::ObserverContext {
+  std::vector<int64_t> ins;
+  std::vector<int64_t> writes;
+};
+
+class Observer {
+ public:
+  Observer(const std::string& device_type, int64_t device_index)
+      : device_type_(c10::Device(device_type).type()), device_index_(device_index) {}
+
+  ~Observer() { stop(); }
+
+  // ---- life cycle ---------------------------------------------------------------------------
+  void start(py::object on_fault, py::object on_decide) {
+    TORCH_CHECK(handle_ == 0, "dynn: the event observer is already started");
+    Observer* none = nullptr;
+    TORCH_CHECK(g_active.compare_exchange_strong(none, this),
+                "dynn: another memory manager's native event source is active in this process; detach it first");
+    on_fault_ = std::move(on_fault);
+    on_decide_ = std::move(on_decide);
+    handle_ = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(&Observer::start_cb, &Observer::end_cb)
+            .needsInputs(true)
+            .needsOutputs(true)
+            .scopes({at::RecordScope::FUNCTION}));
+  }
+
+  void stop() {
+    if (handle_ != 0) {
+      at::removeCallback(handle_);
+      handle_ = 0;
+    }
+    Observer* self = this;
+    g_active.compare_exchange_strong(self, nullptr);
+    py::gil_scoped_acquire gil;
+    on_fault_ = py::none();
+    on_decide_ = py::none();
+  }
+
+  // ---- configuration ------------------------------------------------------------------------
+  void set_budget(int64_t b) { budget_ = b; }
+  void set_decide_every(int64_t n) { decide_every_ = n; }
+  void set_sweep_every(int64_t n) { sweep_every_ = n; }
+  // The manager's own tensor work on this thread is not observed between suspend() and resume().
+  void suspend() { ++tls_depth; }
+  void resume() { --tls_depth; }
+  void set_phase(int64_t p) { phase_override_ = p; }
+  void set_in_step(bool v) {
+    in_step_ = v;
+    if (v) {
+      position_ = 0;
+      last_decide_ = 0;
+      peak_ = used_;
+    }
+  }
+
+  // ---- storages -----------------------------------------------------------------------------
+  // The id of `t`'s storage, registering it (fresh=false: logged as seen) if new; -1 if unmanaged.
+  int64_t track(const at::Tensor& t) {
+    c10::StorageImpl* impl = managed_impl(t);
+    if (impl == nullptr) return -1;
+    return lookup_or_add(impl, t, /*fresh=*/false)->sid;
+  }
+
+  int64_t sid_of(const at::Tensor& t) {
+    c10::StorageImpl* impl = managed_impl(t);
+    if (impl == nullptr) return -1;
+    auto it = table_.find(impl);
+    return it == table_.end() ? -1 : it->second.sid;
+  }
+
+  // The storage behind `sid` as a Python object, or None if it died.
+  py::object storage(int64_t sid) {
+    auto it = by_sid_.find(sid);
+    if (it == by_sid_.end()) return py::none();
+    Entry& e = table_.at(it->second);
+    auto strong = e.weak.lock();
+    if (!strong) return py::none();
+    return py::reinterpret_steal<py::object>(torch::createPyObject(c10::Storage(std::move(strong))));
+  }
+
+  void set_away(int64_t sid, bool away) {
+    Entry& e = entry(sid);
+    if (e.away == away) return;
+    e.away = away;
+    used_ += away ? -e.nbytes : e.nbytes;
+    if (used_ > peak_) peak_ = used_;
+  }
+
+  void set_host_valid(int64_t sid, bool v) { entry(sid).host_valid = v; }
+  bool host_valid(int64_t sid) { return entry(sid).host_valid; }
+  bool away(int64_t sid) { return entry(sid).away; }
+  int64_t nbytes(int64_t sid) { return entry(sid).nbytes; }
+  int64_t last_access(int64_t sid) { return entry(sid).last_access; }
+  int64_t access_count(int64_t sid) { return entry(sid).count; }
+  bool alive(int64_t sid) {
+    auto it = by_sid_.find(sid);
+    return it != by_sid_.end() && !table_.at(it->second).weak.expired();
+  }
+
+  // Forget storages that died; logs a kFree record for each. Returns how many.
+  int64_t sweep() {
+    int64_t n = 0;
+    for (auto it = table_.begin(); it != table_.end();) {
+      Entry& e = it->second;
+      if (e.weak.expired()) {
+        if (!e.away) used_ -= e.nbytes;
+        log_.push_back(kFree);
+        log_.push_back(e.sid);
+        by_sid_.erase(e.sid);
+        it = table_.erase(it);
+        ++n;
+      } else {
+        ++it;
+      }
+    }
+    return n;
+  }
+
+  // The log since the last call (int64 words), and the operator names interned since then.
+  py::tuple take_log() {
+    py::bytes words(reinterpret_cast<const char*>(log_.data()), log_.size() * sizeof(int64_t));
+    log_.clear();
+    py::list names;
+    for (size_t i = names_sent_; i < names_.size(); ++i) names.append(names_[i]);
+    names_sent_ = names_.size();
+    return py::make_tuple(words, names);
+  }
+
+  // The first exception a handler raised since the last call, re-raised here.
+  void take_error() {
+    if (error_) {
+      std::unique_ptr<py::error_already_set> err = std::move(error_);
+      err->restore();
+      throw py::error_already_set();
+    }
+  }
+
+  int64_t used() const { return used_; }
+  int64_t peak() const { return peak_; }
+  void reset_peak() { peak_ = used_; }
+  int64_t position() const { return position_; }
+  int64_t tracked() const { return static_cast<int64_t>(table_.size()); }
+  int64_t faults() const { return faults_; }
+  int64_t decisions() const { return decisions_; }
+  int64_t observed() const { return observed_; }
+
+ private:
+  // ---- helpers ------------------------------------------------------------------------------
+  c10::StorageImpl* managed_impl(const at::Tensor& t) const {
+    if (!t.defined() || t.layout() != c10::kStrided || !t.has_storage()) return nullptr;
+    const c10::Device d = t.device();
+    if (d.type() != device_type_) return nullptr;
+    if (device_index_ >= 0 && d.index() != device_index_) return nullptr;
+    // tensor subclasses and wrappers (fake, functional) manage their own storage
+    if (t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize})))
+      return nullptr;
+    return t.storage().unsafeGetStorageImpl();
+  }
+
+  Entry& entry(int64_t sid) {
+    auto it = by_sid_.find(sid);
+    TORCH_CHECK(it != by_sid_.end(), "dynn: storage ", sid, " is not tracked");
+    return table_.at(it->second);
+  }
+
+  Entry* lookup_or_add(c10::StorageImpl* impl, const at::Tensor& t, bool fresh) {
+    auto it = table_.find(impl);
+    if (it != table_.end()) {
+      Entry& e = it->second;
+      const int64_t n = static_cast<int64_t>(impl->nbytes());
+      if (!e.away && n != e.nbytes) {  // resized in place (an out= argument): account the change
+        used_ += n - e.nbytes;
+        e.nbytes = n;
+      }
+      return &e;
+    }
+    const int64_t n = static_cast<int64_t>(impl->nbytes());
+    const int64_t sid = next_sid_++;
+    auto res = table_.emplace(impl, Entry(t.storage().getWeakStorageImpl(), sid, n));
+    by_sid_.emplace(sid, impl);
+    used_ += n;
+    log_.push_back(kAlloc);
+    log_.push_back(sid);
+    log_.push_back(n);
+    log_.push_back(fresh ? 1 : 0);
+    return &res.first->second;
+  }
+
+  OpInfo& info(const at::RecordFunction& fn) {
+    const char* key = fn.name();
+    auto it = ops_.find(key);
+    if (it != ops_.end()) return it->second;
+    OpInfo inf;
+    std::string name(key);
+    auto oname = fn.operator_name();
+    if (!oname.has_value() || name == "aten::detach" || name == "aten::lift_fresh" ||
+        name.rfind("prim::", 0) == 0) {
+      inf.skip = true;  // a profiler range (autograd's evaluate_function, record_function) or metadata
+    } else if (oname.has_value()) {
+      auto op = c10::Dispatcher::singleton().findOp(*oname);
+      if (op.has_value()) {
+        const bool cia = op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
+        const bool own = op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+                         op->hasKernelForDispatchKey(c10::DispatchKey::CUDA) ||
+                         op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd);
+        inf.skip = cia && !own;
+        const auto& args = op->schema().arguments();
+        for (size_t i = 0; i < args.size(); ++i) {
+          const auto* a = args[i].alias_info();
+          if (a != nullptr && a->isWrite()) inf.writes.push_back(static_cast<int>(i));
+        }
+      }
+      std::string overload = oname.has_value() ? oname->overload_name : "";
+      if (!overload.empty()) name += "." + overload;
+    }
+    if (!inf.skip) {
+      inf.id = static_cast<int64_t>(names_.size());
+      names_.push_back(name);
+    }
+    return ops_.emplace(key, std::move(inf)).first->second;
+  }
+
+  template <typename F>
+  static void for_tensors(const c10::IValue& v, F&& f) {
+    if (v.isTensor()) {
+      f(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorVector()) f(t);
+    } else if (v.isList()) {
+      for (const c10::IValue& x : v.toListRef())
+        if (x.isTensor()) f(x.toTensor());
+    }
+  }
+
+  void add_unique(std::vector<int64_t>& v, int64_t sid) {
+    for (int64_t x : v)
+      if (x == sid) return;
+    v.push_back(sid);
+  }
+
+  int64_t current_phase() {
+    if (phase_override_ == kOptimizer) return kOptimizer;
+    if (torch::autograd::get_current_node()) {
+      seen_backward_ = true;
+      return kBackward;
+    }
+    return seen_backward_ ? kBackward : kForward;
+  }
+
+  // Calls a Python handler with RecordFunction off; an exception is kept (invariant 3).
+  void call(py::object& handler, py::tuple args) {
+    at::DisableRecordFunctionGuard off;
+    py::gil_scoped_acquire gil;
+    if (handler.is_none()) return;
+    try {
+      handler(*args);
+    } catch (py::error_already_set& e) {
+      if (!error_) error_ = std::make_unique<py::error_already_set>(std::move(e));
+    }
+  }
+
+  // ---- the callback -------------------------------------------------------------------------
+  static std::unique_ptr<at::ObserverContext> start_cb(const at::RecordFunction& fn) {
+    Observer* self = g_active.load(std::memory_order_relaxed);
+    if (self == nullptr || tls_depth > 0) return nullptr;
+    OpInfo& inf = self->info(fn);
+    if (inf.skip) return nullptr;
+    return self->before(fn, inf);
+  }
+
+  static void end_cb(const at::RecordFunction& fn, at::ObserverContext* ctx) {
+    Observer* self = g_active.load(std::memory_order_relaxed);
+    if (ctx == nullptr || self == nullptr) return;
+    self->after(fn, static_cast<Ctx*>(ctx));
+  }
+
+  std::unique_ptr<at::ObserverContext> before(const at::RecordFunction& fn, OpInfo& inf) {
+    auto ctx = std::make_unique<Ctx>();
+    std::vector<int64_t> fault;
+    auto inputs = fn.inputs();
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const bool written = std::find(inf.writes.begin(), inf.writes.end(), static_cast<int>(i)) != inf.writes.end();
+      for_tensors(inputs[i], [&](const at::Tensor& t) {
+        c10::StorageImpl* impl = managed_impl(t);
+        if (impl == nullptr) return;
+        Entry* e = lookup_or_add(impl, t, /*fresh=*/false);
+        add_unique(ctx->ins, e->sid);
+        if (e->away) add_unique(fault, e->sid);
+        if (written) {
+          add_unique(ctx->writes, e->sid);
+          e->host_valid = false;
+        }
+      });
+    }
+    ++observed_;
+    if (!fault.empty()) {
+      ++faults_;
+      call(on_fault_, py::make_tuple(py::cast(fault), py::str(fn.name())));
+    }
+    ++tls_depth;
+    return ctx;
+  }
+
+  void after(const at::RecordFunction& fn, Ctx* ctx) {
+    --tls_depth;
+    OpInfo& inf = info(fn);
+    std::vector<int64_t> outs, allocs;
+    for (const c10::IValue& v : fn.outputs()) {
+      for_tensors(v, [&](const at::Tensor& t) {
+        c10::StorageImpl* impl = managed_impl(t);
+        if (impl == nullptr) return;
+        const bool known = table_.count(impl) != 0;
+        Entry* e = lookup_or_add(impl, t, /*fresh=*/true);
+        if (!known) add_unique(allocs, e->sid);
+        add_unique(outs, e->sid);
+      });
+    }
+    // the autograd node: in backward the one running; in forward the one this op created, if any
+    int64_t node = -1;
+    const int64_t phase = current_phase();
+    if (auto cur = torch::autograd::get_current_node()) {
+      const uint64_t q = cur->sequence_nr();
+      node = q < (uint64_t(1) << 62) ? static_cast<int64_t>(q) : -1;
+    } else {
+      const int64_t q = static_cast<int64_t>(at::sequence_number::peek()) - 1;
+      if (q > last_node_) {
+        last_node_ = q;
+        node = q;
+      }
+    }
+    const int64_t j = position_++;
+    for (int64_t sid : ctx->ins) touch(sid, j);
+    for (int64_t sid : outs) touch(sid, j);
+    log_.push_back(kOp);
+    log_.push_back(inf.id);
+    log_.push_back(phase);
+    log_.push_back(node);
+    log_.push_back(static_cast<int64_t>(ctx->ins.size()));
+    log_.push_back(static_cast<int64_t>(outs.size()));
+    log_.push_back(static_cast<int64_t>(ctx->writes.size()));
+    log_.push_back(static_cast<int64_t>(allocs.size()));
+    log_.insert(log_.end(), ctx->ins.begin(), ctx->ins.end());
+    log_.insert(log_.end(), outs.begin(), outs.end());
+    log_.insert(log_.end(), ctx->writes.begin(), ctx->writes.end());
+    log_.insert(log_.end(), allocs.begin(), allocs.end());
+    bool swept = false;
+    if (sweep_every_ > 0 && position_ % sweep_every_ == 0) {
+      sweep();
+      swept = true;
+    }
+    bool decide = decide_every_ > 0 && position_ - last_decide_ >= decide_every_;
+    if (budget_ > 0 && used_ > budget_) {  // storages that died may be what puts it over
+      if (!swept) sweep();
+      swept = true;
+      decide = decide || used_ > budget_;
+    }
+    // The peak counts storages that died since the last sweep: a new peak more than 1/32 above the
+    // last one is swept first, so the reported peak exceeds the true one by at most that.
+    if (used_ > peak_ + peak_ / 32 && !swept) sweep();
+    if (used_ > peak_) peak_ = used_;
+    if (decide) {
+      last_decide_ = position_;
+      ++decisions_;
+      call(on_decide_, py::make_tuple(j));
+    }
+  }
+
+  void touch(int64_t sid, int64_t j) {
+    auto it = by_sid_.find(sid);
+    if (it == by_sid_.end()) return;
+    Entry& e = table_.at(it->second);
+    e.last_access = j;
+    ++e.count;
+  }
+
+  c10::DeviceType device_type_;
+  int64_t device_index_;
+  at::CallbackHandle handle_ = 0;
+  py::object on_fault_ = py::none();
+  py::object on_decide_ = py::none();
+  std::unique_ptr<py::error_already_set> error_;
+
+  std::unordered_map<c10::StorageImpl*, Entry> table_;
+  std::unordered_map<int64_t, c10::StorageImpl*> by_sid_;
+  std::unordered_map<const char*, OpInfo> ops_;
+  std::vector<std::string> names_;
+  size_t names_sent_ = 0;
+  std::vector<int64_t> log_;
+
+  int64_t next_sid_ = 1;
+  int64_t used_ = 0;
+  int64_t peak_ = 0;
+  int64_t budget_ = 0;
+  int64_t decide_every_ = 0;
+  int64_t sweep_every_ = 0;
+  int64_t position_ = 0;
+  int64_t last_decide_ = 0;
+  int64_t last_node_ = -1;
+  int64_t phase_override_ = -1;
+  bool in_step_ = false;
+  bool seen_backward_ = false;
+  int64_t faults_ = 0;
+  int64_t decisions_ = 0;
+  int64_t observed_ = 0;
+
+ public:
+  void set_seen_backward(bool v) { seen_backward_ = v; }
+};
+
+}  // namespace
+}  // namespace dynn
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
+  m.attr("ABI") = 1;
+  m.attr("LOG_OP") = dynn::kOp;
+  m.attr("LOG_ALLOC") = dynn::kAlloc;
+  m.attr("LOG_FREE") = dynn::kFree;
+  using dynn::Observer;
+  py::class_<Observer>(m, "Observer")
+      .def(py::init<const std::string&, int64_t>(), py::arg("device_type"), py::arg("device_index") = -1)
+      .def("start", &Observer::start)
+      .def("stop", &Observer::stop)
+      .def("set_budget", &Observer::set_budget)
+      .def("set_decide_every", &Observer::set_decide_every)
+      .def("set_sweep_every", &Observer::set_sweep_every)
+      .def("suspend", &Observer::suspend)
+      .def("resume", &Observer::resume)
+      .def("set_phase", &Observer::set_phase)
+      .def("set_in_step", &Observer::set_in_step)
+      .def("set_seen_backward", &Observer::set_seen_backward)
+      .def("track", &Observer::track)
+      .def("sid_of", &Observer::sid_of)
+      .def("storage", &Observer::storage)
+      .def("set_away", &Observer::set_away)
+      .def("set_host_valid", &Observer::set_host_valid)
+      .def("host_valid", &Observer::host_valid)
+      .def("away", &Observer::away)
+      .def("nbytes", &Observer::nbytes)
+      .def("last_access", &Observer::last_access)
+      .def("access_count", &Observer::access_count)
+      .def("alive", &Observer::alive)
+      .def("sweep", &Observer::sweep)
+      .def("take_log", &Observer::take_log)
+      .def("take_error", &Observer::take_error)
+      .def_property_readonly("used", &Observer::used)
+      .def_property_readonly("peak", &Observer::peak)
+      .def("reset_peak", &Observer::reset_peak)
+      .def_property_readonly("position", &Observer::position)
+      .def_property_readonly("tracked", &Observer::tracked)
+      .def_property_readonly("faults", &Observer::faults)
+      .def_property_readonly("decisions", &Observer::decisions)
+      .def_property_readonly("observed", &Observer::observed);
+}
