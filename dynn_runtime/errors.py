@@ -67,6 +67,3 @@ def internal_assert(cond: bool, msg: str) -> None:
         )
 
 
-#: the old private name: dynn_runtime.runtime.manager and dynn_runtime.sim.engine still import it
-#: (tests/test_structure.py lists them); remove once they import ``internal_assert``
-_internal_assert = internal_assert

@@ -198,9 +198,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-#: the old private name: dynn_runtime.runtime.train still imports it (tests/test_structure.py lists it);
-#: remove once it imports ``resolve_device``
-_resolve_device = resolve_device
 
 
 def train(

@@ -279,9 +279,6 @@ def strict_json(x: Any) -> Any:
     return x
 
 
-#: the old private name: dynn_runtime.runtime.cli still imports it (tests/test_structure.py lists it);
-#: remove once it imports ``strict_json``
-_strict = strict_json
 
 
 class _Charges:

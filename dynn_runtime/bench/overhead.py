@@ -360,7 +360,7 @@ class OverheadReport:
     meta: dict[str, Any]
 
     def to_json(self) -> dict[str, Any]:
-        from .harness import _strict
+        from .harness import strict_json as _strict
 
         return _strict({"kind": "dynn-bench-overhead", "config": dataclasses.asdict(self.config), **self.meta,
                         "micro": self.micro, "workloads": self.workloads, "calibration": self.calibration})

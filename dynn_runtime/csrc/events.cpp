@@ -25,6 +25,12 @@
 //      handler's exception is kept and re-raised by take_error() at the next Python-side check.
 //   4. Python handlers run with RecordFunction disabled on this thread, so the manager's own copies
 //      and resizes are not observed.
+//   5. A storage with a copy in flight (`watch`) faults like an away one: the manager cancels the
+//      eviction or makes the compute stream wait for the fetch before the kernel reads it.
+//   6. After an operator, when `used` is above the budget less `max_made` (the most bytes one
+//      operator has allocated so far), the decision handler runs and makes room for `max_made`:
+//      an operator no larger than any before it then stays within the budget; a larger one
+//      overshoots once, by at most what it exceeds the old maximum.
 
 #include <ATen/ATen.h>
 #include <ATen/SequenceNumber.h>
@@ -50,7 +56,7 @@ namespace dynn {
 namespace {
 
 // log record tags (first word of each record)
-constexpr int64_t kOp = 1;     // kOp, op_id, phase, node, n_in, n_out, n_write, n_alloc, ids...
+constexpr int64_t kOp = 1;     // kOp, op_id, phase | module << 2, node, used, n_in, n_out, n_write, n_alloc, ids...
 constexpr int64_t kAlloc = 2;  // kAlloc, sid, nbytes, fresh (1: an operator's output; 0: seen as input)
 constexpr int64_t kFree = 3;   // kFree, sid
 
@@ -70,6 +76,7 @@ struct Entry {
   int64_t count = 0;
   bool away = false;        // offloaded: must be fetched before any kernel reads it
   bool host_valid = false;  // its host copy equals the device bytes (no write since)
+  bool watch = false;       // a copy is in flight: the manager must see the next access first
 
   Entry(c10::weak_intrusive_ptr<c10::StorageImpl> w, int64_t s, int64_t n)
       : weak(std::move(w)), sid(s), nbytes(n) {}
@@ -172,6 +179,8 @@ class Observer {
   }
 
   void set_host_valid(int64_t sid, bool v) { entry(sid).host_valid = v; }
+  void set_watch(int64_t sid, bool v) { entry(sid).watch = v; }
+  void set_module(int64_t m) { module_ = m; }
   bool host_valid(int64_t sid) { return entry(sid).host_valid; }
   bool away(int64_t sid) { return entry(sid).away; }
   int64_t nbytes(int64_t sid) { return entry(sid).nbytes; }
@@ -202,13 +211,45 @@ class Observer {
   }
 
   // The log since the last call (int64 words), and the operator names interned since then.
-  py::tuple take_log() {
+  // compact=true keeps only what changes the storage table: no operator records, and no birth
+  // and death of a storage that lived and died within the batch.
+  py::tuple take_log(bool compact) {
+    if (compact) compact_log();
     py::bytes words(reinterpret_cast<const char*>(log_.data()), log_.size() * sizeof(int64_t));
     log_.clear();
     py::list names;
     for (size_t i = names_sent_; i < names_.size(); ++i) names.append(names_[i]);
     names_sent_ = names_.size();
     return py::make_tuple(words, names);
+  }
+
+  void compact_log() {
+    std::unordered_map<int64_t, size_t> born;  // sid -> index of its kAlloc record in this batch
+    std::vector<char> drop(log_.size(), 0);
+    size_t i = 0;
+    while (i < log_.size()) {
+      const int64_t tag = log_[i];
+      if (tag == kOp) {
+        const size_t len = 9 + log_[i + 5] + log_[i + 6] + log_[i + 7] + log_[i + 8];
+        std::fill(drop.begin() + i, drop.begin() + i + len, 1);
+        i += len;
+      } else if (tag == kAlloc) {
+        born[log_[i + 1]] = i;
+        i += 4;
+      } else {
+        auto it = born.find(log_[i + 1]);
+        if (it != born.end()) {
+          std::fill(drop.begin() + it->second, drop.begin() + it->second + 4, 1);
+          std::fill(drop.begin() + i, drop.begin() + i + 2, 1);
+          born.erase(it);
+        }
+        i += 2;
+      }
+    }
+    size_t w = 0;
+    for (size_t r = 0; r < log_.size(); ++r)
+      if (!drop[r]) log_[w++] = log_[r];
+    log_.resize(w);
   }
 
   // The first exception a handler raised since the last call, re-raised here.
@@ -222,7 +263,13 @@ class Observer {
 
   int64_t used() const { return used_; }
   int64_t peak() const { return peak_; }
-  void reset_peak() { peak_ = used_; }
+  int64_t peak_position() const { return peak_position_; }
+  int64_t max_made() const { return max_made_; }
+  void set_max_made(int64_t n) { max_made_ = n; }
+  void reset_peak() {
+    peak_ = used_;
+    peak_position_ = 0;
+  }
   int64_t position() const { return position_; }
   int64_t tracked() const { return static_cast<int64_t>(table_.size()); }
   int64_t faults() const { return faults_; }
@@ -332,12 +379,15 @@ class Observer {
     return seen_backward_ ? kBackward : kForward;
   }
 
-  // Calls a Python handler with RecordFunction off; an exception is kept (invariant 3).
-  void call(py::object& handler, py::tuple args) {
+  // Calls a Python handler with RecordFunction off; `make_args` builds its arguments once the GIL
+  // is held (the operator's binding released it). An exception is kept (invariant 3).
+  template <typename MakeArgs>
+  void call(py::object& handler, MakeArgs&& make_args) {
     at::DisableRecordFunctionGuard off;
     py::gil_scoped_acquire gil;
     if (handler.is_none()) return;
     try {
+      py::tuple args = make_args();
       handler(*args);
     } catch (py::error_already_set& e) {
       if (!error_) error_ = std::make_unique<py::error_already_set>(std::move(e));
@@ -370,7 +420,7 @@ class Observer {
         if (impl == nullptr) return;
         Entry* e = lookup_or_add(impl, t, /*fresh=*/false);
         add_unique(ctx->ins, e->sid);
-        if (e->away) add_unique(fault, e->sid);
+        if (e->away || e->watch) add_unique(fault, e->sid);
         if (written) {
           add_unique(ctx->writes, e->sid);
           e->host_valid = false;
@@ -380,7 +430,7 @@ class Observer {
     ++observed_;
     if (!fault.empty()) {
       ++faults_;
-      call(on_fault_, py::make_tuple(py::cast(fault), py::str(fn.name())));
+      call(on_fault_, [&] { return py::make_tuple(py::cast(fault), py::cast(ctx->ins), py::str(fn.name())); });
     }
     ++tls_depth;
     return ctx;
@@ -390,13 +440,18 @@ class Observer {
     --tls_depth;
     OpInfo& inf = info(fn);
     std::vector<int64_t> outs, allocs;
+    int64_t made = 0;
     for (const c10::IValue& v : fn.outputs()) {
       for_tensors(v, [&](const at::Tensor& t) {
         c10::StorageImpl* impl = managed_impl(t);
         if (impl == nullptr) return;
         const bool known = table_.count(impl) != 0;
         Entry* e = lookup_or_add(impl, t, /*fresh=*/true);
-        if (!known) add_unique(allocs, e->sid);
+        if (!known) {
+          const size_t before = allocs.size();
+          add_unique(allocs, e->sid);
+          if (allocs.size() != before) made += e->nbytes;
+        }
         add_unique(outs, e->sid);
       });
     }
@@ -418,8 +473,9 @@ class Observer {
     for (int64_t sid : outs) touch(sid, j);
     log_.push_back(kOp);
     log_.push_back(inf.id);
-    log_.push_back(phase);
+    log_.push_back(phase | (module_ << 2));
     log_.push_back(node);
+    log_.push_back(used_);
     log_.push_back(static_cast<int64_t>(ctx->ins.size()));
     log_.push_back(static_cast<int64_t>(outs.size()));
     log_.push_back(static_cast<int64_t>(ctx->writes.size()));
@@ -434,19 +490,25 @@ class Observer {
       swept = true;
     }
     bool decide = decide_every_ > 0 && position_ - last_decide_ >= decide_every_;
-    if (budget_ > 0 && used_ > budget_) {  // storages that died may be what puts it over
+    if (made > max_made_) max_made_ = made;
+    // Over the budget less the most one operator has allocated: the manager makes room now, so
+    // that the next operator fits (invariant 6)
+    if (budget_ > 0 && used_ > budget_ - max_made_) {  // storages that died may be what puts it over
       if (!swept) sweep();
       swept = true;
-      decide = decide || used_ > budget_;
+      decide = decide || used_ > budget_ - max_made_;
     }
-    // The peak counts storages that died since the last sweep: a new peak more than 1/32 above the
-    // last one is swept first, so the reported peak exceeds the true one by at most that.
-    if (used_ > peak_ + peak_ / 32 && !swept) sweep();
-    if (used_ > peak_) peak_ = used_;
+    // `used` may still count storages that died since the last sweep: a new peak is swept first,
+    // so the peak is exact
+    if (used_ > peak_ && !swept) sweep();
+    if (used_ > peak_) {
+      peak_ = used_;
+      peak_position_ = j;
+    }
     if (decide) {
       last_decide_ = position_;
       ++decisions_;
-      call(on_decide_, py::make_tuple(j));
+      call(on_decide_, [&] { return py::make_tuple(j); });
     }
   }
 
@@ -475,6 +537,8 @@ class Observer {
   int64_t next_sid_ = 1;
   int64_t used_ = 0;
   int64_t peak_ = 0;
+  int64_t peak_position_ = 0;
+  int64_t max_made_ = 0;  // the most bytes one operator has allocated so far
   int64_t budget_ = 0;
   int64_t decide_every_ = 0;
   int64_t sweep_every_ = 0;
@@ -482,6 +546,7 @@ class Observer {
   int64_t last_decide_ = 0;
   int64_t last_node_ = -1;
   int64_t phase_override_ = -1;
+  int64_t module_ = 0;
   bool in_step_ = false;
   bool seen_backward_ = false;
   int64_t faults_ = 0;
@@ -519,6 +584,8 @@ PYBIND11_MODULE(_C, m) {
       .def("storage", &Observer::storage)
       .def("set_away", &Observer::set_away)
       .def("set_host_valid", &Observer::set_host_valid)
+      .def("set_watch", &Observer::set_watch)
+      .def("set_module", &Observer::set_module)
       .def("host_valid", &Observer::host_valid)
       .def("away", &Observer::away)
       .def("nbytes", &Observer::nbytes)
@@ -526,10 +593,12 @@ PYBIND11_MODULE(_C, m) {
       .def("access_count", &Observer::access_count)
       .def("alive", &Observer::alive)
       .def("sweep", &Observer::sweep)
-      .def("take_log", &Observer::take_log)
+      .def("take_log", &Observer::take_log, py::arg("compact") = false)
       .def("take_error", &Observer::take_error)
       .def_property_readonly("used", &Observer::used)
       .def_property_readonly("peak", &Observer::peak)
+      .def_property_readonly("peak_position", &Observer::peak_position)
+      .def_property("max_made", &Observer::max_made, &Observer::set_max_made)
       .def("reset_peak", &Observer::reset_peak)
       .def_property_readonly("position", &Observer::position)
       .def_property_readonly("tracked", &Observer::tracked)

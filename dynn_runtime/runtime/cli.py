@@ -144,6 +144,6 @@ def _frac(text: str) -> float | None:
 
 
 def _strict(x: Any) -> Any:
-    from ..bench.harness import _strict as strict
+    from ..bench.harness import strict_json as strict
 
     return strict(x)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import time
 import warnings
 import weakref
@@ -58,16 +59,19 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import hints
-from ..errors import BudgetError, ConfigError, PolicyError, _internal_assert
+from ..errors import BudgetError, ConfigError, PolicyError, internal_assert
 from ..hints import Hint
 from ..memory import format_bytes, parse_size
 from ..policies.base import Policy, make_policy
 from ..trace.format import Iteration, Op, Trace, read_trace
 from ..trace.modules import ModuleTracker
-from ..trace.recorder import _IGNORED_OPS, AutogradNodes
+from ..trace.recorder import IGNORED_OPS, AutogradNodes
 from .hostpool import HostBuffer, HostPool
 
 __all__ = ["MemoryManager", "StepStats"]
+
+_PHASES = ("forward", "backward", "optimizer", "forward")
+_C_TAGS = (1, 2, 3)  # dynn_runtime._C's LOG_OP, LOG_ALLOC, LOG_FREE (checked by a test)
 
 _PERSISTENT = ("param", "buffer", "opt_state")
 _MOVABLE_ALWAYS = frozenset({"param", "buffer", "opt_state", "grad"})
@@ -88,7 +92,7 @@ class _S:
 
     __slots__ = ("sid", "key", "ref", "nbytes", "kind", "saved", "_status", "host", "host_valid", "event",
                  "last_access", "last_access_t", "count", "name", "movable", "born_step", "fetch_event", "pf",
-                 "born_pos", "flight")
+                 "born_pos", "flight", "obs")
 
     def __init__(self, sid: int, key: int, ref: Any, nbytes: int, kind: str, movable: bool, step: int,
                  flight: dict[int, _S] | None = None) -> None:
@@ -112,6 +116,7 @@ class _S:
         self.movable = movable
         self.born_step = step
         self.born_pos = 0
+        self.obs: Any = None  # the native observer, which must see the next access while a copy is in flight
 
     @property
     def status(self) -> str:
@@ -120,6 +125,8 @@ class _S:
     @status.setter
     def status(self, value: str) -> None:
         self._status = value
+        if self.obs is not None and value != ABSENT:
+            self.obs.set_watch(self.sid, value == OFFLOADING or value == FETCHING)
         flight = self.flight
         if flight is not None:
             if value == OFFLOADING or value == FETCHING:
@@ -147,12 +154,13 @@ class StepStats:
     prefetch_misses: int = 0
     budget_overshoot_bytes: int = 0
     wall_seconds: float = 0.0
+    decision_points: int = 0
     managed: bool = True
 
     def add(self, other: StepStats) -> None:
         for k in ("ops", "bytes_offloaded", "bytes_prefetched", "bytes_fetched_on_demand", "evictions",
                   "stall_seconds", "copy_seconds", "policy_seconds", "recomputed_ops", "prefetch_hits",
-                  "prefetch_misses", "wall_seconds"):
+                  "prefetch_misses", "wall_seconds", "decision_points"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.peak_device_bytes = max(self.peak_device_bytes, other.peak_device_bytes)
         self.budget_overshoot_bytes = max(self.budget_overshoot_bytes, other.budget_overshoot_bytes)
@@ -213,6 +221,8 @@ class MemoryManager:
         trace: str | Trace | None = None,
         policy_options: dict | None = None,
         history: int = 2,
+        events: str = "auto",
+        decide_every: int = 32,
     ) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -258,6 +268,11 @@ class MemoryManager:
                              pin=self.cuda and pin_memory)
         self.history_len = history
         self.history: list[Iteration] = []
+        from .events import resolve
+
+        self._events_requested = events
+        resolve(events)  # an unknown name is an error now, not at attach
+        self.decide_every = int(decide_every)
         self._reset_state()
 
     # ---- configuration ----------------------------------------------------------------------
@@ -300,12 +315,33 @@ class MemoryManager:
             return float(num) / float(den)
         return None
 
+    @property
+    def used(self) -> int:
+        """Managed device bytes now (native: the observer's count, invariant 2 of events.cpp)."""
+        obs = self._obs
+        return obs.used if obs is not None else self._used
+
+    @used.setter
+    def used(self, value: int) -> None:
+        internal_assert(self._obs is None, "runtime: the native path counts device bytes itself")
+        self._used = value
+
     def _reset_state(self) -> None:
+        self._obs: Any = None
+        self._used = 0
+        self.event_source = "python"
+        self.event_reason = ""
+        self._names: list[str] = []
+        self._idiom_by_name: dict[str, tuple[int, ...]] = {}
+        self._saved_pending: set[int] = set()
+        self._engaged = False
+        self._pending_error: BaseException | None = None
+        self._last_busy: set[int] = set()
+        self._last_name = ""
         self.st: dict[int, _S] = {}
         self._key_sid: dict[int, int] = {}
         self._next_sid = 1
         self._dead: list[int] = []
-        self.used = 0
         self.position = 0
         self.phase = "forward"
         self._in_step = False
@@ -360,6 +396,23 @@ class MemoryManager:
             self.model, self.optimizer = model, optimizer
             return self
         self.model, self.optimizer = model, optimizer
+        from .events import native_module, resolve
+
+        self.event_source, self.event_reason = resolve(self._events_requested)
+        if self.event_source == "native" and _QUIET:
+            if self._events_requested == "native":
+                raise ConfigError("runtime: another MemoryManager is attached with the native event source (one per "
+                                  "process); detach it first, or pass events='auto' or 'python'.")
+            self.event_source = "python"
+            self.event_reason = "another MemoryManager holds the native event source (one per process)"
+        if self.event_source == "native" and self._trace is not None:
+            # The oracle aligns this run to a trace the recorder wrote through a dispatch mode, which
+            # changes the backward's operators (autograd picks out-of-place variants under a mode).
+            self.event_source = "python"
+            self.event_reason = "the oracle aligns to a trace recorded through the Python dispatch path"
+        if self.event_source == "native":
+            self._obs = native_module().Observer(self.device.type, -1 if self.device.index is None
+                                                 else self.device.index)
         for name, p in model.named_parameters():
             sid = self._track(p, "param", fresh=False)
             if sid is not None:
@@ -390,8 +443,19 @@ class MemoryManager:
         # operators between attach and the first step may need room too: the policy starts with
         # an empty plan (no history) until the first step begins
         self.policy.begin_iteration(-1, {"history": [], "trace": None, "runtime": self})
-        self._mode = _Mode(self)
-        self._mode.__enter__()
+        if self._obs is not None:
+            if self._modules is not None:
+                self._modules.on_module = self._obs.set_module
+            try:
+                self._obs.start(self._native_fault, self._native_decide)
+            except RuntimeError as exc:
+                self._attached = True
+                self.detach()
+                raise ConfigError(f"runtime: {exc}") from None
+            _QUIET.append(self._obs)
+        else:
+            self._mode = _Mode(self)
+            self._mode.__enter__()
         self._attached = True
         return self
 
@@ -409,6 +473,10 @@ class MemoryManager:
             if self._mode is not None:
                 self._mode.__exit__(None, None, None)
                 self._mode = None
+            if self._obs is not None:
+                self._obs.stop()
+                if self._obs in _QUIET:
+                    _QUIET.remove(self._obs)
             if self._saved_hooks is not None:
                 self._saved_hooks.__exit__(None, None, None)
                 self._saved_hooks = None
@@ -426,6 +494,11 @@ class MemoryManager:
             self.pool.close()
             if self.hard_cap and self.cuda:
                 torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            for s in self.st.values():
+                s.obs = None
+            if self._obs is not None:
+                self._used = self._obs.used
+            self._obs = None
             self._attached = False
 
     def __enter__(self) -> MemoryManager:
@@ -478,6 +551,10 @@ class MemoryManager:
 
     def _begin_step(self) -> None:
         self._drain()
+        obs = self._obs
+        if obs is not None:
+            obs.sweep()
+            self._native_parse(in_step=False, light=True)  # between steps: the program's work, not the step's
         self._cur = StepStats(step=self._step_index)
         self._measure_step = self.budget is None
         self._peak_pos = 0
@@ -491,6 +568,16 @@ class MemoryManager:
         self._hints: dict[int, list[Hint]] = {}
         self._oracle_map = {}
         self._in_step = True
+        self._engaged = False
+        if obs is not None:
+            obs.set_in_step(True)
+            obs.set_seen_backward(False)
+            obs.set_phase(-1)
+            measuring = self.budget is None
+            obs.set_budget(0 if measuring else self.budget)
+            obs.set_sweep_every(1 if measuring else 0)  # the measured peak must be exact
+            acts = type(self.policy).after_op is not Policy.after_op
+            obs.set_decide_every(self.decide_every if acts and not measuring else 0)
         self._t_step = time.perf_counter()
         self._cur.peak_device_bytes = self.used
         with _no_mode():
@@ -505,10 +592,31 @@ class MemoryManager:
                 # step, or a budget lowered by hand): get within it before the step starts
                 self._make_room(0, set(), "the start of the step")
             self._cur.peak_device_bytes = self.used
+            if obs is not None:
+                obs.reset_peak()
+                self._decisions0 = obs.decisions
         hints._listen(self)
 
     def _end_step(self, ok: bool) -> None:
         hints._stop(self)
+        obs = self._obs
+        error = None
+        if obs is not None:
+            with _no_mode():
+                obs.sweep()
+                self._native_parse(in_step=True, light=not self._engaged and not self._measure_step)
+            obs.set_in_step(False)
+            obs.set_phase(-1)
+            obs.set_budget(0)
+            obs.set_decide_every(0)
+            obs.set_sweep_every(0)
+            if obs.peak > self._cur.peak_device_bytes:
+                self._cur.peak_device_bytes = obs.peak
+                self._peak_pos = obs.peak_position
+            self._cur.decision_points = obs.decisions - self._decisions0
+            if self.budget is not None and not self._measure_step:
+                self._cur.budget_overshoot_bytes = max(self._cur.budget_overshoot_bytes, obs.peak - self.budget)
+            error, self._pending_error = self._pending_error, None  # raised once the step is closed
         self._in_step = False
         with _no_mode():
             self._drain()
@@ -525,7 +633,7 @@ class MemoryManager:
             self._sync()
             self._resolve_stalls()
         cur = self._cur
-        cur.ops = self.position
+        cur.ops = self._obs.position if self._obs is not None else self.position
         cur.wall_seconds = time.perf_counter() - self._t_step
         if ok:
             self.history.append(Iteration(index=self._step_index, ops=self._ops, frees=self._frees,
@@ -555,6 +663,8 @@ class MemoryManager:
         if self._budget_problem:
             msg, self._budget_problem = self._budget_problem, ""
             raise BudgetError(msg)
+        if error is not None:
+            raise error
 
     def stats(self) -> dict[str, Any]:
         """Totals over all steps and the per-step records (``torch.cuda.memory`` vocabulary)."""
@@ -573,6 +683,9 @@ class MemoryManager:
             host_bytes_peak=self.pool.peak_in_use,
             host_pinned=self.pool.pinned,
             managed_storages=len(self.st),
+            event_source=self.event_source,
+            largest_allocation_bytes=self._obs.max_made if self._obs is not None else None,
+            event_source_reason=self.event_reason,
             per_step=[dict(s.__dict__) for s in self.steps],
         )
         if self.cuda:
@@ -588,14 +701,21 @@ class MemoryManager:
         if not torch._C._current_autograd_node():
             self.phase = "forward"
             self._seen_backward = False
+            if self._obs is not None:
+                self._obs.set_seen_backward(False)
+                self._raise_pending()  # a decision point's error surfaces at the next forward
 
     def _opt_pre(self, *args: Any) -> None:
         self._in_optimizer = True
+        if self._obs is not None:
+            self._obs.set_phase(2)
         self._mark_kind_of_grads()
 
     def _opt_post(self, *args: Any) -> None:
         self._mark_optimizer_state()
         self._in_optimizer = False
+        if self._obs is not None:
+            self._obs.set_phase(-1)
 
     def _mark_kind_of_grads(self) -> None:
         for p in self.model.parameters():
@@ -629,8 +749,14 @@ class MemoryManager:
             self.policy.on_hint(h)
 
     def _pack(self, t: torch.Tensor) -> Any:
-        sid = self._sid(t)
-        if sid is not None:
+        if self._obs is not None:
+            sid = self._obs.sid_of(t) if type(t) in (torch.Tensor, nn.Parameter) else -1
+            sid = None if sid < 0 else sid
+        else:
+            sid = self._sid(t)
+        if sid is not None and sid not in self.st:
+            self._saved_pending.add(sid)  # born since the log was last read
+        elif sid is not None:
             s = self.st[sid]
             s.saved = True
             if s.kind in ("temp", "input"):
@@ -639,6 +765,16 @@ class MemoryManager:
 
     # ---- storages ---------------------------------------------------------------------------
     def _sid(self, t: torch.Tensor) -> int | None:
+        obs = self._obs
+        if obs is not None:
+            if type(t) not in (torch.Tensor, nn.Parameter):
+                return None
+            sid = obs.sid_of(t)
+            if sid < 0:
+                return None
+            if sid not in self.st:
+                self._native_parse(in_step=self._in_step)  # born since the log was last read
+            return sid if sid in self.st else None
         if t.device != self.device or t.layout != torch.strided or type(t) not in (torch.Tensor, nn.Parameter):
             return None
         return self._key_sid.get(_storage_key(t.untyped_storage()))
@@ -649,6 +785,8 @@ class MemoryManager:
             return None
         if type(t) not in (torch.Tensor, nn.Parameter):
             return None  # tensor subclasses (DTensor, fake, ...) manage their own storage
+        if self._obs is not None:
+            return self._track_native(t, kind)
         if self._dead:  # a dead storage's address may be reused by a new one: forget the dead first
             self._drain()
         st = t.untyped_storage()
@@ -698,6 +836,34 @@ class MemoryManager:
                     self.policy.on_alloc(sid, -1 if self.position == 0 else self.position)
         self._note_peak()
         return sid
+
+    def _track_native(self, t: torch.Tensor, kind: str) -> int | None:
+        sid = self._obs.track(t)
+        if sid < 0:
+            return None
+        s = self.st.get(sid)
+        if s is None:
+            s = self._new_native(sid, kind, self._obs.nbytes(sid), t.untyped_storage().resizable()
+                                 and (self._in_step or kind in _MOVABLE_ALWAYS), self._obs.position)
+        elif _RANK[kind] < _RANK[s.kind]:
+            s.kind = kind
+            if kind in _MOVABLE_ALWAYS and not s.movable:
+                s.movable = t.untyped_storage().resizable()
+        return sid
+
+    def _new_native(self, sid: int, kind: str, nbytes: int, movable: bool, born: int) -> _S:
+        obs = self._obs
+        s = _S(sid, sid, functools.partial(obs.storage, sid), nbytes, kind, movable=movable, step=self._step_index,
+               flight=self._flight if self.async_copies else None)
+        s.obs = obs
+        s.born_pos = born
+        if sid in self._saved_pending:
+            self._saved_pending.discard(sid)
+            s.saved = True
+            if kind in ("temp", "input"):
+                s.kind = "activation"
+        self.st[sid] = s
+        return s
 
     def _make_dead_cb(self, sid: int) -> Any:
         dead = self._dead
@@ -880,6 +1046,13 @@ class MemoryManager:
         st = s.ref()
         if st is None:
             return False
+        obs = self._obs
+        if obs is not None:
+            if not st.resizable():
+                s.movable = False
+                return False
+            if s.host_valid and not obs.host_valid(s.sid):  # written since its host copy was made
+                self._drop_host(s)
         mode = self.policy.evict_mode(s.sid)
         if mode == "drop":
             return False  # recompute at runtime: not supported; the policy must offload
@@ -906,11 +1079,15 @@ class MemoryManager:
                 src.record_stream(d2h)
                 s.event = ev
                 s.host_valid = True
+                if obs is not None:
+                    obs.set_host_valid(s.sid, True)
                 s.status = OFFLOADING  # device bytes held until the copy lands (_reap)
             else:
                 s.host.tensor.copy_(src)
                 s.event = None
                 s.host_valid = True
+                if obs is not None:
+                    obs.set_host_valid(s.sid, True)
                 self._release_device(s, st)
                 s.status = HOST
             self._cur.bytes_offloaded += s.nbytes
@@ -923,7 +1100,10 @@ class MemoryManager:
 
     def _release_device(self, s: _S, st: torch.UntypedStorage) -> None:
         st.resize_(0)
-        self.used -= s.nbytes
+        if self._obs is not None:
+            self._obs.set_away(s.sid, True)
+        else:
+            self.used -= s.nbytes
 
     def _reap(self) -> None:
         """Offloads whose copies have landed release their device bytes; prefetches that landed
@@ -964,7 +1144,7 @@ class MemoryManager:
     def _fetch_now(self, s: _S, budgeted: bool = True, exclude: set[int] | None = None, where: str = "") -> None:
         """Make ``s`` resident now (a demand fetch: the compute stream waits for it)."""
         st = s.ref()
-        _internal_assert(st is not None, f"runtime: storage {s.sid} is needed but was freed")
+        internal_assert(st is not None, f"runtime: storage {s.sid} is needed but was freed")
         if s.status == RESIDENT:
             return
         if s.status == OFFLOADING:  # the device copy is still there: cancel the eviction
@@ -973,7 +1153,7 @@ class MemoryManager:
         if s.status == FETCHING:
             self._finish_fetch(s, st)
             return
-        _internal_assert(s.status == HOST and s.host is not None and s.host_valid,
+        internal_assert(s.status == HOST and s.host is not None and s.host_valid,
                          f"runtime: storage {s.sid} is {s.status} without a valid host copy")
         if budgeted:
             self._make_room(s.nbytes, (exclude or set()) | {s.sid},
@@ -990,7 +1170,10 @@ class MemoryManager:
 
     def _start_fetch(self, s: _S, st: torch.UntypedStorage) -> None:
         st.resize_(s.nbytes)
-        self.used += s.nbytes
+        if self._obs is not None:
+            self._obs.set_away(s.sid, False)
+        else:
+            self.used += s.nbytes
         dst = _u8(st, self.device)
         if self.async_copies:
             compute = torch.cuda.current_stream(self.device)
@@ -1050,6 +1233,10 @@ class MemoryManager:
         budget = self.budget
         if budget is None or self.used + need <= budget:
             return
+        if self._obs is not None and self._obs.sweep():  # storages that died since the last look
+            self._native_parse(in_step=self._in_step)
+            if self.used + need <= budget:
+                return
         self._reap()
         while self.used + need > budget:
             pending = sum(s.nbytes for s in self._flight.values() if s.status == OFFLOADING)
@@ -1109,12 +1296,222 @@ class MemoryManager:
         total = torch.cuda.get_device_properties(self.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / total), self.device)
 
+    # ---- the native event source (events.py): Python at decision points only ----------------------
+    def _native_fault(self, sids: list[int], ins: list[int], name: str) -> None:
+        try:
+            self._fault(sids, ins, name)
+        except BaseException as exc:  # noqa: BLE001  (kept and raised at the next check: _raise_pending)
+            self._keep_error(exc)
+
+    def _native_decide(self, position: int) -> None:
+        try:
+            self._decide(position)
+        except BaseException as exc:  # noqa: BLE001
+            self._keep_error(exc)
+
+    def _keep_error(self, exc: BaseException) -> None:
+        """A handler's error, without its traceback: the frames of the operator's caller would keep
+        the program's tensors alive until it is raised."""
+        exc.__traceback__ = None
+        exc.__context__ = None
+        if self._pending_error is None:
+            self._pending_error = exc
+
+    def _raise_pending(self) -> None:
+        exc, self._pending_error = self._pending_error, None
+        if exc is not None:
+            raise exc
+
+    def _fault(self, sids: list[int], ins: list[int], name: str) -> None:
+        """An operator is about to read storages that are away or in flight: bring them back (the
+        kernel runs when this returns). ``ins`` are all its inputs: none of them may leave now."""
+        in_step = self._in_step
+        if in_step and not self._measure_step:
+            self._native_parse(in_step=True)  # the policy's view must be current before it picks victims
+        where = (f"operator {name} (position {self._obs.position}, {self.phase})" if in_step
+                 else f"operator {name} (between steps)")
+        need = set(ins)
+        error = None
+        if in_step and not self._measure_step:
+            reads = sum(self.st[x].nbytes for x in need if x in self.st)
+            if reads > self.budget:
+                error = BudgetError(
+                    f"runtime: the budget {format_bytes(self.budget)} is smaller than what one operator needs: {where} "
+                    f"reads {format_bytes(reads)}. Raise the budget to at least {format_bytes(reads)}.")
+        for sid in sids:
+            s = self.st.get(sid)
+            internal_assert(s is not None, f"runtime: storage {sid} is away but unknown to the manager")
+            if s.status == RESIDENT:
+                continue
+            try:
+                self._fetch_now(s, exclude=need, where=where)
+            except BudgetError as exc:
+                self._fetch_now(s, budgeted=False)  # the kernel must find its data: over budget, then the error
+                if error is None and in_step:
+                    error = exc
+        if error is not None:
+            raise error
+
+    def _decide(self, position: int) -> None:
+        """After operator ``position``: the budget is exceeded, or the policy's periodic turn."""
+        self._native_parse(in_step=self._in_step)
+        if not self._in_step or self._measure_step:
+            return
+        reserve = self._obs.max_made  # room for the next operator (events.cpp, invariant 6)
+        if self.used + reserve > self.budget:
+            where = f"after operator {self._last_name} (position {position}, {self.phase})"
+            busy = sum(self.st[x].nbytes for x in self._last_busy if x in self.st)
+            if busy > self.budget:
+                raise BudgetError(
+                    f"runtime: the budget {format_bytes(self.budget)} is smaller than what one operator needs: "
+                    f"operator {self._last_name} (position {position}, {self.phase}) touches {format_bytes(busy)}. "
+                    f"Raise the budget to at least {format_bytes(busy)}.")
+            try:
+                self._make_room(reserve, self._last_busy, where)
+            except BudgetError:
+                if type(self.policy).victims is Policy.victims and self.used > self.budget:
+                    raise  # a policy that never moves anything: the workload does not fit
+                # the operator ran over (counted as an overshoot); the next decision point tries again
+
+    def _native_parse(self, in_step: bool, light: bool = False) -> None:
+        """Read the operator log since the last call: storages born and freed, and (in a step) each
+        operator, told to the policy as the Python path tells it. ``light``: only the storages that
+        outlive the batch (a step that never needed a decision: the policy has nothing to learn
+        from what fit)."""
+        obs = self._obs
+        if obs is None:
+            return
+        if in_step and not light and not self._measure_step:
+            self._engaged = True
+        words, names = obs.take_log(light)
+        if names:
+            self._names.extend(names)
+        if light:  # the compacted log drops a birth and death seen together, even of storages known here
+            for sid in [x for x in self.st if not obs.alive(x)]:
+                self._forget_native(sid, in_step)
+        if not words:
+            return
+        log = memoryview(words).cast("q")
+        st = self.st
+        pol = self.policy
+        tell = in_step and not self._measure_step
+        measuring = in_step and self._measure_step
+        OP, ALLOC, FREE = _C_TAGS
+        i, n = 0, len(log)
+        while i < n:
+            tag = log[i]
+            if tag == OP:
+                j = self.position
+                ni, no, nw, na = log[i + 5], log[i + 6], log[i + 7], log[i + 8]
+                k = i + 9
+                ins = log[k:k + ni].tolist()
+                outs = log[k + ni:k + ni + no].tolist()
+                writes = log[k + ni + no:k + ni + no + nw].tolist()
+                allocs = log[k + ni + no + nw:k + ni + no + nw + na].tolist()
+                name = self._names[log[i + 1]]
+                phase, module, node, used = _PHASES[log[i + 2] & 3], log[i + 2] >> 2, log[i + 3], log[i + 4]
+                i = k + ni + no + nw + na
+                self.phase = phase
+                for sid in writes:
+                    x = st.get(sid)
+                    if x is not None and x.host is not None and not obs.host_valid(sid):
+                        self._drop_host(x)
+                if in_step:
+                    self._native_op(j, name, phase, module, node, ins, outs, writes, allocs, tell, measuring)
+                    self._timeline.append((self._step_index, j, used, phase))
+                    self.position = j + 1
+            elif tag == ALLOC:
+                sid, nb, fresh = log[i + 1], log[i + 2], log[i + 3]
+                i += 4
+                x = st.get(sid)
+                if x is None:
+                    x = self._new_native(sid, "temp" if fresh else "input", nb, in_step, self.position)
+                if in_step and not fresh:
+                    pos = self.position
+                    self._pre.setdefault(pos, []).append(sid)
+                    if tell:
+                        pol.on_alloc(sid, -1 if pos == 0 else pos)
+            elif tag == FREE:
+                i += 2
+                self._forget_native(log[i - 1], in_step)
+            else:
+                internal_assert(False, f"runtime: corrupt native event log (tag {tag} at word {i})")
+
+    def _forget_native(self, sid: int, in_step: bool) -> None:
+        self._saved_pending.discard(sid)
+        x = self.st.pop(sid, None)
+        if x is None:
+            return
+        x.status = ABSENT
+        self._drop_host(x)
+        if in_step:
+            self._frees.setdefault(self.position, []).append(sid)
+        self.policy.on_free(sid)
+
+    def _native_op(self, j: int, name: str, phase: str, module: int, node: int, ins: list[int], outs: list[int],
+                   writes: list[int], allocs: list[int], tell: bool, measuring: bool) -> None:
+        st = self.st
+        if measuring:
+            touched = sum(st[x].nbytes for x in ins if x in st) + sum(st[x].nbytes for x in allocs if x in st)
+            if touched > self._largest_op[0]:
+                self._largest_op = (touched, f"operator {name} (position {j}, {phase})")
+        mods = self._modules
+        if mods is not None and phase == "backward":
+            module = mods.node_modules.get(node, 0)
+        op = Op(name=name, idiom=self._idiom_of(name), phase=phase,
+                module=mods.paths[module] if mods is not None and module < len(mods.paths) else "",
+                inputs=tuple(ins), outputs=tuple(outs), writes=tuple(writes), allocs=tuple(allocs), duration_s=0.0,
+                flops=0, nbytes=0, node=node)
+        self._ops.append(op)
+        self._last_busy = set(ins).union(outs)
+        self._last_name = name
+        if not tell:
+            return
+        t0 = time.perf_counter()
+        pol = self.policy
+        now = t0 - self._t0
+        for sid in allocs:
+            pol.on_alloc(sid, j)
+        cur = self._cur
+        for sid in self._last_busy:
+            s = st.get(sid)
+            if s is None:
+                continue
+            s.last_access = j
+            s.last_access_t = now
+            s.count += 1
+            if s.pf:
+                s.pf = False
+                cur.prefetch_hits += 1
+            pol.on_access(sid, j)
+        if self._trace is not None:
+            self._map_oracle_op(j, ins, allocs, name)
+        self.position = j
+        pol.on_op(j, op)
+        self._apply(pol.after_op(j), self._last_busy)
+        cur.policy_seconds += time.perf_counter() - t0
+
+    def _idiom_of(self, name: str) -> tuple[int, ...]:
+        iv = self._idiom_by_name.get(name)
+        if iv is None:
+            iv = ()
+            try:
+                ns, _, rest = name.partition("::")
+                base, _, overload = rest.partition(".")
+                packet = getattr(getattr(torch.ops, ns), base)
+                func = getattr(packet, overload or "default")
+                iv = self._idiom(func, name)
+            except (AttributeError, RuntimeError):
+                pass  # an operator torch.ops cannot name: no idiom vector
+            self._idiom_by_name[name] = iv
+        return iv
+
     # ---- the operator hook ------------------------------------------------------------------
     def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if self._dead:
             self._drain()
         name = func.name()
-        if name in _IGNORED_OPS:
+        if name in IGNORED_OPS:
             return func(*args, **kwargs)
         if not self._in_step:
             return self._dispatch_between_steps(func, args, kwargs, name)
@@ -1304,12 +1701,26 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+#: the started native observer (one per process), suspended by :func:`_no_mode`
+_QUIET: list[Any] = []
+
+
 @contextlib.contextmanager
 def _no_mode() -> Iterator[None]:
-    """Run the manager's own tensor work without re-entering its dispatch mode."""
-    with torch.utils._python_dispatch._disable_current_modes():
-        with torch.no_grad():
-            yield
+    """Run the manager's own tensor work without re-entering its dispatch mode or being observed."""
+    obs = _QUIET[-1] if _QUIET else None
+    if obs is not None:
+        obs.suspend()
+    try:
+        if torch._C._len_torch_dispatch_stack():
+            with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
+                yield
+        else:
+            with torch.no_grad():
+                yield
+    finally:
+        if obs is not None:
+            obs.resume()
 
 
 def _tensors(args: Any, kwargs: Any) -> Iterator[torch.Tensor]:

@@ -179,9 +179,9 @@ def _setup(workload: str | Any, preset: str, seed: int, device: torch.device,
 
 
 def _device(device: str | torch.device) -> torch.device:
-    from ..workload import _resolve_device
+    from ..workload import resolve_device
 
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev

@@ -59,7 +59,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..errors import BudgetError, ConfigError, TraceError, _internal_assert
+from ..errors import BudgetError, ConfigError, TraceError, internal_assert
 from ..policies.base import Policy, make_policy
 from ..trace.format import SCHEMA_VERSION, Trace
 from .hostcost import HostCost
@@ -359,7 +359,7 @@ class Simulator:
     # ---- state transitions ------------------------------------------------------------------
     def _set(self, sid: int, new: Status) -> None:
         s = self.st[sid]
-        _internal_assert(new in _TRANSITIONS[s.status], f"sim: illegal transition {s.status.value} -> {new.value} "
+        internal_assert(new in _TRANSITIONS[s.status], f"sim: illegal transition {s.status.value} -> {new.value} "
                          f"for storage {sid}")
         held_before = s.status in _HOLDS_DEVICE
         held_after = new in _HOLDS_DEVICE
@@ -498,7 +498,7 @@ class Simulator:
             self._set(sid, S.RESIDENT)
             return
         # DROPPED, or ABSENT but needed to rebuild a dropped descendant
-        _internal_assert(sid in self.producer, f"sim: storage {sid} ({s.status.value}) is needed but cannot be rebuilt")
+        internal_assert(sid in self.producer, f"sim: storage {sid} ({s.status.value}) is needed but cannot be rebuilt")
         if depth >= self.MAX_RECOMPUTE_DEPTH:
             raise _OOM(0, f"recompute chain deeper than {self.MAX_RECOMPUTE_DEPTH} operators")
         self._recompute(sid, exclude, depth)

@@ -31,6 +31,10 @@ class ModuleTracker:
         self._on_new = on_new
         #: called with the root module's forward pre hook (a new forward pass starts)
         self.on_root_forward: Callable[[], None] | None = None
+        #: called with the interned path of the module that runs now, as modules enter and leave
+        self.on_module: Callable[[int], None] | None = None
+        #: autograd node sequence number -> interned path of the module whose forward made it
+        self.node_modules: dict[int, int] = {}
         self._root = model
 
     def module_id(self, path: str) -> int:
@@ -60,9 +64,13 @@ class ModuleTracker:
         if module is self._root and not self._stack and self.on_root_forward is not None:
             self.on_root_forward()
         self._stack.append(self.names.get(module, type(module).__name__))
+        if self.on_module is not None:
+            self.on_module(self.module_id(self._stack[-1]))
 
     def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         path = self._stack.pop() if self._stack else ""
+        if self.on_module is not None:
+            self.on_module(self.module_id(self._stack[-1]) if self._stack else 0)
         if torch.is_grad_enabled():
             mid = self.module_id(path)
             flat, _ = tree_flatten(output)
@@ -72,6 +80,7 @@ class ModuleTracker:
                 if node is None or NODE_TAG in node.metadata or node.name() == "torch::autograd::AccumulateGrad":
                     continue
                 node.metadata[NODE_TAG] = mid
+                self.node_modules[node._sequence_nr()] = mid
                 stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
 
     def current(self, backward: bool) -> int:

@@ -42,9 +42,6 @@ __all__ = ["TraceRecorder", "record", "RecordResult", "IGNORED_OPS"]
 
 #: operators neither recorded nor managed: they make views or read metadata, never touch storage bytes
 IGNORED_OPS = frozenset({"aten::detach", "aten::lift_fresh", "prim::device", "prim::layout", "prim::dtype"})
-#: the old private name: dynn_runtime.runtime.manager still imports it (tests/test_structure.py lists it);
-#: remove once it imports ``IGNORED_OPS``
-_IGNORED_OPS = IGNORED_OPS
 
 
 def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:

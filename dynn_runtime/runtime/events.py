@@ -1,0 +1,81 @@
+"""Where the memory manager's operator events come from.
+
+Two sources, one contract (before a kernel reads a storage, the manager has made it resident; after
+an operator, the manager can account what it created and let the policy decide):
+
+``native``
+    :mod:`dynn_runtime._C`'s ``Observer`` (``dynn_runtime/csrc/events.cpp``): a thread-local
+    ``at::RecordFunction`` callback keeps the storage table, the byte count and the operator log in
+    C++, and calls Python only at decision points: an operator reads a storage that is away (a
+    fault), the budget is exceeded after an operator, or every ``decide_every`` operators for a
+    policy that acts ahead of need. The log is read in batches there.
+``python``
+    A ``TorchDispatchMode`` that runs the manager's Python for every ATen operator. The fallback
+    where the extension was not built or cannot load, and the reference the native path is tested
+    against.
+
+``events="auto"`` takes ``python`` for now: the native source passes the bit-identity matrix
+but not yet every fault and composition test (docs/runtime.md lists what is open), so it is chosen
+explicitly, with ``events="native"`` or ``DYNN_EVENTS=native`` in the environment. ``dynn doctor``
+and ``MemoryManager.stats()["event_source"]`` say which is in use and why.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+__all__ = ["EVENT_SOURCES", "native_module", "native_reason", "resolve"]
+
+EVENT_SOURCES = ("auto", "native", "python")
+
+_module: Any = None
+_reason = ""
+_loaded = False
+_warned = False
+
+
+def native_module() -> Any | None:
+    """``dynn_runtime._C`` if it loads, else None (:func:`native_reason` says why)."""
+    global _module, _reason, _loaded
+    if not _loaded:
+        _loaded = True
+        try:
+            import importlib
+
+            _module = importlib.import_module("dynn_runtime._C")
+            _reason = "the native event source (dynn_runtime._C) is built and loads"
+        except ImportError as exc:
+            _module = None
+            _reason = (f"dynn_runtime._C did not load ({exc}); it is built at install against the installed torch "
+                       "(`pip install --no-build-isolation -e .` with a C++ compiler)")
+    return _module
+
+
+def native_reason() -> str:
+    native_module()
+    return _reason
+
+
+def resolve(requested: str) -> tuple[str, str]:
+    """The event source to use for ``requested`` (``auto``, ``native``, ``python``) and why."""
+    from ..errors import ConfigError
+
+    if requested not in EVENT_SOURCES:
+        raise ConfigError(f"runtime: events={requested!r} is not one of {', '.join(EVENT_SOURCES)}.")
+    if requested == "python":
+        return "python", "asked for (events='python')"
+    forced = os.environ.get("DYNN_EVENTS", "").strip().lower()
+    if requested == "auto" and forced != "native":
+        return "python", "the default (events='native' or DYNN_EVENTS=native selects the native source)"
+    if native_module() is not None:
+        return "native", _reason
+    if requested == "native":
+        raise ConfigError(f"runtime: events='native' but {_reason}. Use events='python' (the dispatch path).")
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"dynn-runtime: DYNN_EVENTS=native but {_reason}; using the Python event path.",
+                      RuntimeWarning, stacklevel=3)
+    return "python", _reason
