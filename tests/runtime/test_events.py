@@ -1,0 +1,161 @@
+"""The native event source (dynn_runtime._C, runtime/events.py) against the Python dispatch path."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from torch import nn
+
+import dynn_runtime as dr
+from dynn_runtime.errors import BudgetError, ConfigError
+from dynn_runtime.runtime import manager as manager_mod
+from dynn_runtime.runtime.events import native_module, resolve
+
+C = native_module()
+pytestmark = pytest.mark.skipif(C is None, reason="the native event source is not built")
+
+
+def _mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _ops(log: bytes) -> list[tuple[int, list[int]]]:
+    """(op id, input sids) of every operator record in a raw log."""
+    w = struct.unpack(f"{len(log) // 8}q", log)
+    out, i = [], 0
+    while i < len(w):
+        if w[i] == C.LOG_OP:
+            ni, no, nw, na = w[i + 5:i + 9]
+            out.append((w[i + 1], list(w[i + 9:i + 9 + ni])))
+            i += 9 + ni + no + nw + na
+        elif w[i] == C.LOG_ALLOC:
+            i += 4
+        else:
+            i += 2
+    return out
+
+
+def test_log_tags_match_the_extension():
+    assert (C.LOG_OP, C.LOG_ALLOC, C.LOG_FREE) == manager_mod._C_TAGS
+
+
+def test_the_observer_logs_each_kernel_once_and_skips_what_decomposes():
+    ob = C.Observer("cpu")
+    ob.start(None, None)
+    try:
+        ob.set_in_step(True)
+        x = torch.randn(4, 8)
+        w = torch.randn(3, 8)
+        nn.functional.linear(x, w).relu_()  # linear decomposes (t, mm); relu_ writes in place
+        log, names = ob.take_log()
+    finally:
+        ob.stop()
+    seen = [names[i] for i, _ in _ops(log)]
+    assert seen == ["aten::randn", "aten::randn", "aten::t", "aten::mm", "aten::relu_"]
+    assert ob.position == 5 and ob.tracked >= 3
+
+
+def test_an_offloaded_storage_faults_back_before_any_kernel_reads_it():
+    model, opt = _mlp()
+    ref = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    ref.load_state_dict(model.state_dict())
+    mm = dr.MemoryManager(1 << 30, policy="lru", device="cpu", events="native").attach(model, opt)
+    try:
+        x = torch.randn(16, 32)
+        for p in model.parameters():
+            assert mm.offload(p) > 0 and p.untyped_storage().nbytes() == 0
+        faults = mm._obs.faults
+        with mm.step():
+            out = model(x)  # linear decomposes into t and addmm: the fault comes at the kernel
+        assert torch.equal(out, ref(x))
+        assert mm._obs.faults > faults
+        assert mm.stats()["bytes_fetched_on_demand"] >= sum(p.numel() * 4 for p in model.parameters())
+        mm.offload(model[0].weight)
+        with torch.no_grad():  # a list operator between steps faults too
+            torch._foreach_mul_(list(model.parameters()), 2.0)
+            torch._foreach_mul_(list(ref.parameters()), 2.0)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    finally:
+        mm.detach()
+
+
+def test_a_write_makes_the_host_copy_stale():
+    model, opt = _mlp()
+    mm = dr.MemoryManager(1 << 30, policy="lru", device="cpu", events="native").attach(model, opt)
+    try:
+        w = model[0].weight
+        before = w.detach().clone()
+        mm.offload(w)
+        with mm.step():
+            w.data.mul_(3)  # fetched back (its host copy still valid), then written in place
+        after = w.detach().clone()
+        assert torch.equal(after, before * 3)
+        mm.offload(w)  # must copy again: the host copy it had holds the bytes before the write
+        assert w.untyped_storage().nbytes() == 0
+        with mm.step():
+            got = w.detach().clone()
+        assert torch.equal(got, after)
+    finally:
+        mm.detach()
+
+
+def test_budget_smaller_than_one_operator_names_it_natively():
+    model, opt = _mlp()
+    mm = dr.MemoryManager(4 << 10, policy="lru", device="cpu", events="native").attach(model, opt)
+    try:
+        for p in model.parameters():
+            mm.offload(p)
+        with pytest.raises(BudgetError, match="one operator needs: operator aten::\\w+.*Raise the budget"):
+            with mm.step():
+                model(torch.randn(8, 32)).sum().backward()
+        # the step failed but nothing is lost: the same model still trains, unmanaged, after detach
+    finally:
+        mm.detach()
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+
+
+def test_choosing_the_event_source(monkeypatch):
+    assert resolve("python")[0] == "python"
+    with pytest.raises(ConfigError, match="events="):
+        resolve("fast")
+    monkeypatch.delenv("DYNN_EVENTS", raising=False)
+    assert resolve("auto")[0] == "python"
+    monkeypatch.setenv("DYNN_EVENTS", "native")
+    assert resolve("auto")[0] == "native"
+    model, opt = _mlp()
+    first = dr.MemoryManager(1 << 30, device="cpu", events="native").attach(model, opt)
+    try:
+        assert first.stats()["event_source"] == "native"
+        other = nn.Linear(4, 4)
+        with pytest.raises(ConfigError, match="one per process"):
+            dr.MemoryManager(1 << 30, device="cpu", events="native").attach(other)
+        second = dr.MemoryManager(1 << 30, device="cpu").attach(other)  # auto: falls back, and says why
+        assert second.stats()["event_source"] == "python"
+        assert "one per process" in second.stats()["event_source_reason"]
+        second.detach()
+    finally:
+        first.detach()
+    third = dr.MemoryManager(1 << 30, device="cpu", events="native").attach(other)  # released by detach
+    third.detach()
+
+
+def test_a_batch_in_which_nothing_was_decided_is_read_compacted():
+    ob = C.Observer("cpu")
+    ob.start(None, None)
+    try:
+        ob.set_in_step(True)
+        keep = torch.ones(16)
+        for _ in range(5):
+            keep = keep + 1  # each step's old ``keep`` dies: born and dead within the batch
+        ob.sweep()
+        log, _ = ob.take_log(compact=True)
+    finally:
+        ob.stop()
+    w = struct.unpack(f"{len(log) // 8}q", log)
+    assert C.LOG_OP not in w[::4] and _ops(log) == []
+    alive = [w[i + 1] for i in range(0, len(w), 4) if w[i] == C.LOG_ALLOC]
+    assert alive == [ob.sid_of(keep)]
