@@ -25,7 +25,14 @@ def doctor_report(
         cuda_available = torch.cuda.is_available()
     feats, choice = active_path(device, prefer=prefer, probe_fn=probe_fn, cuda_available=cuda_available)
     pin = pinned_release()
+    from ..runtime.events import native_module, native_reason, resolve
+
+    events, events_why = resolve("auto")
     return {
+        "event_source": events,
+        "event_source_why": events_why,
+        "native_events_built": native_module() is not None,
+        "native_events": native_reason(),
         "torch": torch.__version__,
         "torch_git": getattr(torch.version, "git_version", None),
         "torch_cuda": torch.version.cuda,
@@ -56,6 +63,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         ("device", report["device_name"] or "-"),
         ("patched torch", f"yes, series {report['series']}" if report["patched"] else "no"),
         ("probe", report["probe"]),
+        ("event source", f"{report['event_source']} ({report['event_source_why']})"),
+        ("native events", report["native_events"]),
         ("hook path", f"{report['path']} (for {report['device']})"),
         ("why", report["why"]),
         ("pinned release", f"{pin['version']} ({pin['tag']} @ {pin['commit'][:12]})" if pin else "unknown "

@@ -159,3 +159,14 @@ def test_a_batch_in_which_nothing_was_decided_is_read_compacted():
     assert C.LOG_OP not in w[::4] and _ops(log) == []
     alive = [w[i + 1] for i in range(0, len(w), 4) if w[i] == C.LOG_ALLOC]
     assert alive == [ob.sid_of(keep)]
+
+
+def test_doctor_says_which_event_source_is_used(monkeypatch):
+    from dynn_runtime.native.cli import doctor_report
+
+    monkeypatch.setenv("DYNN_EVENTS", "native")
+    rep = doctor_report("cpu", cuda_available=False)
+    assert rep["native_events_built"] and rep["event_source"] == "native"
+    monkeypatch.delenv("DYNN_EVENTS")
+    rep = doctor_report("cpu", cuda_available=False)
+    assert rep["event_source"] == "python" and "DYNN_EVENTS=native" in rep["event_source_why"]
