@@ -198,6 +198,8 @@ class PilotPolicy(NextUsePolicy):
     """Next uses predicted by the pilot model (DyNN-Offload); see the module docstring."""
 
     name = "pilot"
+    reads_modules = True
+    reads_saved = True
     requires = frozenset({"pilot"})
     description = "Belady over next uses predicted by the learned pilot model (idiom features)"
     #: operators between decision points (plus one at every phase change). Measured on the small

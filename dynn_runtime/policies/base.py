@@ -87,6 +87,10 @@ class Policy:
     requires: ClassVar[frozenset[str]] = frozenset()
     #: copies happen on the compute stream (torch's save_on_cpu) or in the fault path (UVM): no overlap
     sync_copies: ClassVar[bool] = False
+    #: reads which module an operator ran in (``Op.module``): the mechanism tracks modules for it
+    reads_modules: ClassVar[bool] = False
+    #: reads which storages autograd saved (``view.saved``): the mechanism hooks saved tensors for it
+    reads_saved: ClassVar[bool] = False
     #: page-granular demand migration (UVM); None for tensor-granular policies
     page_bytes: ClassVar[int | None] = None
     description: ClassVar[str] = ""

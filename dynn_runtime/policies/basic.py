@@ -75,6 +75,7 @@ class SaveOnCPUPolicy(Policy):
     name = "save_on_cpu"
     description = "offload every saved activation, fetch on use (torch save_on_cpu)"
     sync_copies: ClassVar[bool] = True
+    reads_saved: ClassVar[bool] = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -33,6 +33,8 @@ class CheckpointPolicy(Policy):
     """
 
     name = "checkpoint"
+    reads_modules = True
+    reads_saved = True
     description = "recompute activations per block (torch.utils.checkpoint)"
 
     def begin_iteration(self, index: int, context: dict | None = None) -> None:

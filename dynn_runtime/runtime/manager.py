@@ -434,9 +434,14 @@ class MemoryManager:
             self._checkpointed = _checkpoint_blocks(model)
         self._modules = ModuleTracker(model)
         self._modules.on_root_forward = self._root_forward
-        self._modules.install()
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        self._saved_hooks.__enter__()
+        pol = type(self.policy)
+        if self._obs is None or pol.reads_modules:
+            self._modules.install()
+        else:  # the native path tracks modules only for a policy that reads them; the phase needs the root
+            self._handles.append(model.register_forward_pre_hook(lambda *a: self._root_forward()))
+        if self._obs is None or pol.reads_saved:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+            self._saved_hooks.__enter__()
         if self.hard_cap and self.cuda and self.budget is not None:
             self._apply_hard_cap()
         self.policy.attach(self)
