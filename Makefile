@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.stamp-install
 # pytest options, e.g. `make test PYTEST_ARGS="-k moe -x"`
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# On a GPU machine with torch already installed (no .venv there): installs this package into that
+# Python and runs tools/gpu_check.py (tests, bench --real, racecheck), appending to docs/benchmarks.md.
+# Without CUDA it still runs: the gpu tests skip and the GPU sections say so.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(GPU_PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m pip install -q ruff

@@ -6,8 +6,21 @@ submission's result does not depend on the draw; locally it explores new example
 
 import os
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu``-marked tests skip, with the reason, where CUDA is absent."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is false); run `make gpu-check` on a GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

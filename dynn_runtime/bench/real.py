@@ -35,7 +35,7 @@ import json
 import math
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,6 +218,24 @@ def profile_for(device: str) -> tuple[str, bool]:
     return "h100", False
 
 
+@contextlib.contextmanager
+def deterministic() -> Iterator[None]:
+    """Deterministic algorithms for the duration: a bit-identity check compares two runs, and some CUDA
+    kernels (atomics in index_add and scatter backward, cuBLAS split-K) differ from themselves run to run,
+    which would otherwise read as the manager changing the numbers."""
+    import os
+
+    import torch
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read by cuBLAS at each call
+    torch.use_deterministic_algorithms(True, warn_only=True)  # an operator without one warns, never fails
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def run_real_bench(cfg: RealBenchConfig, progress: Callable[[str], None] | None = None) -> RealBenchReport:
     """Measure every family of ``cfg`` (see the module docstring); writes nothing. ``progress(text)``
     hears what runs next."""
@@ -233,14 +251,15 @@ def run_real_bench(cfg: RealBenchConfig, progress: Callable[[str], None] | None 
     policies = [p for p in cfg.policies if p not in skipped]
     for name, why in skipped.items():
         logger.warning("bench: skipping policy %s: %s", name, why)
-    for family in cfg.families:
-        if progress is not None:
-            progress(f"{family} ({cfg.preset}) on {cfg.device}: unlimited, torch baselines, {len(policies)} policies")
-        results += _family_grid(cfg, family, policies)
-        if cfg.scales():
+    with deterministic():
+        for family in cfg.families:
             if progress is not None:
-                progress(f"{family}: max-size scan up to x{cfg.max_scale}")
-            max_size += _family_scan(cfg, family, policies)
+                progress(f"{family} ({cfg.preset}) on {cfg.device}: unlimited, torch baselines, {len(policies)} policies")
+            results += _family_grid(cfg, family, policies)
+            if cfg.scales():
+                if progress is not None:
+                    progress(f"{family}: max-size scan up to x{cfg.max_scale}")
+                max_size += _family_scan(cfg, family, policies)
     now = time.localtime()
     meta = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S", now), "stamp": time.strftime("%Y%m%d-%H%M%S", now),
@@ -334,7 +353,8 @@ def _family_grid(cfg: RealBenchConfig, family: str, policies: list[str]) -> list
             max_memory_allocated=st.get("max_memory_allocated"),
             **{k: st.get(k) for k in ("bytes_offloaded", "bytes_prefetched", "bytes_fetched_on_demand", "evictions",
                                       "stall_seconds", "copy_seconds", "policy_seconds", "prefetch_hits",
-                                      "prefetch_misses", "budget_overshoot_bytes", "host_bytes_peak")}))
+                                      "prefetch_misses", "budget_overshoot_bytes", "host_bytes_peak",
+                                      "host_syncs", "event_source")}))
     if cfg.simulate:
         _add_predictions(cfg, family, rows, policies)
     return rows

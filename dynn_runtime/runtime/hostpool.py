@@ -84,6 +84,7 @@ class HostPool:
         self.chunk_bytes = chunk_bytes
         self.chunks: list[_Chunk] = []
         self.reserved = 0  # bytes in chunks
+        self.syncs = 0  # times alloc waited on a copy still holding a released buffer
         self.in_use = 0  # bytes handed out (aligned)
         self.peak_in_use = 0
         self._pending: list[tuple[Any, HostBuffer]] = []  # released, waiting for a copy to finish
@@ -155,6 +156,7 @@ class HostPool:
                 for event, _ in self._pending:
                     if event is not None:
                         event.synchronize()
+                        self.syncs += 1
                 self.poll()
         chunk = self._new_chunk(size)
         off = chunk.take(size)

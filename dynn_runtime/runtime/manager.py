@@ -47,6 +47,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import gc
 import time
 import warnings
 import weakref
@@ -67,6 +68,7 @@ from ..trace.format import Iteration, Op, Trace, read_trace
 from ..trace.modules import ModuleTracker
 from ..trace.recorder import IGNORED_OPS, AutogradNodes
 from .hostpool import HostBuffer, HostPool
+from .lists import ListSplitter
 
 __all__ = ["MemoryManager", "StepStats"]
 
@@ -155,12 +157,15 @@ class StepStats:
     budget_overshoot_bytes: int = 0
     wall_seconds: float = 0.0
     decision_points: int = 0
+    host_syncs: int = 0
+    """Times the host waited for the GPU inside the step (a copy event, a pinned buffer still in a
+    copy); the one synchronization that closes a step is not counted."""
     managed: bool = True
 
     def add(self, other: StepStats) -> None:
         for k in ("ops", "bytes_offloaded", "bytes_prefetched", "bytes_fetched_on_demand", "evictions",
                   "stall_seconds", "copy_seconds", "policy_seconds", "recomputed_ops", "prefetch_hits",
-                  "prefetch_misses", "wall_seconds", "decision_points"):
+                  "prefetch_misses", "wall_seconds", "decision_points", "host_syncs"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.peak_device_bytes = max(self.peak_device_bytes, other.peak_device_bytes)
         self.budget_overshoot_bytes = max(self.budget_overshoot_bytes, other.budget_overshoot_bytes)
@@ -207,6 +212,11 @@ class MemoryManager:
     with ``torch.cuda.set_per_process_memory_fraction`` at the budget), ``trace`` (a recorded trace
     of the same inputs: the ``oracle`` policy reads the future from it), ``policy_options``.
     """
+
+    #: hard_cap: of the cap, what the managed storages leave to what the allocator holds beyond them
+    #: (temporaries inside operators, rounding): (bytes, fraction of the cap), the larger applies,
+    #: until a managed step has measured it (the allocator's peak over the storages' peak, x1.25).
+    CAP_HEADROOM = (8 << 20, 0.25)
 
     def __init__(
         self,
@@ -264,6 +274,10 @@ class MemoryManager:
         self.cuda = self.device.type == "cuda"
         self.async_copies = bool(async_copies) and self.cuda
         self.hard_cap = hard_cap
+        self.cap_bytes: int | None = None  # hard_cap: the allocator's cap; the budget is what the storages get
+        self.unmanaged_bytes = 0  # hard_cap: device bytes outside the managed storages grown since the cap was set
+        self._outside0 = 0  # hard_cap: device bytes outside the managed storages when the cap was set
+        self.cap_headroom_bytes: int | None = None  # hard_cap: measured by the last managed step
         self.pool = HostPool(parse_size(host_budget) if host_budget is not None else None,
                              pin=self.cuda and pin_memory)
         self.history_len = history
@@ -360,6 +374,7 @@ class MemoryManager:
         self._meta_cache: dict[Any, int | None] = {}
         self._idiom_cache: dict[str, tuple[int, ...]] = {}
         self._handles: list[Any] = []
+        self._lists: ListSplitter | None = None
         self._modules: ModuleTracker | None = None
         self._saved_hooks: Any = None
         self._in_optimizer = False
@@ -444,6 +459,8 @@ class MemoryManager:
             self._saved_hooks.__enter__()
         if self.hard_cap and self.cuda and self.budget is not None:
             self._apply_hard_cap()
+        self._lists = ListSplitter(self._list_limit)
+        self._lists.install()
         self.policy.attach(self)
         # operators between attach and the first step may need room too: the policy starts with
         # an empty plan (no history) until the first step begins
@@ -490,6 +507,8 @@ class MemoryManager:
             for h in self._handles:
                 h.remove()
             self._handles = []
+            if self._lists is not None:
+                self._lists.remove()
             for m in self._checkpointed:
                 del m.forward  # back to the class's forward
             self._checkpointed = []
@@ -584,6 +603,9 @@ class MemoryManager:
             acts = type(self.policy).after_op is not Policy.after_op
             obs.set_decide_every(self.decide_every if acts and not measuring else 0)
         self._t_step = time.perf_counter()
+        self._pool_syncs0 = self.pool.syncs
+        if self.cap_bytes is not None:
+            torch.cuda.reset_peak_memory_stats(self.device)  # _measure_cap_headroom reads the step's peak
         self._cur.peak_device_bytes = self.used
         with _no_mode():
             ctx = {"history": list(self.history), "trace": self._trace, "runtime": self}
@@ -623,6 +645,7 @@ class MemoryManager:
                 self._cur.budget_overshoot_bytes = max(self._cur.budget_overshoot_bytes, obs.peak - self.budget)
             error, self._pending_error = self._pending_error, None  # raised once the step is closed
         self._in_step = False
+        self._cur.host_syncs += self.pool.syncs - self._pool_syncs0
         with _no_mode():
             self._drain()
             # What the step made and the program still holds (the loss, outputs it keeps) goes back
@@ -662,6 +685,10 @@ class MemoryManager:
                     f"budget to at least {need / max(self.measured_peak, 1):.3f} (or {format_bytes(need)}).")
             if self.hard_cap and self.cuda:
                 self._apply_hard_cap()
+        elif self.hard_cap and self.cuda and self.cap_bytes is not None:
+            if ok:
+                self._measure_cap_headroom()
+            self._fit_to_cap()  # what the step left outside the storages (workspaces it created) counts next step
         self._measure_step = False
         self.steps.append(cur)
         self._step_index += 1
@@ -680,6 +707,10 @@ class MemoryManager:
         out.update(
             steps=len(self.steps),
             budget_bytes=self.budget,
+            hard_cap_bytes=self.cap_bytes,
+            unmanaged_bytes=self.unmanaged_bytes if self.cap_bytes is not None else None,
+            outside_at_cap_bytes=self._outside0 if self.cap_bytes is not None else None,
+            cap_headroom_bytes=self.cap_headroom_bytes,
             measured_peak_bytes=self.measured_peak,
             policy=self.policy.name,
             device=str(self.device),
@@ -691,6 +722,7 @@ class MemoryManager:
             event_source=self.event_source,
             largest_allocation_bytes=self._obs.max_made if self._obs is not None else None,
             event_source_reason=self.event_reason,
+            list_calls_split=self._lists.calls_split if self._lists is not None else 0,
             per_step=[dict(s.__dict__) for s in self.steps],
         )
         if self.cuda:
@@ -1082,11 +1114,15 @@ class MemoryManager:
                     ev = torch.cuda.Event()
                     ev.record(d2h)
                 src.record_stream(d2h)
+                del src
                 s.event = ev
                 s.host_valid = True
                 if obs is not None:
                     obs.set_host_valid(s.sid, True)
-                s.status = OFFLOADING  # device bytes held until the copy lands (_reap)
+                # Released now, stream-ordered: the allocator hands the block out again only once the
+                # D2H stream has passed the copy (record_stream above), so the host never waits here.
+                self._release_device(s, st)
+                s.status = HOST
             else:
                 s.host.tensor.copy_(src)
                 s.event = None
@@ -1138,6 +1174,7 @@ class MemoryManager:
         t0 = time.perf_counter()
         for s in offl:
             s.event.synchronize()
+            self._cur.host_syncs += 1
         for s in fetch:
             st = s.ref()
             if st is not None:
@@ -1292,14 +1329,45 @@ class MemoryManager:
             self._reap()
         self.pool.poll()
 
+    def _list_limit(self) -> int | None:
+        """The most bytes one list operator (``_foreach_*``, fused optimizers) may touch in one call:
+        half the budget, so a slice and what must stay resident fit together (lists.py)."""
+        if self.budget is None or self._measure_step:
+            return None
+        return max(1, self.budget // 2)
+
     def _resolve_stalls(self) -> None:
         for before, after in self._pending_stalls:
             self._cur.stall_seconds += before.elapsed_time(after) * 1e-3
         self._pending_stalls = []
 
     def _apply_hard_cap(self) -> None:
+        """Cap the caching allocator: the budget is this manager's share of the device, on top of what
+        the process held outside the managed storages when the cap was set. The storages get the
+        budget less what grows outside them since (cuBLAS workspaces of new streams) and less
+        ``CAP_HEADROOM`` for the allocator's rounding and segments that one live block keeps reserved."""
+        if self.cap_bytes is None:
+            self.cap_bytes = self.budget
+            with _no_mode():
+                self._outside0 = max(0, device_baseline(self.device) - self.used)
         total = torch.cuda.get_device_properties(self.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / total), self.device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (self.cap_bytes + self._outside0) / total), self.device)
+        self._fit_to_cap()
+
+    def _fit_to_cap(self) -> None:
+        cap = self.cap_bytes
+        grown = max(0, torch.cuda.memory_allocated(self.device) - self.used - self._outside0)
+        fixed, frac = self.CAP_HEADROOM
+        self.unmanaged_bytes = grown
+        room = self.cap_headroom_bytes if self.cap_headroom_bytes is not None else max(fixed, int(cap * frac))
+        self.budget = max(1, cap - grown - room)
+
+    def _measure_cap_headroom(self) -> None:
+        """After a managed step under the cap: what the allocator peaked at beyond the storages."""
+        peak = torch.cuda.max_memory_allocated(self.device)
+        beyond = peak - (self._outside0 + self.unmanaged_bytes + self._cur.peak_device_bytes)
+        fixed, _ = self.CAP_HEADROOM
+        self.cap_headroom_bytes = max(fixed, int(max(0, beyond) * 1.25) + (2 << 20))
 
     # ---- the native event source (events.py): Python at decision points only ----------------------
     def _native_fault(self, sids: list[int], ins: list[int], name: str) -> None:
@@ -1702,6 +1770,21 @@ class MemoryManager:
 
 
 # ---- helpers --------------------------------------------------------------------------------
+def device_baseline(dev: torch.device) -> int:
+    """CUDA: the bytes the process holds now, once garbage cycles are collected and the current
+    stream's cuBLAS workspace exists (made here rather than mid-step, so every run in a process starts
+    from the same point). A hard cap is set on top of it, and ``train_unmanaged`` counts a run's peak
+    above it. 0 on the CPU."""
+    if dev.type != "cuda":
+        return 0
+    gc.collect()
+    a = torch.ones(16, 16, device=dev)
+    torch.mm(a, a)
+    del a
+    torch.cuda.synchronize(dev)
+    return torch.cuda.memory_allocated(dev)
+
+
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 

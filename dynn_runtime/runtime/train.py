@@ -363,6 +363,9 @@ def train_unmanaged(
     if steps < 1:
         raise WorkloadError(f"train: steps must be at least 1, got {steps}.")
     dev = _device(device)
+    from .manager import device_baseline
+
+    held = device_baseline(dev)
     wl, model, opt = _setup(workload, preset, seed, dev, overrides)
     if prepare is not None:
         prepare(model)
@@ -373,7 +376,7 @@ def train_unmanaged(
         _sync(dev)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-            base = 0  # max_memory_allocated already counts everything resident
+            base = -held  # max_memory_allocated counts everything resident, the process's own bytes too
         else:
             opt_state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
             base = state_bytes([*model.parameters(), *model.buffers(), *opt_state])
@@ -384,7 +387,7 @@ def train_unmanaged(
                 del batch
             _sync(dev)
         res.step_seconds.append(time.perf_counter() - t0)
-        peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else base + mem.peak_bytes
+        peak = base + (torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else mem.peak_bytes)
         if dev.type == "cuda":
             res.reserved_peak_bytes.append(int(torch.cuda.max_memory_reserved(dev)))
         loss = float(loss_t)

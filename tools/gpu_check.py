@@ -1,0 +1,226 @@
+"""`make gpu-check`: everything the project checks on a GPU, in one command, one JSON and one report.
+
+    python tools/gpu_check.py [--out out/gpu-check] [--append docs/benchmarks.md] [--quick]
+
+Sections, each a subprocess under its own time limit (a section that fails or runs out of time is
+recorded as such and the rest still run):
+
+1. ``tests``: the ``gpu``-marked tests (``pytest -m gpu``).
+2. ``events``: the live manager with lru against PyTorch alone, per event source (python, native), at
+   a budget above the peak (pure overhead) and at 1/2, 1/4, 1/8 of it, plus torch's ``save_on_cpu``;
+   step time, peak, host synchronizations per step, bit identity (deterministic algorithms).
+3. ``real``: ``dynn bench --real`` at ``small`` for moe, varlen, evoformer at caps 1/2, 1/4, 1/8
+   (hard cap): each policy against unlimited memory, ``torch.autograd.graph.save_on_cpu`` and
+   ``torch.utils.checkpoint``, with the simulator's prediction of the same runs beside them.
+4. ``racecheck``: ``compute-sanitizer --tool racecheck`` on a short managed run.
+
+Without CUDA every section says so and the command succeeds: the tests skip, the rest is skipped.
+The report is written to ``<out>/gpu-check-<stamp>.json`` and ``.md`` and appended to ``--append``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FAMILIES = ("moe", "varlen", "evoformer")
+CAPS = ("1/2", "1/4", "1/8")
+
+
+def _run(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+    return {"cmd": " ".join(cmd), "rc": rc, "seconds": round(time.perf_counter() - t0, 1), "tail": out[-4000:]}
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs[1:] if len(xs) > 1 else xs)
+
+
+def events_section(steps: int, fractions: list[float], out: Path) -> None:
+    """Runs in a child process (``--section events``): lru per event source against PyTorch alone."""
+    import torch
+
+    from dynn_runtime.bench.real import deterministic
+    from dynn_runtime.runtime.train import train_managed, train_unmanaged
+
+    rows = []
+    with deterministic():
+        for fam in FAMILIES:
+            torch.cuda.reset_peak_memory_stats()
+            base = train_unmanaged(fam, steps=steps, preset="small", device="cuda")
+            t0, peak = _median(base.step_seconds), max(base.peak_bytes)
+            rows.append(dict(family=fam, method="PyTorch alone", seconds=t0, ratio=1.0, peak=peak, identical=True,
+                             reserved=torch.cuda.max_memory_reserved()))
+            soc = train_unmanaged(fam, steps=steps, preset="small", device="cuda", label="save_on_cpu",
+                                  step_context=lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
+            rows.append(dict(family=fam, method="torch save_on_cpu", seconds=_median(soc.step_seconds),
+                             ratio=_median(soc.step_seconds) / t0, peak=max(soc.peak_bytes),
+                             identical=soc.digest == base.digest))
+            for ev in ("python", "native"):
+                os.environ["DYNN_EVENTS"] = ev
+                for frac in (None, *fractions):
+                    budget = 64 << 30 if frac is None else int(peak * frac)
+                    label = f"lru, {ev} events, " + ("above the peak" if frac is None else f"1/{round(1 / frac)}")
+                    torch.cuda.reset_peak_memory_stats()
+                    try:
+                        r = train_managed(fam, budget, "lru", steps=steps, preset="small", device="cuda",
+                                          hard_cap=frac is not None)
+                    except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
+                        rows.append(dict(family=fam, method=label, error=f"{type(e).__name__}: {e}"[:700]))
+                        continue
+                    st = r.stats or {}
+                    per = st.get("per_step", [])[1:]
+                    rows.append(dict(
+                        family=fam, method=label, seconds=_median(r.step_seconds), ratio=_median(r.step_seconds) / t0,
+                        peak=st.get("max_memory_allocated"), reserved=torch.cuda.max_memory_reserved(),
+                        budget=None if frac is None else budget, storage_budget=st.get("budget_bytes"),
+                        unmanaged=st.get("unmanaged_bytes"), outside_at_cap=st.get("outside_at_cap_bytes"),
+                        identical=r.digest == base.digest, event_source=st.get("event_source"),
+                        moved=st.get("bytes_offloaded"),
+                        host_syncs_per_step=sum(s["host_syncs"] for s in per) / max(len(per), 1),
+                        evictions_per_step=sum(s["evictions"] for s in per) / max(len(per), 1)))
+                    print(json.dumps(rows[-1]), flush=True)
+    out.write_text(json.dumps(rows, indent=1))
+
+
+def _fmt_events(rows: list[dict]) -> list[str]:
+    lines = ["| family | method | step | x alone | hard cap | peak allocated / reserved | host syncs / step | "
+             "evictions / step | bit-identical |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['family']} | {r['method']} | failed: {r['error'][:160]} | | | | | | |")
+            continue
+        peak = "" if r.get("peak") is None else f"{r['peak'] / 2**20:.1f} / {(r.get('reserved') or 0) / 2**20:.1f} MiB"
+        cap = "" if r.get("budget") is None else f"{r['budget'] / 2**20:.1f} MiB"
+        syncs = "" if r.get("host_syncs_per_step") is None else f"{r['host_syncs_per_step']:.1f}"
+        ev = "" if r.get("evictions_per_step") is None else f"{r['evictions_per_step']:.1f}"
+        lines.append(f"| {r['family']} | {r['method']} | {r['seconds'] * 1e3:.1f} ms | {r['ratio']:.2f}x | {cap} | {peak} "
+                     f"| {syncs} | {ev} | {'yes' if r['identical'] else 'NO'} |")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="out/gpu-check")
+    ap.add_argument("--append", default="docs/benchmarks.md", help="report appended here ('' for none)")
+    ap.add_argument("--quick", action="store_true", help="fewer steps, caps 1/4 only (a smoke run)")
+    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=None)
+    a = ap.parse_args()
+    steps = a.steps or (3 if a.quick else 5)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.section == "events":
+        events_section(steps, [0.25] if a.quick else [0.5, 0.25, 0.125], out / "events.json")
+        return 0
+
+    import torch
+
+    t_all = time.perf_counter()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    py = sys.executable
+    cuda = torch.cuda.is_available()
+    report: dict = {"kind": "dynn-gpu-check", "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name() if cuda else "none (CUDA not available)", "sections": {}}
+    sec = report["sections"]
+
+    js = out / f"gpu-check-{stamp}.json"
+
+    def say(text: str) -> None:
+        report["wall_s"] = round(time.perf_counter() - t_all, 1)
+        js.write_text(json.dumps(report, indent=1))  # what ran so far survives a kill
+        print(f"gpu-check [{time.perf_counter() - t_all:5.0f} s] {text}", file=sys.stderr, flush=True)
+
+    say("1/4 gpu-marked tests")
+    sec["tests"] = _run([py, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"], 240)
+    if not cuda:
+        for name in ("events", "real", "racecheck"):
+            sec[name] = {"rc": "skipped", "why": "CUDA is not available"}
+    else:
+        say("2/4 event sources against PyTorch alone")
+        ev = out / "events.json"
+        sec["events"] = _run([py, __file__, "--section", "events", "--out", str(out), "--steps", str(steps)]
+                             + (["--quick"] if a.quick else []), 150)
+        sec["events"]["rows"] = json.loads(ev.read_text()) if ev.exists() else []
+        sec["real"] = {"runs": []}
+        for cap in (["1/4"] if a.quick else CAPS):
+            say(f"3/4 dynn bench --real at {cap} (native events)")
+            rj = out / f"real-{cap.replace('/', 'of')}.json"
+            run = _run([py, "-m", "dynn_runtime.cli", "bench", "--real", "--families", *FAMILIES, "--cap", cap,
+                        "--policies", "lru", "save_on_cpu", "pilot", "--steps", str(max(3, steps - 1)),
+                        "--max-scale", "0", "--json", str(rj), "--out", str(out), "-q"], 110,
+                       env={"DYNN_EVENTS": "native"})
+            run["markdown"] = run.pop("tail").split("\nwrote ")[0][-6000:] if run["rc"] == 0 else run.pop("tail")
+            run["results"] = json.loads(rj.read_text())["results"] if rj.exists() else []
+            sec["real"]["runs"].append(run)
+        say("4/4 compute-sanitizer --tool racecheck on a short managed run")
+        san = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+        if Path(san).exists():
+            code = ("from dynn_runtime.runtime.train import train_managed as t;"
+                    "r = t('moe', '1/2', 'lru', steps=3, preset='tiny', device='cuda');"
+                    "print('moved', r.stats['bytes_offloaded'])")
+            sec["racecheck"] = _run([san, "--tool", "racecheck", "--racecheck-report", "hazard", py, "-c", code], 150,
+                                    env={"DYNN_EVENTS": "native"})
+        else:
+            sec["racecheck"] = {"rc": "skipped", "why": "compute-sanitizer not found"}
+    report["wall_s"] = round(time.perf_counter() - t_all, 1)
+    js.write_text(json.dumps(report, indent=1))
+    md = render(report)
+    (out / f"gpu-check-{stamp}.md").write_text(md)
+    if a.append:
+        with open(a.append, "a") as f:
+            f.write("\n" + md)
+    print(md)
+    print(f"wrote {js}" + (f" and appended to {a.append}" if a.append else ""))
+    bad = [k for k, v in sec.items() if k != "real" and v.get("rc") not in (0, "skipped")]
+    bad += [f"real {i}" for i, r in enumerate(sec.get("real", {}).get("runs", [])) if r["rc"] != 0]
+    if bad:
+        print(f"gpu-check: failed sections: {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def render(report: dict) -> str:
+    sec = report["sections"]
+    lines = [f"## make gpu-check: {report['device']}, torch {report['torch']} ({report['date']})", "",
+             f"`make gpu-check`, {report['wall_s']:.0f} s end to end.", ""]
+    t = sec["tests"]
+    last = [ln for ln in t.get("tail", "").strip().splitlines() if ln.strip()][-1:] or ["?"]
+    lines += [f"**gpu-marked tests** (`pytest -m gpu`): {last[0].strip('= ')} ({t.get('seconds', 0):.0f} s)", ""]
+    ev = sec.get("events", {})
+    if ev.get("rows"):
+        lines += ["**Event sources** (lru, `small`, median step without the first, hard cap at the fractions; "
+                  "bit identity against PyTorch alone under deterministic algorithms):", ""]
+        lines += _fmt_events(ev["rows"]) + [""]
+    elif ev:
+        lines += [f"**Event sources**: {ev.get('rc')} {ev.get('why', '')}{ev.get('tail', '')[-800:]}", ""]
+    for run in sec.get("real", {}).get("runs", []):
+        if run["rc"] == 0:
+            body = run["markdown"].replace("\n# dynn bench", "\n### dynn bench").replace("\n## ", "\n#### ")
+            lines += [body.lstrip().replace("# dynn bench", "### dynn bench", 1), ""]
+        else:
+            lines += [f"`{run['cmd']}`: rc {run['rc']} after {run['seconds']} s", "", "```",
+                      run.get("tail", run.get("markdown", ""))[-1500:], "```", ""]
+    rc = sec.get("racecheck", {})
+    if rc:
+        tail = [ln for ln in rc.get("tail", "").splitlines() if "RACECHECK SUMMARY" in ln or "ERROR SUMMARY" in ln]
+        lines += [f"**racecheck** (`compute-sanitizer --tool racecheck`, moe tiny, lru at 1/2, 3 steps): "
+                  f"rc {rc.get('rc')}, {rc.get('seconds', '')} s; {'; '.join(tail) or rc.get('why', '')}", ""]
+        if rc.get("rc") not in (0, "skipped"):
+            lines += ["```", rc.get("tail", "")[-1500:], "```", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
