@@ -26,9 +26,9 @@ How it works (the stock-PyTorch counterpart of the paper's patched fetch hooks):
 On CUDA (invariants, each one a classic source of silent corruption):
 
 1. A device-to-host copy runs on the D2H stream after an event recorded on the compute stream at
-   eviction time (the data must be produced first). The device storage is only released when that
-   copy's event has completed (:meth:`_reap`) and the source block is ``record_stream``-ed on the D2H
-   stream, so the caching allocator never recycles it under the copy.
+   eviction time (the data must be produced first). The source block is ``record_stream``-ed on the
+   D2H stream and the storage released at once: the caching allocator does not recycle the block
+   before the copy stream has passed the copy, and the host does not wait.
 2. A host-to-device copy into a freshly resized storage runs on the H2D stream after an event
    recorded on the compute stream (the allocation is ordered there) and after the event of the
    copy that filled the host buffer; the destination is ``record_stream``-ed on the H2D stream.
@@ -38,13 +38,17 @@ On CUDA (invariants, each one a classic source of silent corruption):
    (:meth:`HostPool.release` with the copy's event).
 5. A storage written while its host copy exists makes that copy stale; it is never fetched again.
 
-On the CPU the same code runs with synchronous copies and a *logical* budget: device bytes are
-accounted, offloaded storages are truly released (resized to zero) and restored.
+Each rule is one call of the copy engine (:mod:`~dynn_runtime.runtime.copies`). On the CPU the same
+code runs with synchronous copies and a *logical* budget: device bytes are accounted, offloaded
+storages are truly released (resized to zero) and restored; with ``copies=FakeAsyncCopies()`` the
+asynchronous paths run there too, against a late and unordered fake GPU that poisons what a missing
+wait would corrupt (tests/runtime/test_fake_async.py).
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import functools
 import gc
@@ -67,6 +71,7 @@ from ..policies.base import Policy, make_policy
 from ..trace.format import Iteration, Op, Trace, read_trace
 from ..trace.modules import ModuleTracker
 from ..trace.recorder import IGNORED_OPS, AutogradNodes
+from .copies import CudaCopies, SyncCopies
 from .hostpool import HostBuffer, HostPool
 from .lists import ListSplitter
 
@@ -210,13 +215,19 @@ class MemoryManager:
     default unlimited), ``async_copies`` (False: every copy on the compute stream, synchronous),
     ``pin_memory`` (pinned host pool on CUDA), ``hard_cap`` (CUDA: also cap the caching allocator
     with ``torch.cuda.set_per_process_memory_fraction`` at the budget), ``trace`` (a recorded trace
-    of the same inputs: the ``oracle`` policy reads the future from it), ``policy_options``.
+    of the same inputs: the ``oracle`` policy reads the future from it), ``policy_options``,
+    ``copies`` (a copy engine of :mod:`~dynn_runtime.runtime.copies`; tests pass ``FakeAsyncCopies``
+    to run the asynchronous paths on the CPU).
     """
 
     #: hard_cap: of the cap, what the managed storages leave to what the allocator holds beyond them
     #: (temporaries inside operators, rounding): (bytes, fraction of the cap), the larger applies,
     #: until a managed step has measured it (the allocator's peak over the storages' peak, x1.25).
     CAP_HEADROOM = (8 << 20, 0.25)
+    #: operators the timeline keeps (the oldest go first); bounded so a long run's memory stays flat
+    TIMELINE_ENTRIES = 1 << 20
+    #: operator signatures whose meta-run output size the Python source remembers (oldest go first)
+    META_CACHE_ENTRIES = 1 << 16
 
     def __init__(
         self,
@@ -233,6 +244,7 @@ class MemoryManager:
         history: int = 2,
         events: str = "auto",
         decide_every: int = 32,
+        copies: Any = None,
     ) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -272,7 +284,10 @@ class MemoryManager:
                 "are not bit-reproducible on CUDA (atomics), so it could not promise the same numbers. Use "
                 "policy='checkpoint' (torch.utils.checkpoint per block) or an offloading policy (lru, pilot).")
         self.cuda = self.device.type == "cuda"
-        self.async_copies = bool(async_copies) and self.cuda
+        if copies is None:
+            copies = CudaCopies(self.device, pin_memory) if async_copies and self.cuda else SyncCopies()
+        self._copies = copies
+        self.async_copies = bool(copies.asynchronous)
         self.hard_cap = hard_cap
         self.cap_bytes: int | None = None  # hard_cap: the allocator's cap; the budget is what the storages get
         self.unmanaged_bytes = 0  # hard_cap: device bytes outside the managed storages grown since the cap was set
@@ -393,7 +408,8 @@ class MemoryManager:
         self._checkpointed: list[nn.Module] = []
         self._peak_pos = 0
         self.measured_peak: int | None = None
-        self._timeline: list[tuple[int, int, int, str]] = []  # (step, position, device bytes, phase)
+        # (step, position, device bytes, phase), the last TIMELINE_ENTRIES operators
+        self._timeline: collections.deque[tuple[int, int, int, str]] = collections.deque(maxlen=self.TIMELINE_ENTRIES)
 
     # ---- attach / detach --------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryManager:
@@ -534,9 +550,10 @@ class MemoryManager:
     def restore_all(self) -> None:
         """Bring every managed storage back to the device (e.g. before saving a checkpoint)."""
         with _no_mode():
+            self._copies.sync()  # copies in flight may hold the last reference to a storage: settle first
             self._drain()
             for s in list(self.st.values()):
-                if s.status in (HOST, DROPPED, FETCHING, OFFLOADING):
+                if s.status in (HOST, DROPPED, FETCHING) and s.ref() is not None:
                     self._fetch_now(s, budgeted=False)
             self._sync()
 
@@ -565,13 +582,33 @@ class MemoryManager:
             yield self
             self.steps.append(StepStats(step=len(self.steps), wall_seconds=time.perf_counter() - t0, managed=False))
             return
-        self._begin_step()
+        try:
+            self._begin_step()
+        except BaseException:
+            # e.g. a BudgetError making room at the start of the step: close the step it opened,
+            # so the manager is between steps and usable; the first error is the one raised
+            with contextlib.suppress(Exception):
+                self._end_step(False)
+            self._leave_step()
+            raise
         ok = False
         try:
             yield self
             ok = True
         finally:
-            self._end_step(ok)
+            try:
+                self._end_step(ok)
+            finally:
+                self._leave_step()
+
+    def _leave_step(self) -> None:
+        """Between steps, whatever happened in the step (idempotent)."""
+        self._in_step = False
+        hints._stop(self)
+        if self._obs is not None:
+            self._obs.set_in_step(False)
+            self._obs.set_phase(-1)
+            self._obs.set_budget(0)
 
     def _begin_step(self) -> None:
         self._drain()
@@ -647,6 +684,7 @@ class MemoryManager:
         self._in_step = False
         self._cur.host_syncs += self.pool.syncs - self._pool_syncs0
         with _no_mode():
+            self._copies.sync()  # the step's copies complete before its storages are judged
             self._drain()
             # What the step made and the program still holds (the loss, outputs it keeps) goes back
             # on the device, and stays put from now on: it is the program's now, not the step's.
@@ -699,13 +737,16 @@ class MemoryManager:
             raise error
 
     def stats(self) -> dict[str, Any]:
-        """Totals over all steps and the per-step records (``torch.cuda.memory`` vocabulary)."""
+        """Totals over the managed steps (a fractional budget's measuring step is in ``per_step`` only)
+        and the per-step records (``torch.cuda.memory`` vocabulary)."""
         total = StepStats(step=-1)
         for s in self.steps:
-            total.add(s)
+            if s.managed:  # a measuring step ran unmanaged: its peak is the measurement, not a result
+                total.add(s)
         out = {k: v for k, v in total.__dict__.items() if k not in ("step", "managed")}
         out.update(
             steps=len(self.steps),
+            measuring_steps=sum(1 for s in self.steps if not s.managed),
             budget_bytes=self.budget,
             hard_cap_bytes=self.cap_bytes,
             unmanaged_bytes=self.unmanaged_bytes if self.cap_bytes is not None else None,
@@ -730,7 +771,8 @@ class MemoryManager:
         return out
 
     def timeline(self) -> list[tuple[int, int, int, str]]:
-        """(step, operator position, managed device bytes after it, phase) for every operator so far."""
+        """(step, operator position, managed device bytes after it, phase) for the last
+        ``TIMELINE_ENTRIES`` operators."""
         return list(self._timeline)
 
     # ---- hooks ------------------------------------------------------------------------------
@@ -1104,33 +1146,15 @@ class MemoryManager:
                 self._drop_host(s)
                 s.host = self.pool.alloc(s.nbytes)
             src = _u8(st, self.device)
-            if self.async_copies:
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(self.device))
-                d2h = self._d2h_stream()
-                with torch.cuda.stream(d2h):
-                    d2h.wait_event(ready)
-                    s.host.tensor.copy_(src, non_blocking=self.pool.pinned)
-                    ev = torch.cuda.Event()
-                    ev.record(d2h)
-                src.record_stream(d2h)
-                del src
-                s.event = ev
-                s.host_valid = True
-                if obs is not None:
-                    obs.set_host_valid(s.sid, True)
-                # Released now, stream-ordered: the allocator hands the block out again only once the
-                # D2H stream has passed the copy (record_stream above), so the host never waits here.
-                self._release_device(s, st)
-                s.status = HOST
-            else:
-                s.host.tensor.copy_(src)
-                s.event = None
-                s.host_valid = True
-                if obs is not None:
-                    obs.set_host_valid(s.sid, True)
-                self._release_device(s, st)
-                s.status = HOST
+            s.event = self._copies.to_host(src, s.host.tensor)
+            del src
+            s.host_valid = True
+            if obs is not None:
+                obs.set_host_valid(s.sid, True)
+            # Released now, stream-ordered (copies.py): the block is not reused before the copy
+            # has read it, so the host never waits for an eviction.
+            self._release_device(s, st)
+            s.status = HOST
             self._cur.bytes_offloaded += s.nbytes
         self._cur.evictions += 1
         dt = time.perf_counter() - t0
@@ -1140,7 +1164,7 @@ class MemoryManager:
         return True
 
     def _release_device(self, s: _S, st: torch.UntypedStorage) -> None:
-        st.resize_(0)
+        self._copies.release(st)
         if self._obs is not None:
             self._obs.set_away(s.sid, True)
         else:
@@ -1152,34 +1176,23 @@ class MemoryManager:
         if not self.async_copies:
             return
         for s in list(self._flight.values()):
-            if s.status == OFFLOADING and s.event is not None and s.event.query():
-                st = s.ref()
-                if st is not None:
-                    self._release_device(s, st)
-                    s.status = HOST
-            elif s.status == FETCHING and s.fetch_event is not None and s.fetch_event.query():
+            if s.status == FETCHING and s.fetch_event is not None and s.fetch_event.query():
                 st = s.ref()
                 if st is not None:
                     self._finish_fetch(s, st)
 
     def _wait_copies(self) -> bool:
-        """Block until in-flight offloads land (their device bytes go) and in-flight prefetches land
-        (they become evictable); False if nothing was in flight."""
+        """Make in-flight prefetches usable (the compute stream waits on them; they become
+        evictable); False if none was in flight."""
         if not self.async_copies:
             return False
-        offl = [s for s in self._flight.values() if s.status == OFFLOADING]
         fetch = [s for s in self._flight.values() if s.status == FETCHING]
-        if not offl and not fetch:
+        if not fetch:
             return False
-        t0 = time.perf_counter()
-        for s in offl:
-            s.event.synchronize()
-            self._cur.host_syncs += 1
         for s in fetch:
             st = s.ref()
             if st is not None:
                 self._finish_fetch(s, st)
-        self._cur.stall_seconds += time.perf_counter() - t0
         self._reap()
         return True
 
@@ -1188,9 +1201,6 @@ class MemoryManager:
         st = s.ref()
         internal_assert(st is not None, f"runtime: storage {s.sid} is needed but was freed")
         if s.status == RESIDENT:
-            return
-        if s.status == OFFLOADING:  # the device copy is still there: cancel the eviction
-            s.status = RESIDENT
             return
         if s.status == FETCHING:
             self._finish_fetch(s, st)
@@ -1211,30 +1221,19 @@ class MemoryManager:
             self._cur.stall_seconds += dt
 
     def _start_fetch(self, s: _S, st: torch.UntypedStorage) -> None:
-        st.resize_(s.nbytes)
+        self._copies.allocate(st, s.nbytes)
         if self._obs is not None:
             self._obs.set_away(s.sid, False)
         else:
             self.used += s.nbytes
         dst = _u8(st, self.device)
+        ev = self._copies.to_device(s.host.tensor, dst, s.event)
+        del dst
         if self.async_copies:
-            compute = torch.cuda.current_stream(self.device)
-            alloc = torch.cuda.Event()
-            alloc.record(compute)
-            h2d = self._h2d_stream()
-            with torch.cuda.stream(h2d):
-                h2d.wait_event(alloc)  # invariant 2: the allocation is ordered on the compute stream
-                if s.event is not None:
-                    h2d.wait_event(s.event)  # ... and the host copy must have landed
-                dst.copy_(s.host.tensor, non_blocking=self.pool.pinned)
-                ev = torch.cuda.Event()
-                ev.record(h2d)
-            dst.record_stream(h2d)
             s.fetch_event = ev
             s.event = ev
             s.status = FETCHING
         else:
-            dst.copy_(s.host.tensor)
             s.fetch_event = None
             s.status = RESIDENT
         self._note_peak()
@@ -1242,16 +1241,12 @@ class MemoryManager:
     def _finish_fetch(self, s: _S, st: torch.UntypedStorage, demand: bool = False) -> None:
         """A fetched storage becomes usable: the compute stream waits on its copy (invariant 3)."""
         if s.fetch_event is not None:
-            compute = torch.cuda.current_stream(self.device)
             if not demand and not s.fetch_event.query():  # a late prefetch: time the wait on the GPU
-                before = torch.cuda.Event(enable_timing=True)
-                before.record(compute)
-                compute.wait_event(s.fetch_event)
-                after = torch.cuda.Event(enable_timing=True)
-                after.record(compute)
-                self._pending_stalls.append((before, after))
+                pair = self._copies.timed_wait(s.fetch_event)
+                if pair is not None:
+                    self._pending_stalls.append(pair)
             else:
-                compute.wait_event(s.fetch_event)
+                self._copies.compute_waits(s.fetch_event)
             s.fetch_event = None
         s.status = RESIDENT
 
@@ -1281,8 +1276,7 @@ class MemoryManager:
                 return
         self._reap()
         while self.used + need > budget:
-            pending = sum(s.nbytes for s in self._flight.values() if s.status == OFFLOADING)
-            short = self.used - pending + need - budget
+            short = self.used + need - budget
             moved = False
             if short > 0:
                 freed = 0
@@ -1310,22 +1304,9 @@ class MemoryManager:
             "this operator) and nothing the policy may move. Raise the budget, or use a policy that moves more "
             "(lru, pilot).")
 
-    def _d2h_stream(self) -> Any:
-        if not hasattr(self, "_d2h"):
-            self._d2h = torch.cuda.Stream(self.device)
-        return self._d2h
-
-    def _h2d_stream(self) -> Any:
-        if not hasattr(self, "_h2d"):
-            self._h2d = torch.cuda.Stream(self.device)
-        return self._h2d
-
     def _sync(self) -> None:
-        if self.cuda:
-            torch.cuda.current_stream(self.device).synchronize()
-            for name in ("_d2h", "_h2d"):
-                if hasattr(self, name):
-                    getattr(self, name).synchronize()
+        self._copies.sync()
+        if self.async_copies:
             self._reap()
         self.pool.poll()
 
@@ -1763,6 +1744,8 @@ class MemoryManager:
         except Exception:  # data-dependent output shapes (nonzero, unique, ...), or no meta kernel
             est = None
         if key is not None:
+            if len(self._meta_cache) >= self.META_CACHE_ENTRIES:  # shapes change every step in a DyNN
+                del self._meta_cache[next(iter(self._meta_cache))]  # the oldest signature goes
             self._meta_cache[key] = est
         if est is None:
             est = _upper_bound(func, args, kwargs)

@@ -421,3 +421,49 @@ def test_live_operators_carry_the_autograd_nodes_the_recorder_writes():
         if op.name in ("aten::tanh_backward", "aten::sigmoid_backward"):
             assert fwd[op.node] == op.name.replace("_backward", "")
     assert all(op.node < 0 for op in pol.ops if op.phase == "optimizer")
+
+
+@pytest.mark.parametrize("events", ["python", "native"])
+def test_a_budget_error_at_the_start_of_a_step_leaves_the_manager_usable(events):
+    if events == "native" and not NATIVE:
+        pytest.skip("the native event source is not built")
+    wl = load_workload("moe", preset="tiny", seed=0)
+    model = wl.model
+    opt = make_optimizer(wl, model.parameters())
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    # save_on_cpu moves only saved activations: parameters alone exceed this budget
+    mm = dr.MemoryManager(params // 2, policy="save_on_cpu", device="cpu", events=events).attach(model, opt)
+    with pytest.raises(BudgetError, match="start of the step"):
+        with mm.step():
+            pass
+    assert not mm._in_step
+    other = nn.Linear(64, 64)  # operators between steps are not budgeted
+    assert other(torch.randn(4, 64)).shape == (4, 64)
+    with pytest.raises(BudgetError, match="start of the step"):  # the next step meets the same problem, named
+        with mm.step():
+            pass
+    mm.budget = 1 << 40  # raised: training goes on
+    with mm.step():
+        wl.loss(model, wl.make_batch(0)).backward()
+        opt.step()
+    mm.detach()
+
+
+def test_timeline_and_meta_cache_stay_bounded(monkeypatch):
+    monkeypatch.setattr(dr.MemoryManager, "TIMELINE_ENTRIES", 50)
+    monkeypatch.setattr(dr.MemoryManager, "META_CACHE_ENTRIES", 8)
+    _, _, peak = _baseline("varlen")
+    seen = {}
+    orig = dr.MemoryManager.detach
+
+    def detach(self):
+        seen["timeline"], seen["cache"] = len(self.timeline()), len(self._meta_cache)
+        seen["last"] = self.timeline()[-1][0]
+        orig(self)
+
+    monkeypatch.setattr(dr.MemoryManager, "detach", detach)
+    losses, state, stats = _train("varlen", "lru", int(peak * 0.5), events="python")
+    assert stats["ops"] > 50
+    assert seen["timeline"] == 50 and seen["last"] == 2  # the newest entries are kept
+    assert seen["cache"] <= 8
+    _assert_same("varlen", losses, state)

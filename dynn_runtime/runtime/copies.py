@@ -1,0 +1,268 @@
+"""Copy engines: how the manager moves bytes between device storages and host buffers, and orders
+those copies against the compute stream.
+
+The manager speaks only this interface (``MemoryManager._copies``); every ordering rule of the
+module docstring of :mod:`~dynn_runtime.runtime.manager` is one call here:
+
+* ``to_host(src, dst)``: copy device bytes ``src`` into host buffer ``dst`` once the compute stream
+  has produced them; returns the copy's event.
+* ``release(st)``: give an evicted storage's device block back (``st.resize_(0)``), *stream-ordered*:
+  the block is not reused before every copy reading it has completed.
+* ``allocate(st, nbytes)``: give a storage its device block back before a fetch.
+* ``to_device(src, dst, after)``: copy host bytes into a freshly allocated device storage once the
+  allocation is ordered and the event ``after`` (the copy that filled the host buffer) completed.
+* ``compute_waits(event)``: the compute stream waits for ``event`` before its next kernel (on the GPU,
+  not the host).
+* ``sync()``: the host waits for everything (step ends, detach).
+
+Events have ``query()`` and ``synchronize()`` (host pool buffers wait on them).
+
+:class:`CudaCopies` is the real one (two side streams, pinned buffers, ``record_stream``).
+:class:`FakeAsyncCopies` runs on the CPU for tests and behaves like a GPU that is late and
+unordered: a copy completes at a random later call, streams complete in order but independently of
+each other, a destination is poison until its copy completes, a block released while a copy still
+reads it poisons that copy. A missing wait in the manager therefore corrupts data on the CPU, where
+the bit-identity tests see it.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+__all__ = ["CudaCopies", "FakeAsyncCopies", "SyncCopies"]
+
+
+class SyncCopies:
+    """Every copy on the calling thread, complete when the call returns (CPU, ``async_copies=False``)."""
+
+    asynchronous = False
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def to_device(self, src: torch.Tensor, dst: torch.Tensor, after: Any) -> None:
+        dst.copy_(src)
+
+    def release(self, st: torch.UntypedStorage) -> None:
+        st.resize_(0)
+
+    def allocate(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        st.resize_(nbytes)
+
+    def compute_waits(self, event: Any) -> None:
+        pass
+
+    def timed_wait(self, event: Any) -> tuple[Any, Any] | None:
+        return None
+
+    def sync(self) -> None:
+        pass
+
+
+class CudaCopies:
+    """D2H and H2D copies on two side streams of ``device``, ordered by events."""
+
+    asynchronous = True
+
+    def __init__(self, device: torch.device, pinned: bool) -> None:
+        self.device = device
+        self.pinned = pinned
+        self._d2h: Any = None
+        self._h2d: Any = None
+
+    def _streams(self) -> tuple[Any, Any]:
+        if self._d2h is None:
+            self._d2h = torch.cuda.Stream(self.device)
+            self._h2d = torch.cuda.Stream(self.device)
+        return self._d2h, self._h2d
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
+        d2h, _ = self._streams()
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(d2h):
+            d2h.wait_event(ready)  # invariant 1: the bytes are produced on the compute stream first
+            dst.copy_(src, non_blocking=self.pinned)
+            ev = torch.cuda.Event()
+            ev.record(d2h)
+        src.record_stream(d2h)  # the allocator keeps the block until the copy stream passes this point
+        return ev
+
+    def release(self, st: torch.UntypedStorage) -> None:
+        st.resize_(0)  # stream-ordered by the record_stream of to_host
+
+    def allocate(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        st.resize_(nbytes)
+
+    def to_device(self, src: torch.Tensor, dst: torch.Tensor, after: Any) -> Any:
+        _, h2d = self._streams()
+        alloc = torch.cuda.Event()
+        alloc.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(h2d):
+            h2d.wait_event(alloc)  # invariant 2: the allocation is ordered on the compute stream
+            if after is not None:
+                h2d.wait_event(after)  # ... and the host copy must have landed
+            dst.copy_(src, non_blocking=self.pinned)
+            ev = torch.cuda.Event()
+            ev.record(h2d)
+        dst.record_stream(h2d)
+        return ev
+
+    def compute_waits(self, event: Any) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)  # invariant 3
+
+    def timed_wait(self, event: Any) -> tuple[Any, Any]:
+        """``compute_waits`` bracketed by timing events (a late prefetch's stall, read at step end)."""
+        compute = torch.cuda.current_stream(self.device)
+        before = torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        compute.wait_event(event)
+        after = torch.cuda.Event(enable_timing=True)
+        after.record(compute)
+        return before, after
+
+    def sync(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+        if self._d2h is not None:
+            self._d2h.synchronize()
+            self._h2d.synchronize()
+
+
+class _FakeEvent:
+    __slots__ = ("engine", "op")
+
+    def __init__(self, engine: FakeAsyncCopies, op: _FakeOp) -> None:
+        self.engine, self.op = engine, op
+
+    def query(self) -> bool:
+        self.engine._tick()
+        return self.op.done
+
+    def synchronize(self) -> None:
+        self.engine._finish(self.op)
+
+
+class _FakeOp:
+    __slots__ = ("stream", "run", "done", "reads")
+
+    def __init__(self, stream: str, run: Any, reads: torch.UntypedStorage | None) -> None:
+        self.stream, self.run, self.done, self.reads = stream, run, False, reads
+
+
+#: what a destination holds until its copy completes (and what a copy from a released block yields)
+POISON = 0xA5
+
+
+class FakeAsyncCopies:
+    """A late, unordered GPU on the CPU (see the module docstring). ``seed`` fixes the schedule;
+    ``p_complete`` is the chance that a pending copy completes at each call into the engine."""
+
+    asynchronous = True
+
+    def __init__(self, seed: int = 0, p_complete: float = 0.3) -> None:
+        self.rng = random.Random(seed)
+        self.p = p_complete
+        self.queues: dict[str, list[_FakeOp]] = {"d2h": [], "h2d": []}
+        self.pending_release: list[tuple[torch.UntypedStorage, list[_FakeOp]]] = []
+        self.poisoned_reads = 0  # copies that met a block already given back (a missing stream order)
+        self.forced = 0  # copies completed because something waited for them (not by the schedule)
+
+    # -- completion ---------------------------------------------------------------------------
+    def _complete_head(self, stream: str) -> None:
+        op = self.queues[stream].pop(0)
+        op.run()
+        op.done = True
+        op.run = op.reads = None  # a GPU holds no reference to a storage once its copy is done
+        self._release_ready()
+
+    def _finish(self, op: _FakeOp) -> None:
+        while not op.done:
+            self.forced += 1
+            self._complete_head(op.stream)
+
+    def _tick(self) -> None:
+        for stream in self.rng.sample(list(self.queues), len(self.queues)):
+            while self.queues[stream] and self.rng.random() < self.p:
+                self._complete_head(stream)
+
+    def _release_ready(self) -> None:
+        keep = []
+        for st, ops in self.pending_release:
+            if all(o.done for o in ops):
+                st.resize_(0)
+            else:
+                keep.append((st, ops))
+        self.pending_release = keep
+
+    def _reading(self, st: torch.UntypedStorage) -> list[_FakeOp]:
+        """Pending copies that read or write ``st``'s block."""
+        key = st._cdata
+        return [o for q in self.queues.values() for o in q if o.reads is not None and o.reads._cdata == key]
+
+    # -- the interface --------------------------------------------------------------------------
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> _FakeEvent:
+        self._tick()
+        st = src.untyped_storage()
+        n = src.numel()
+
+        def run() -> None:
+            if st.nbytes() < n:  # the block went back before this copy read it
+                self.poisoned_reads += 1
+                dst.fill_(POISON)
+            else:
+                dst.copy_(src)
+
+        op = _FakeOp("d2h", run, st)
+        self.queues["d2h"].append(op)
+        return _FakeEvent(self, op)
+
+    def release(self, st: torch.UntypedStorage) -> None:
+        self._tick()
+        ops = self._reading(st)
+        if ops:
+            self.pending_release.append((st, ops))  # stream-ordered: after the copies that read it
+        else:
+            st.resize_(0)
+
+    def allocate(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        # A new block for a storage whose old block is still awaiting its copies: on a GPU those are
+        # two blocks. Here they are one storage, so the old block's copies finish first.
+        for o in self._reading(st):
+            self._finish(o)
+        self._release_ready()
+        st.resize_(nbytes)
+        torch.empty(0, dtype=torch.uint8).set_(st).fill_(POISON)  # fresh device memory is garbage
+
+    def to_device(self, src: torch.Tensor, dst: torch.Tensor, after: Any) -> _FakeEvent:
+        self._tick()
+        dep = after.op if after is not None else None
+        st = dst.untyped_storage()
+        n = dst.numel()
+
+        def run() -> None:
+            if dep is not None and not dep.done:  # a stream wait: this copy cannot start before ``after``
+                self._finish(dep)
+            if st.nbytes() < n:  # the block went back before this copy wrote it
+                self.poisoned_reads += 1
+            else:
+                dst.copy_(src)
+
+        op = _FakeOp("h2d", run, st)
+        self.queues["h2d"].append(op)
+        return _FakeEvent(self, op)
+
+    def compute_waits(self, event: Any) -> None:
+        self._finish(event.op)  # the CPU's "compute stream" runs now: waiting means completing
+
+    def timed_wait(self, event: Any) -> None:
+        self.compute_waits(event)
+        return None
+
+    def sync(self) -> None:
+        for stream in self.queues:
+            while self.queues[stream]:
+                self._complete_head(stream)
+        self._release_ready()
