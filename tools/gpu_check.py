@@ -52,8 +52,7 @@ def events_section(steps: int, fractions: list[float], out: Path) -> None:
     """Runs in a child process (``--section events``): lru per event source against PyTorch alone."""
     import torch
 
-    from dynn_runtime.bench.real import deterministic
-    from dynn_runtime.runtime.train import train_managed, train_unmanaged
+    from dynn_runtime.runtime.train import deterministic, train_managed, train_unmanaged
 
     rows = []
     with deterministic():

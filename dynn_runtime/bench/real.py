@@ -35,7 +35,7 @@ import json
 import math
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,24 +218,6 @@ def profile_for(device: str) -> tuple[str, bool]:
     return "h100", False
 
 
-@contextlib.contextmanager
-def deterministic() -> Iterator[None]:
-    """Deterministic algorithms for the duration: a bit-identity check compares two runs, and some CUDA
-    kernels (atomics in index_add and scatter backward, cuBLAS split-K) differ from themselves run to run,
-    which would otherwise read as the manager changing the numbers."""
-    import os
-
-    import torch
-
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read by cuBLAS at each call
-    torch.use_deterministic_algorithms(True, warn_only=True)  # an operator without one warns, never fails
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-
-
 def run_real_bench(cfg: RealBenchConfig, progress: Callable[[str], None] | None = None) -> RealBenchReport:
     """Measure every family of ``cfg`` (see the module docstring); writes nothing. ``progress(text)``
     hears what runs next."""
@@ -251,6 +233,8 @@ def run_real_bench(cfg: RealBenchConfig, progress: Callable[[str], None] | None 
     policies = [p for p in cfg.policies if p not in skipped]
     for name, why in skipped.items():
         logger.warning("bench: skipping policy %s: %s", name, why)
+    from ..runtime.train import deterministic
+
     with deterministic():
         for family in cfg.families:
             if progress is not None:

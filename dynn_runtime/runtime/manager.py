@@ -206,7 +206,8 @@ class MemoryManager:
 
     ``budget``: bytes (int), a size string (``"6GiB"``), or a float in (0, 1]: that fraction of the
     workload's unmanaged peak, which the manager measures during the first :meth:`step` (that step
-    runs unmanaged, so it must fit on the device). ``policy``: a registered policy name (``none``,
+    runs unmanaged, so it must fit on the device); left out, :func:`default_budget` (on CUDA the
+    device's free memory less a headroom). ``policy``: a registered policy name (``none``,
     ``save_on_cpu``, ``lru``, ``replay``, ``oracle``, ``pilot``, ``checkpoint``, ``dtr``) or a
     :class:`~dynn_runtime.policies.base.Policy`. ``device``: where the model trains (default: CUDA
     if available, else the CPU, where the budget is logical).
@@ -231,7 +232,7 @@ class MemoryManager:
 
     def __init__(
         self,
-        budget: int | str | float,
+        budget: int | str | float | None = None,
         policy: str | Policy = "lru",
         device: str | torch.device | None = None,
         *,
@@ -261,6 +262,8 @@ class MemoryManager:
         elif self.device.type != "cpu":
             raise ConfigError(f"runtime: device {self.device} is not supported; use 'cuda' or 'cpu'.")
         self._budget_spec = budget
+        if budget is None:
+            budget = default_budget(self.device)
         self.budget: int | None = self._parse_budget(budget)
         provides = {"history", "pilot"} | ({"gpu"} if self.device.type == "cuda" else set())
         self._trace: Trace | None = None
@@ -390,6 +393,9 @@ class MemoryManager:
         self._idiom_cache: dict[str, tuple[int, ...]] = {}
         self._handles: list[Any] = []
         self._lists: ListSplitter | None = None
+        self._pinned: set[int] = set()  # pin(): storages the policy never moves
+        self._streaming = False  # this state_dict() streams tensors out to host copies (_state_dict_pre)
+        self._warned_streaming = False
         self._modules: ModuleTracker | None = None
         self._saved_hooks: Any = None
         self._in_optimizer = False
@@ -456,9 +462,12 @@ class MemoryManager:
             self._mark_optimizer_state()
             self._handles.append(optimizer.register_step_pre_hook(self._opt_pre))
             self._handles.append(optimizer.register_step_post_hook(self._opt_post))
-            if hasattr(optimizer, "register_state_dict_pre_hook"):
-                self._handles.append(optimizer.register_state_dict_pre_hook(lambda *a: self.restore_all()))
-        self._handles.append(model.register_state_dict_pre_hook(lambda *a, **k: self.restore_all()))
+            self._handles.append(optimizer.register_state_dict_pre_hook(lambda *a: self._state_dict_pre()))
+            self._handles.append(optimizer.register_state_dict_post_hook(
+                lambda opt, sd: self._state_dict_post(sd.get("state", {}))))
+        self._handles.append(model.register_state_dict_pre_hook(lambda *a, **k: self._state_dict_pre()))
+        self._handles.append(model.register_state_dict_post_hook(
+            lambda module, sd, prefix, meta: self._state_dict_post(sd) if not prefix else None))
         if self.policy.name == "checkpoint":
             # Live, the checkpoint policy is torch.utils.checkpoint itself around every repeated
             # block: the blocks keep nothing for backward and re-run their forward when it needs it.
@@ -557,6 +566,96 @@ class MemoryManager:
                     self._fetch_now(s, budgeted=False)
             self._sync()
 
+    def _state_dict_pre(self) -> None:
+        """Before ``state_dict()``: everything comes back if it fits the budget (the state dict then
+        holds the device tensors, as without the manager). If not, nothing is fetched here and
+        :meth:`_state_dict_post` streams the tensors out to host copies instead."""
+        away = sum(s.nbytes for s in self.st.values() if s.status in (HOST, DROPPED, FETCHING))
+        self._streaming = self.budget is not None and not self._measure_step and self.used + away > self.budget
+        if not self._streaming:
+            self.restore_all()
+
+    def _state_dict_post(self, sd: dict) -> None:
+        """After ``state_dict()`` when the state does not fit the budget: every managed tensor becomes a
+        CPU copy (from its host copy if it is away, else copied now), so code that reads the state dict
+        without the dispatcher (``torch.save``) never meets an empty storage, within the budget."""
+        if not self._streaming:
+            return
+        self._streaming = False
+        if not self._warned_streaming:
+            self._warned_streaming = True
+            warnings.warn("dynn-runtime: the state does not fit the budget on the device, so state_dict() holds "
+                          "CPU copies of the managed tensors (load_state_dict copies them back as usual).",
+                          RuntimeWarning, stacklevel=4)
+        with _no_mode():
+            self._drain()
+            stack = [sd]
+            while stack:
+                d = stack.pop()
+                for k, v in d.items():
+                    if isinstance(v, dict):
+                        stack.append(v)
+                    elif isinstance(v, torch.Tensor) and v.device == self.device:
+                        sid = self._sid(v)
+                        if sid is not None:
+                            d[k] = self._host_copy(v, self.st[sid])
+
+    def _host_copy(self, t: torch.Tensor, s: _S) -> torch.Tensor:
+        """A CPU tensor with ``t``'s values, read from ``s``'s host copy if it is away."""
+        if s.status == FETCHING:
+            st = s.ref()
+            if st is not None:
+                self._finish_fetch(s, st)
+        if s.status == RESIDENT:
+            return t.detach().to("cpu", copy=True)
+        internal_assert(s.host is not None and s.host_valid, f"runtime: storage {s.sid} is away without a host copy")
+        if s.event is not None:
+            s.event.synchronize()
+        raw = s.host.tensor  # the storage's bytes; t is a view into them
+        out = torch.empty(0, dtype=t.dtype)
+        out.set_(raw.untyped_storage(), raw.storage_offset() // t.element_size() + t.storage_offset(),
+                 t.shape, t.stride())
+        return out.clone()
+
+    def pin(self, *objs: torch.Tensor | nn.Module) -> int:
+        """Keep these tensors, or every parameter and buffer of these modules, on the device for as
+        long as the manager is attached: the policy never moves them (one that is away now comes back).
+        For storages read outside the dispatcher, where no fault can bring them back: Triton or
+        extension kernels, CUDA graphs. Returns the bytes pinned; :meth:`unpin` undoes it."""
+        moved = 0
+        with _no_mode():
+            self._drain()
+            for t in self._pin_targets(objs):
+                sid = self._sid(t)
+                if sid is None or sid in self._pinned:
+                    continue
+                s = self.st[sid]
+                if s.status != RESIDENT:
+                    self._fetch_now(s, budgeted=True, exclude={sid}, where="pin()")
+                self._pinned.add(sid)
+                moved += s.nbytes
+        return moved
+
+    def unpin(self, *objs: torch.Tensor | nn.Module) -> None:
+        """The policy may move these again."""
+        with _no_mode():
+            for t in self._pin_targets(objs):
+                sid = self._sid(t)
+                if sid is not None:
+                    self._pinned.discard(sid)
+
+    @staticmethod
+    def _pin_targets(objs: tuple) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for o in objs:
+            if isinstance(o, nn.Module):
+                out += [*o.parameters(), *o.buffers()]
+            elif isinstance(o, torch.Tensor):
+                out.append(o)
+            else:
+                raise ConfigError(f"runtime: pin() takes tensors and modules, got {type(o).__name__}.")
+        return out
+
     def offload(self, *tensors: torch.Tensor) -> int:
         """Move the storages behind ``tensors`` off the device now (they come back on their next
         use). Returns the bytes that left. Tensors the manager does not manage are ignored."""
@@ -611,6 +710,11 @@ class MemoryManager:
             self._obs.set_budget(0)
 
     def _begin_step(self) -> None:
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            raise ConfigError(
+                "runtime: a managed step cannot be captured into a CUDA graph (torch.cuda.graph, "
+                "torch.compile(mode='reduce-overhead')): replays run without the manager, so a storage it "
+                "moved would be read empty. Capture outside mm.step(), and mm.pin() what the graph reads.")
         self._drain()
         obs = self._obs
         if obs is not None:
@@ -967,6 +1071,7 @@ class MemoryManager:
             self._drop_host(s)
             if self._in_step:
                 self._frees.setdefault(self.position, []).append(sid)
+            self._pinned.discard(sid)
             self.policy.on_free(sid)
 
     def _drop_host(self, s: _S) -> None:
@@ -1120,7 +1225,7 @@ class MemoryManager:
     # ---- moving storages ----------------------------------------------------------------------
     def _evict(self, s: _S) -> bool:
         """Move a resident storage off the device. False if it cannot leave."""
-        if s.status != RESIDENT or not s.movable:
+        if s.status != RESIDENT or not s.movable or s.sid in self._pinned:
             return False
         st = s.ref()
         if st is None:
@@ -1500,6 +1605,7 @@ class MemoryManager:
         self._drop_host(x)
         if in_step:
             self._frees.setdefault(self.position, []).append(sid)
+        self._pinned.discard(sid)
         self.policy.on_free(sid)
 
     def _native_op(self, j: int, name: str, phase: str, module: int, node: int, ins: list[int], outs: list[int],
@@ -1753,6 +1859,26 @@ class MemoryManager:
 
 
 # ---- helpers --------------------------------------------------------------------------------
+#: what ``default_budget`` leaves free on a CUDA device: (bytes, fraction of its total), the larger
+#: applies (the CUDA context's own allocations, other processes' growth, the allocator's slack)
+DEFAULT_HEADROOM = (512 << 20, 0.05)
+
+
+def default_budget(dev: torch.device) -> int:
+    """The budget when none is given: on CUDA the device's free memory now (``torch.cuda.mem_get_info``)
+    plus what this process's allocator already holds, less ``DEFAULT_HEADROOM``; on the CPU, where
+    the budget is logical, no limit."""
+    if dev.type != "cuda":
+        return 1 << 62
+    free, total = torch.cuda.mem_get_info(dev)
+    fixed, frac = DEFAULT_HEADROOM
+    usable = free + torch.cuda.memory_reserved(dev) - max(fixed, int(total * frac))
+    if usable <= 0:
+        raise BudgetError(f"runtime: the device has {format_bytes(free)} free, less than the headroom the default "
+                          f"budget keeps ({format_bytes(max(fixed, int(total * frac)))}); pass a budget in bytes.")
+    return usable
+
+
 def device_baseline(dev: torch.device) -> int:
     """CUDA: the bytes the process holds now, once garbage cycles are collected and the current
     stream's cuBLAS workspace exists (made here rather than mid-step, so every run in a process starts

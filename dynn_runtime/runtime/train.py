@@ -120,11 +120,29 @@ class Comparison:
     differing: list[str]
     """Names of the tensors whose final bytes differ (empty when identical)."""
     max_loss_diff: float
+    reproducible: bool = True
+    """False when, after a mismatch, a second unmanaged run differed from the first: the unmanaged
+    run does not reproduce itself (non-deterministic kernels or thread counts), so the mismatch says
+    nothing about the manager."""
 
     def to_json(self) -> dict[str, Any]:
         return {"losses_identical": self.losses_identical, "params_identical": self.params_identical,
-                "differing": self.differing, "max_loss_diff": self.max_loss_diff,
+                "differing": self.differing, "max_loss_diff": self.max_loss_diff, "reproducible": self.reproducible,
                 "unmanaged": self.unmanaged.to_json()}
+
+
+@contextlib.contextmanager
+def deterministic() -> Iterator[None]:
+    """Deterministic algorithms for the duration: a bit-identity check compares two runs, and some CUDA
+    kernels (atomics in index_add and scatter backward, cuBLAS split-K) differ from themselves run to run,
+    which would otherwise read as the manager changing the numbers."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read by cuBLAS at each call
+    torch.use_deterministic_algorithms(True, warn_only=True)  # an operator without one warns, never fails
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def parse_budget(text: str | int | float) -> int | str | float:
@@ -295,7 +313,7 @@ def train_managed(
                 res.managed_steps.append(bool(st.managed))
                 res.budget_bytes = mm.budget
                 if on_step is not None:
-                    on_step(step, loss, dict(st.__dict__))
+                    on_step(step, loss, {**st.__dict__, "budget_bytes": mm.budget})
         finally:
             try:
                 res.stats = mm.stats()
@@ -413,7 +431,13 @@ def compare_unmanaged(managed: RunResult, **kwargs: Any) -> Comparison:
     differing = sorted(k for k in set(ref.tensor_digests) | set(managed.tensor_digests)
                        if ref.tensor_digests.get(k) != managed.tensor_digests.get(k))
     diffs = [abs(a - b) for a, b in zip(managed.losses, ref.losses, strict=True)]
+    same = managed.losses == ref.losses and not differing and managed.digest == ref.digest
+    reproducible = True
+    if not same:  # is it the manager, or does the unmanaged run not reproduce itself?
+        again = train_unmanaged(workload, steps=managed.steps, preset=managed.preset, seed=managed.seed,
+                                device=managed.device, overrides=managed.overrides)
+        reproducible = again.losses == ref.losses and again.digest == ref.digest
     return Comparison(managed=managed, unmanaged=ref, losses_identical=managed.losses == ref.losses,
                       params_identical=not differing and managed.digest == ref.digest, differing=differing,
-                      max_loss_diff=max(diffs, default=0.0))
+                      max_loss_diff=max(diffs, default=0.0), reproducible=reproducible)
 

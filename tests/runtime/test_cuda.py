@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynn_runtime.bench.real import deterministic
 from dynn_runtime.runtime.events import resolve
 from dynn_runtime.runtime.manager import MemoryManager
-from dynn_runtime.runtime.train import train_managed, train_unmanaged
+from dynn_runtime.runtime.train import deterministic, train_managed, train_unmanaged
 
 pytestmark = pytest.mark.gpu
 

@@ -467,3 +467,104 @@ def test_timeline_and_meta_cache_stay_bounded(monkeypatch):
     assert seen["timeline"] == 50 and seen["last"] == 2  # the newest entries are kept
     assert seen["cache"] <= 8
     _assert_same("varlen", losses, state)
+
+
+@pytest.mark.parametrize("events", ["python", "native"])
+def test_pinned_modules_never_move_and_training_keeps_the_bits(events):
+    if events == "native" and not NATIVE:
+        pytest.skip("the native event source is not built")
+    _, _, peak = _baseline("moe")
+    wl = load_workload("moe", preset="tiny", seed=0)
+    torch.manual_seed(0)
+    model = wl.model
+    opt = make_optimizer(wl, model.parameters())
+    mm = dr.MemoryManager(int(peak * 0.25), policy="lru", device="cpu", events=events).attach(model, opt)
+    first = next(model.children())
+    pinned = [p for p in first.parameters()]
+    assert mm.pin(first) == sum(p.untyped_storage().nbytes() for p in pinned)
+    sids = {mm._sid(p) for p in pinned}
+    evicted = set()
+    evict = mm._evict
+
+    def spy(s):
+        ok = evict(s)
+        if ok:
+            evicted.add(s.sid)
+        return ok
+
+    mm._evict = spy
+    losses = []
+    try:
+        for step in range(3):
+            with mm.step():
+                loss = wl.loss(model, wl.make_batch(step))
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        assert evicted and not evicted & sids  # others moved, the pinned never
+        mm.unpin(first)
+        assert not mm._pinned
+    finally:
+        mm.detach()
+    assert losses == _baseline("moe")[0]
+    with pytest.raises(ConfigError, match="tensors and modules"):
+        mm.pin("weights")
+
+
+def test_cuda_graph_capture_of_a_step_is_refused(monkeypatch):
+    mm = dr.MemoryManager(1 << 30, device="cpu").attach(nn.Linear(4, 4))
+    mm.cuda = True  # what a CUDA device would see while torch.cuda.graph captures the stream
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ConfigError, match="CUDA graph"):
+        with mm.step():
+            pass
+    mm.cuda = False
+    assert not mm._in_step
+    mm.detach()
+
+
+@pytest.mark.parametrize("events", ["python", "native"])
+def test_state_dict_of_a_model_over_the_budget_streams_to_host_copies(events, tmp_path):
+    if events == "native" and not NATIVE:
+        pytest.skip("the native event source is not built")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(8)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    budget = 1_200_000  # parameters 0.53 MB and Adam's two moments 1.06 MB: the state alone does not fit
+    mm = dr.MemoryManager(budget, policy="lru", device="cpu", events=events).attach(model, opt)
+    try:
+        for _ in range(2):
+            with mm.step():
+                model(torch.randn(64, 128)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        assert any(True for _ in mm.offloaded())
+        with pytest.warns(RuntimeWarning, match="CPU copies"):
+            sd = model.state_dict()
+        osd = opt.state_dict()
+        assert mm.used <= budget  # nothing was brought back wholesale
+        torch.save({"model": sd, "opt": osd}, tmp_path / "ckpt.pt")
+        mm.restore_all()
+        for name, p in model.named_parameters():
+            assert torch.equal(sd[name], p.detach()) and sd[name].untyped_storage().data_ptr() != p.data_ptr()
+        loaded = torch.load(tmp_path / "ckpt.pt")
+        for i, st in opt.state_dict()["state"].items():
+            for k, v in st.items():
+                assert torch.equal(loaded["opt"]["state"][i][k], v)
+    finally:
+        mm.detach()
+
+
+def test_default_budget_is_free_device_memory_less_a_headroom(monkeypatch):
+    from dynn_runtime.runtime import manager
+
+    assert dr.MemoryManager(device="cpu").budget == 1 << 62  # logical on the CPU: no limit
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (30 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 2 * gib)
+    assert manager.default_budget(torch.device("cuda", 0)) == 32 * gib - 4 * gib  # 5% of 80 GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (gib // 4, 8 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 0)
+    with pytest.raises(BudgetError, match="headroom"):
+        manager.default_budget(torch.device("cuda", 0))
