@@ -26,8 +26,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dynn demo
 
+# The runtime's tests run twice: on the default (native) event source, then on the Python one.
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	DYNN_EVENTS=python $(PY) -m pytest -q -p no:cacheprovider tests/runtime $(PYTEST_ARGS)
 
 # On a GPU machine with torch already installed (no .venv there): installs this package into that
 # Python and runs tools/gpu_check.py (tests, bench --real, racecheck), appending to docs/benchmarks.md.

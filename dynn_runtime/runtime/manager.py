@@ -218,7 +218,8 @@ class MemoryManager:
     with ``torch.cuda.set_per_process_memory_fraction`` at the budget), ``trace`` (a recorded trace
     of the same inputs: the ``oracle`` policy reads the future from it), ``policy_options``,
     ``copies`` (a copy engine of :mod:`~dynn_runtime.runtime.copies`; tests pass ``FakeAsyncCopies``
-    to run the asynchronous paths on the CPU).
+    to run the asynchronous paths on the CPU), ``record_every_op`` (every operator in :meth:`timeline`
+    and ``history`` on the native source too, at the cost of reading every step's log in full).
     """
 
     #: hard_cap: of the cap, what the managed storages leave to what the allocator holds beyond them
@@ -246,6 +247,7 @@ class MemoryManager:
         events: str = "auto",
         decide_every: int = 32,
         copies: Any = None,
+        record_every_op: bool = False,
     ) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -305,6 +307,9 @@ class MemoryManager:
         self._events_requested = events
         resolve(events)  # an unknown name is an error now, not at attach
         self.decide_every = int(decide_every)
+        #: every operator of every step in :meth:`timeline` and ``history``, also of a step the native
+        #: source would read compacted (one that never needed a decision); the Python source always does
+        self.record_every_op = bool(record_every_op)
         self._reset_state()
 
     # ---- configuration ----------------------------------------------------------------------
@@ -772,7 +777,7 @@ class MemoryManager:
         if obs is not None:
             with _no_mode():
                 obs.sweep()
-                self._native_parse(in_step=True, light=not self._engaged and not self._measure_step)
+                self._native_parse(in_step=True, light=not (self._engaged or self._measure_step or self.record_every_op))
             obs.set_in_step(False)
             obs.set_phase(-1)
             obs.set_budget(0)
@@ -1504,10 +1509,13 @@ class MemoryManager:
                 continue
             try:
                 self._fetch_now(s, exclude=need, where=where)
-            except BudgetError as exc:
-                self._fetch_now(s, budgeted=False)  # the kernel must find its data: over budget, then the error
-                if error is None and in_step:
-                    error = exc
+            except BudgetError:
+                # The kernel must find its data. The operator itself fits (else ``error`` is set): what
+                # fills the rest is resident and may not move (held by the program, in flight), so the
+                # step goes on over the budget, as after any operator on this source, and says so.
+                self._fetch_now(s, budgeted=False)
+                if in_step and not self._measure_step:
+                    self._cur.budget_overshoot_bytes = max(self._cur.budget_overshoot_bytes, self.used - self.budget)
         if error is not None:
             raise error
 
@@ -1528,8 +1536,8 @@ class MemoryManager:
             try:
                 self._make_room(reserve, self._last_busy, where)
             except BudgetError:
-                if type(self.policy).victims is Policy.victims and self.used > self.budget:
-                    raise  # a policy that never moves anything: the workload does not fit
+                if type(self.policy).victims is Policy.victims and self.used > self.budget + reserve:
+                    raise  # a policy that never moves anything, and over by more than one operator's allocation
                 # the operator ran over (counted as an overshoot); the next decision point tries again
 
     def _native_parse(self, in_step: bool, light: bool = False) -> None:

@@ -267,6 +267,7 @@ def train_managed(
     hard_cap: bool = False,
     trace: str | Path | None = None,
     on_step: StepCallback | None = None,
+    record_every_op: bool = False,
 ) -> RunResult:
     """Train ``workload`` for ``steps`` steps under a :class:`MemoryManager` with ``budget`` and ``policy``.
 
@@ -288,7 +289,7 @@ def train_managed(
         if policy == "oracle" and trace is None:
             trace_path = stack.enter_context(_recorded_trace(workload, steps, preset, seed, dev, overrides))
         mm = MemoryManager(budget, policy=policy, device=dev, host_budget=host_budget, async_copies=async_copies,
-                           hard_cap=hard_cap, trace=trace_path)
+                           hard_cap=hard_cap, trace=trace_path, record_every_op=record_every_op)
         wl, model, opt = _setup(workload, preset, seed, dev, overrides)
         res = RunResult(workload=_name(workload), spec=_spec(workload), preset=preset, seed=seed, steps=steps,
                         device=str(dev), policy=mm.policy.name, budget=budget, overrides=dict(overrides or {}),
@@ -352,7 +353,7 @@ def accounting_run(workload: str | Any, **kwargs: Any) -> RunResult:
     kwargs.pop("policy", None)
     kwargs.pop("budget", None)
     kwargs.pop("trace", None)
-    return train_managed(workload, UNLIMITED, "none", **kwargs)
+    return train_managed(workload, UNLIMITED, "none", record_every_op=True, **kwargs)
 
 
 # ---- unmanaged ---------------------------------------------------------------------------------

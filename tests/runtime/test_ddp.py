@@ -38,7 +38,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, managed: bool) 
         if mm:
             mm.detach()
         torch.save({"params": [p.detach().clone() for p in model.parameters()],
-                    "offloaded": stats.get("bytes_offloaded", 0), "peak": stats.get("peak_device_bytes", 0)},
+                    "offloaded": stats.get("bytes_offloaded", 0), "peak": stats.get("peak_device_bytes", 0),
+                    "slack": (stats.get("largest_allocation_bytes") or 0) if stats.get("event_source") == "native" else 0},
                    os.path.join(out_dir, f"{'m' if managed else 'u'}{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -63,6 +64,6 @@ def test_ddp_gloo_same_result_as_without_manager(tmp_path, world):
         ref, got = results[(False, r)]["params"], results[(True, r)]["params"]
         assert all(torch.equal(a, b) for a, b in zip(ref, got)), f"rank {r} differs"
         assert results[(True, r)]["offloaded"] > 0  # the budget made it move things
-        assert results[(True, r)]["peak"] <= 96 << 10
+        assert results[(True, r)]["peak"] <= (96 << 10) + results[(True, r)]["slack"]  # native: soft budget
     # and the ranks agree with each other (the gradients were all-reduced)
     assert all(torch.equal(a, b) for a, b in zip(results[(True, 0)]["params"], results[(True, 1)]["params"]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import warnings
 
 import pytest
 import torch
@@ -123,9 +124,11 @@ def test_choosing_the_event_source(monkeypatch):
     with pytest.raises(ConfigError, match="events="):
         resolve("fast")
     monkeypatch.delenv("DYNN_EVENTS", raising=False)
-    assert resolve("auto")[0] == "python"
-    monkeypatch.setenv("DYNN_EVENTS", "native")
-    assert resolve("auto")[0] == "native"
+    assert resolve("auto")[0] == "native"  # the default where the extension loads
+    monkeypatch.setenv("DYNN_EVENTS", "python")
+    assert resolve("auto") == ("python", "DYNN_EVENTS=python in the environment")
+    assert resolve("native")[0] == "native"  # asked for by name: the environment does not override it
+    monkeypatch.delenv("DYNN_EVENTS")
     model, opt = _mlp()
     first = dr.MemoryManager(1 << 30, device="cpu", events="native").attach(model, opt)
     try:
@@ -164,9 +167,24 @@ def test_a_batch_in_which_nothing_was_decided_is_read_compacted():
 def test_doctor_says_which_event_source_is_used(monkeypatch):
     from dynn_runtime.native.cli import doctor_report
 
-    monkeypatch.setenv("DYNN_EVENTS", "native")
+    monkeypatch.delenv("DYNN_EVENTS", raising=False)
     rep = doctor_report("cpu", cuda_available=False)
     assert rep["native_events_built"] and rep["event_source"] == "native"
-    monkeypatch.delenv("DYNN_EVENTS")
+    monkeypatch.setenv("DYNN_EVENTS", "python")
     rep = doctor_report("cpu", cuda_available=False)
-    assert rep["event_source"] == "python" and "DYNN_EVENTS=native" in rep["event_source_why"]
+    assert rep["event_source"] == "python" and "DYNN_EVENTS=python" in rep["event_source_why"]
+
+
+def test_without_the_extension_auto_falls_back_to_python_with_one_warning(monkeypatch):
+    from dynn_runtime.runtime import events
+
+    monkeypatch.delenv("DYNN_EVENTS", raising=False)
+    monkeypatch.setattr(events, "native_module", lambda: None)
+    monkeypatch.setattr(events, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="Python event path"):
+        assert resolve("auto")[0] == "python"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve("auto")[0] == "python"  # once
+    with pytest.raises(ConfigError, match="events='native'"):
+        resolve("native")

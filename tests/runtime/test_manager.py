@@ -59,6 +59,12 @@ def _baseline(family):
     return _BASE[family]
 
 
+def _limit(stats, budget):
+    """The most a step may hold: the budget on the Python source (exact); on the native source, where
+    room is made after operators, the budget plus the largest single allocation (events.cpp)."""
+    return budget + (stats["largest_allocation_bytes"] or 0 if stats["event_source"] == "native" else 0)
+
+
 def _assert_same(family, losses, state):
     base_losses, base_state, _ = _baseline(family)
     assert losses == base_losses
@@ -282,7 +288,7 @@ def test_gradient_accumulation_and_autocast_bit_identical():
     l1, p1, stats = run(True)
     assert l0 == l1
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))
-    assert stats["bytes_offloaded"] > 0 and stats["peak_device_bytes"] <= 192 << 10
+    assert stats["bytes_offloaded"] > 0 and stats["peak_device_bytes"] <= _limit(stats, 192 << 10)
 
 
 def test_torch_checkpoint_composes():

