@@ -4,42 +4,26 @@ and the bit-identity checks here see it."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-import dynn_runtime as dr
 from dynn_runtime.runtime.copies import FakeAsyncCopies
 from dynn_runtime.runtime.events import native_module
-from dynn_runtime.workload import load_workload, make_optimizer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from zoo_training import train_family  # noqa: E402
 
 SOURCES = ["python", "native"] if native_module() is not None else ["python"]
 FRACTION = {"moe": 0.125, "evoformer": 0.125, "varlen": 0.4}
 
 
-def _train(family, budget=None, copies=None, events="python", steps=3):
-    wl = load_workload(family, preset="tiny", seed=0)
-    torch.manual_seed(0)
-    model, opt = wl.model, make_optimizer(wl, wl.model.parameters())
-    mm = None
-    if budget is not None:
-        mm = dr.MemoryManager(budget, policy="lru", device="cpu", events=events, copies=copies).attach(model, opt)
-    losses = []
-    try:
-        for step in range(steps):
-            batch = wl.make_batch(step)
-            with mm.step() if mm is not None else torch.enable_grad():
-                loss = wl.loss(model, batch)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        stats = mm.stats() if mm is not None else None
-    finally:
-        if mm is not None:
-            mm.detach()
-    state = [t.detach().clone() for t in model.parameters()]
-    state += [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return losses, state, stats
+def _train(family, budget=None, copies=None, events="python"):
+    if budget is None:
+        return train_family(family)
+    return train_family(family, "lru", budget, events=events, copies=copies)
 
 
 _BASE: dict = {}

@@ -32,10 +32,11 @@ OPTIMIZERS = {
 }
 
 
-def _train(opt_name: str, mm_kwargs: dict | None, steps: int = 3):
+def _train(opt_name: str, mm_kwargs: dict | None, steps: int = 3, scaler: bool = False):
     model = _model()
     opt = OPTIMIZERS[opt_name](model.parameters())
     mm = MemoryManager(**mm_kwargs).attach(model, opt) if mm_kwargs else None
+    amp = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaler else None
     losses = []
     try:
         for step in range(steps):
@@ -44,9 +45,17 @@ def _train(opt_name: str, mm_kwargs: dict | None, steps: int = 3):
             ctx = mm.step() if mm is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
             with ctx:
                 loss = model(x).pow(2).mean()
-                loss.backward()
+                if amp is not None:  # GradScaler.unscale_: _amp_foreach_non_finite_check_and_unscale_
+                    amp.scale(loss).backward()
+                    amp.unscale_(opt)
+                else:
+                    loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, foreach=True)
-                opt.step()
+                if amp is not None:
+                    amp.step(opt)
+                    amp.update()
+                else:
+                    opt.step()
                 opt.zero_grad(set_to_none=False)  # _foreach_zero_
                 losses.append(loss.item())
         split = mm.stats()["list_calls_split"] if mm is not None else 0
@@ -59,12 +68,13 @@ def _train(opt_name: str, mm_kwargs: dict | None, steps: int = 3):
 
 
 @pytest.mark.parametrize("events", _sources())
-@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
-def test_list_operators_split_to_fit_and_keep_the_bits(opt_name, events):
+@pytest.mark.parametrize("opt_name,scaler", [(n, False) for n in sorted(OPTIMIZERS)] + [("adam-foreach", True)])
+def test_list_operators_split_to_fit_and_keep_the_bits(opt_name, scaler, events):
     # parameters 0.53 MB; Adam's _foreach_addcdiv_ reads params, exp_avg and denom (1.6 MB) at once
     budget = 1_200_000
-    want_losses, want, _ = _train(opt_name, None)
-    losses, got, split = _train(opt_name, dict(budget=budget, policy="lru", device="cpu", events=events))
+    want_losses, want, _ = _train(opt_name, None, scaler=scaler)
+    losses, got, split = _train(opt_name, dict(budget=budget, policy="lru", device="cpu", events=events),
+                                scaler=scaler)
     assert split > 0, "no list operator was split: the budget must be below what one of them touches"
     assert losses == want_losses
     assert len(got) == len(want)

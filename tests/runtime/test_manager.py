@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +14,9 @@ from dynn_runtime.errors import BudgetError, ConfigError, HostMemoryError, Polic
 from dynn_runtime.runtime.events import native_module
 from dynn_runtime.workload import load_workload, make_optimizer
 
+sys.path.insert(0, str(Path(__file__).parent))
+from zoo_training import train_family  # noqa: E402
+
 FAMILIES = ("moe", "skipnet", "early_exit", "tree_lstm", "evoformer", "varlen")
 NATIVE = native_module() is not None
 # The smallest fraction of the unmanaged peak at which an offloading policy trains each tiny
@@ -18,32 +24,7 @@ NATIVE = native_module() is not None
 SMALLEST = {"moe": 0.125, "skipnet": 0.2, "early_exit": 0.4, "tree_lstm": 0.6, "evoformer": 0.125, "varlen": 0.4}
 
 
-def _train(family, policy=None, budget=None, steps=3, seed=0, **mm_kw):
-    wl = load_workload(family, preset="tiny", seed=seed)
-    torch.manual_seed(seed)
-    model = wl.model
-    opt = make_optimizer(wl, model.parameters())
-    mm = None
-    if policy is not None:
-        mm = dr.MemoryManager(budget, policy=policy, device="cpu", **mm_kw).attach(model, opt)
-    losses = []
-    try:
-        for step in range(steps):
-            batch = wl.make_batch(step)
-            ctx = mm.step() if mm is not None else torch.enable_grad()
-            with ctx:
-                loss = wl.loss(model, batch)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        stats = mm.stats() if mm is not None else None
-    finally:
-        if mm is not None:
-            mm.detach()
-    state = [t.detach().clone() for t in model.parameters()]
-    state += [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return losses, state, stats
+_train = train_family
 
 
 _BASE: dict = {}
