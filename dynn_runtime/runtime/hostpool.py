@@ -71,6 +71,20 @@ class _Chunk:
         self.free.insert(i, (off, size))
 
 
+def chunk_size(need: int, chunk_bytes: int, room: int | None, pinned: bool) -> int | None:
+    """Bytes of the next chunk for a buffer of ``need`` bytes, within ``room`` (None: no host budget),
+    or None when it does not fit. Pinned chunks are powers of two: the CUDA host allocator rounds a
+    pinned block up to one, and the budget must count what it really holds."""
+    size = max(need, chunk_bytes)
+    if not pinned:
+        size = size if room is None else min(size, room)
+        return size if size >= need else None
+    size = 1 << (size - 1).bit_length()
+    if room is not None and size > room:
+        size = 1 << (room.bit_length() - 1) if room > 0 else 0  # the largest power of two within the room
+    return size if size >= need else None
+
+
 class HostPool:
     """A chunked, optionally pinned host allocator with a budget.
 
@@ -95,21 +109,20 @@ class HostPool:
         return self.pin
 
     def _new_chunk(self, need: int) -> _Chunk:
-        size = max(need, self.chunk_bytes)
-        if self.budget is not None:
-            room = self.budget - self.reserved
-            size = min(size, room)
-            if size < need:
-                raise HostMemoryError(
-                    f"runtime: the host memory budget is exhausted: offloading {format_bytes(need)} more would "
-                    f"exceed host_budget={format_bytes(self.budget)} ({format_bytes(self.in_use)} in use for "
-                    f"offloaded tensors). Raise host_budget (MemoryManager(..., host_budget=...) or "
-                    "`--host-budget`), or give the device a larger budget so that less is offloaded."
-                )
+        room = None if self.budget is None else self.budget - self.reserved
+        size = chunk_size(need, self.chunk_bytes, room, self.pin)
+        if size is None:
+            raise HostMemoryError(
+                f"runtime: the host memory budget is exhausted: offloading {format_bytes(need)} more would "
+                f"exceed host_budget={format_bytes(self.budget)} ({format_bytes(self.in_use)} in use for "
+                f"offloaded tensors). Raise host_budget (MemoryManager(..., host_budget=...) or "
+                "`--host-budget`), or give the device a larger budget so that less is offloaded."
+            )
         with torch.utils._python_dispatch._disable_current_modes():
             return self._alloc_chunk(size)
 
     def _alloc_chunk(self, size: int) -> _Chunk:
+        # pinned: ``size`` is a power of two (chunk_size), all the CUDA host allocator reserves for it
         data = None
         if self.pin:
             try:
@@ -130,6 +143,17 @@ class HostPool:
         self.chunks.append(chunk)
         self.reserved += size
         return chunk
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocate chunks now until ``nbytes`` are reserved (within the budget), so that pinning,
+        which is slow, happens here rather than during a step."""
+        while self.reserved < nbytes:
+            room = None if self.budget is None else self.budget - self.reserved
+            size = chunk_size(min(self.chunk_bytes, nbytes - self.reserved), self.chunk_bytes, room, self.pin)
+            if size is None:
+                return
+            with torch.utils._python_dispatch._disable_current_modes():
+                self._alloc_chunk(size)
 
     def poll(self) -> None:
         """Return buffers whose copies have completed to the free lists."""

@@ -489,6 +489,8 @@ class MemoryManager:
             self._saved_hooks.__enter__()
         if self.hard_cap and self.cuda and self.budget is not None:
             self._apply_hard_cap()
+        if self.pool.pin and self.pool.budget is not None:
+            self.pool.reserve(self.pool.budget)  # pinned at attach, not during a step
         self._lists = ListSplitter(self._list_limit)
         self._lists.install()
         self.policy.attach(self)
@@ -1322,7 +1324,7 @@ class MemoryManager:
                             f"{where or 'an access'} (fetching a {format_bytes(s.nbytes)} {s.kind} back)")
         t0 = time.perf_counter()
         self._start_fetch(s, st)
-        self._finish_fetch(s, st, demand=True)
+        self._finish_fetch(s, st)
         self._cur.prefetch_misses += 1
         self._cur.bytes_fetched_on_demand += s.nbytes
         dt = time.perf_counter() - t0
@@ -1348,10 +1350,10 @@ class MemoryManager:
             s.status = RESIDENT
         self._note_peak()
 
-    def _finish_fetch(self, s: _S, st: torch.UntypedStorage, demand: bool = False) -> None:
+    def _finish_fetch(self, s: _S, st: torch.UntypedStorage) -> None:
         """A fetched storage becomes usable: the compute stream waits on its copy (invariant 3)."""
         if s.fetch_event is not None:
-            if not demand and not s.fetch_event.query():  # a late prefetch: time the wait on the GPU
+            if not s.fetch_event.query():  # a demand fetch or a late prefetch: time the wait on the GPU
                 pair = self._copies.timed_wait(s.fetch_event)
                 if pair is not None:
                     self._pending_stalls.append(pair)
