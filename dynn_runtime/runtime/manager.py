@@ -698,9 +698,18 @@ class MemoryManager:
             self._leave_step()
             raise
         ok = False
+        measuring = self._measure_step
         try:
             yield self
             ok = True
+        except torch.OutOfMemoryError as exc:
+            if not measuring:
+                raise
+            raise BudgetError(
+                f"runtime: a fractional budget ({self._budget_spec!r}) runs the first step unmanaged to measure the "
+                "peak, and that step ran out of device memory: the model does not fit without the manager. Give "
+                "the budget in bytes (budget='20GiB'), or leave it out (the device's free memory less a headroom)."
+            ) from exc
         finally:
             try:
                 self._end_step(ok)

@@ -555,3 +555,17 @@ def test_default_budget_is_free_device_memory_less_a_headroom(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 0)
     with pytest.raises(BudgetError, match="headroom"):
         manager.default_budget(torch.device("cuda", 0))
+
+
+def test_a_measuring_step_out_of_memory_says_to_give_bytes():
+    model = nn.Linear(8, 8)
+    mm = dr.MemoryManager("1/1", device="cpu").attach(model)
+    with pytest.raises(BudgetError, match="does not fit without the manager"):
+        with mm.step():
+            model(torch.randn(2, 8)).sum().backward()
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert not mm._in_step and mm.budget is None  # still measuring: the next step measures again
+    with mm.step():
+        model(torch.randn(2, 8)).sum().backward()
+    assert mm.budget is not None
+    mm.detach()
