@@ -14,8 +14,9 @@ recorded as such and the rest still run):
    ``torch.utils.checkpoint``, with the simulator's prediction of the same runs beside them.
 4. ``racecheck``: ``compute-sanitizer --tool racecheck`` on a short managed run.
 
-Without CUDA every section says so and the command succeeds: the tests skip, the rest is skipped.
-The report is written to ``<out>/gpu-check-<stamp>.json`` and ``.md`` and appended to ``--append``.
+Without CUDA every section says so and the command succeeds: the tests skip, the rest is skipped,
+and nothing is appended. The report is written to ``<out>/gpu-check-<stamp>.json`` and ``.md`` and,
+on a GPU, appended to ``--append``.
 """
 
 from __future__ import annotations
@@ -178,11 +179,12 @@ def main() -> int:
     js.write_text(json.dumps(report, indent=1))
     md = render(report)
     (out / f"gpu-check-{stamp}.md").write_text(md)
-    if a.append:
-        with open(a.append, "a") as f:
+    append = a.append if cuda else ""  # figures only from a GPU go to the benchmarks
+    if append:
+        with open(append, "a") as f:
             f.write("\n" + md)
     print(md)
-    print(f"wrote {js}" + (f" and appended to {a.append}" if a.append else ""))
+    print(f"wrote {js}" + (f" and appended to {append}" if append else ""))
     bad = [k for k, v in sec.items() if k != "real" and v.get("rc") not in (0, "skipped")]
     bad += [f"real {i}" for i, r in enumerate(sec.get("real", {}).get("runs", [])) if r["rc"] != 0]
     if bad:
