@@ -51,7 +51,6 @@ import bisect
 import collections
 import contextlib
 import functools
-import gc
 import time
 import warnings
 import weakref
@@ -72,6 +71,7 @@ from ..trace.format import Iteration, Op, Trace, read_trace
 from ..trace.modules import ModuleTracker
 from ..trace.recorder import IGNORED_OPS, AutogradNodes
 from .copies import CudaCopies, SyncCopies
+from .devicemem import default_budget, device_baseline
 from .hostpool import HostBuffer, HostPool
 from .lists import ListSplitter
 
@@ -1878,41 +1878,6 @@ class MemoryManager:
 
 
 # ---- helpers --------------------------------------------------------------------------------
-#: what ``default_budget`` leaves free on a CUDA device: (bytes, fraction of its total), the larger
-#: applies (the CUDA context's own allocations, other processes' growth, the allocator's slack)
-DEFAULT_HEADROOM = (512 << 20, 0.05)
-
-
-def default_budget(dev: torch.device) -> int:
-    """The budget when none is given: on CUDA the device's free memory now (``torch.cuda.mem_get_info``)
-    plus what this process's allocator already holds, less ``DEFAULT_HEADROOM``; on the CPU, where
-    the budget is logical, no limit."""
-    if dev.type != "cuda":
-        return 1 << 62
-    free, total = torch.cuda.mem_get_info(dev)
-    fixed, frac = DEFAULT_HEADROOM
-    usable = free + torch.cuda.memory_reserved(dev) - max(fixed, int(total * frac))
-    if usable <= 0:
-        raise BudgetError(f"runtime: the device has {format_bytes(free)} free, less than the headroom the default "
-                          f"budget keeps ({format_bytes(max(fixed, int(total * frac)))}); pass a budget in bytes.")
-    return usable
-
-
-def device_baseline(dev: torch.device) -> int:
-    """CUDA: the bytes the process holds now, once garbage cycles are collected and the current
-    stream's cuBLAS workspace exists (made here rather than mid-step, so every run in a process starts
-    from the same point). A hard cap is set on top of it, and ``train_unmanaged`` counts a run's peak
-    above it. 0 on the CPU."""
-    if dev.type != "cuda":
-        return 0
-    gc.collect()
-    a = torch.ones(16, 16, device=dev)
-    torch.mm(a, a)
-    del a
-    torch.cuda.synchronize(dev)
-    return torch.cuda.memory_allocated(dev)
-
-
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 

@@ -382,7 +382,7 @@ def train_unmanaged(
     if steps < 1:
         raise WorkloadError(f"train: steps must be at least 1, got {steps}.")
     dev = _device(device)
-    from .manager import device_baseline
+    from .devicemem import device_baseline
 
     held = device_baseline(dev)
     wl, model, opt = _setup(workload, preset, seed, dev, overrides)

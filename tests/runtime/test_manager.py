@@ -544,7 +544,7 @@ def test_state_dict_of_a_model_over_the_budget_streams_to_host_copies(events, tm
 
 
 def test_default_budget_is_free_device_memory_less_a_headroom(monkeypatch):
-    from dynn_runtime.runtime import manager
+    from dynn_runtime.runtime import devicemem as manager
 
     assert dr.MemoryManager(device="cpu").budget == 1 << 62  # logical on the CPU: no limit
     gib = 1 << 30
