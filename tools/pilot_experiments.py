@@ -271,7 +271,7 @@ def _micro_fit(default=MICRO_FIT):
 
 
 #: whole-run cost per decision point, seconds: a + b * rows, the policy's heap upkeep in Python
-#: included (fitted over the six small families on a quiet CPU, session 4, docs/pilot.md)
+#: included (fitted over the six small families on a quiet CPU, session 4, docs/pilot-lab-notes.md)
 WHOLE_RUN_FIT = (40e-6, 0.94e-6)
 
 

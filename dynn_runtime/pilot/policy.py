@@ -91,7 +91,7 @@ How a prediction is made and kept (why):
    flight waits for it (charged as host time). In the simulator the worker is modelled on the
    host clock (``view.host_now()``) with ``worker_cost`` (default :data:`WORKER_COST`), so runs are
    deterministic; a free worker gives the synchronous run exactly. Where the view has no host clock
-   (the live runtime) it is a real thread. Measured (docs/pilot.md): the issuing thread's share is
+   (the live runtime) it is a real thread. Measured (docs/pilot-lab-notes.md, "In the simulator"): the issuing thread's share is
    8.2 us + 0.065 us per row (:data:`HANDOFF_COST`: one kernel call gathers the rows, their slots and
    clears their touched flags into buffers kept between decision points) instead of ~14 us + 0.33
    us, but the results land operators later, which costs decisions on some cells (skipnet `small`
@@ -106,7 +106,7 @@ How a prediction is made and kept (why):
    :data:`SYNC_COST`), and never a full rescoring (at a phase change every prediction is replaced;
    late ones cost most there: large early_exit 1/2 +6.0% -> 0.0%). No slack known (an untimed
    simulation, a CPU device): every decision here, the synchronous run exactly. Measured on the h100
-   host timeline (docs/pilot.md): inference exposed at most 1.7% of the iteration on every `small`
+   host timeline (docs/pilot-lab-notes.md): inference exposed at most 1.7% of the iteration on every `small`
    and `large` cell (synchronous: up to 17.7%, moe `small` 1/2), decisions as synchronous where the
    device is busy with copies (skipnet 1/4, evoformer 1/8).
 """
@@ -136,7 +136,7 @@ _CLASS_OF_KIND = {"param": 1, "buffer": 1, "opt_state": 1, "grad": 3, "activatio
 _LOWER = np.asarray((1,) + BUCKET_EDGES[:-1] + (BUCKET_EDGES[-1], 2 * BUCKET_EDGES[-1]), dtype=np.float64)
 _PHASES = {"forward": 0, "backward": 1, "optimizer": 2}
 #: rule 11: the worker's seconds per decision point and per row (``dynn_pilot_finish``), where it is
-#: modelled; measured best of 100 on the 2-core development CPU (docs/pilot.md "Inference cost")
+#: modelled; measured best of 100 on the 2-core development CPU (docs/pilot-lab-notes.md "Inference cost")
 WORKER_COST = (8e-6, 0.26e-6)
 #: rule 11: the issuing thread's seconds per decision point and per row handed to the worker
 #: (gather and merge), where they are charged by ``host_cost``; measured likewise
