@@ -23,8 +23,8 @@ Rules the engine keeps (numbered so tests and docs can point at them):
    budget, every policy behaves like ``none`` (nothing moves, nothing is recomputed).
 8. Host timeline (``host_timeline=True``; off by default). Eager PyTorch issues operators from one
    host thread ahead of the device; a policy's decisions run on that thread. The host clock advances
-   by the dispatch time per operator (the profile's floor, or the number given as ``host_timeline``;
-   an operator's own time where that is shorter) and by the policy's own host time
+   by the dispatch time per operator (the profile's floor, capped by an operator's own time where
+   that is shorter; or the number given as ``host_timeline``, the host's whatever the kernel) and by the policy's own host time
    (:attr:`Policy.host_seconds`, read before each operator); an operator starts on the device no
    earlier than the host issues it (the gap is ``host_wait_s``). A host synchronisation (an
    operator in ``HOST_SYNC_OPS`` outside the optimizer step: ``.item()``, ``nonzero``; torch.optim's
@@ -672,7 +672,9 @@ class Simulator:
                 if h > self.t:  # the device has run dry: it waits for the host to issue this operator
                     self.host_wait += h - self.t
                     self.t = h
-                h += min(floor, self.op_time[j])  # dispatch (a measured operator may be shorter)
+                # dispatch: the floor is part of each operator's time, so an operator measured shorter
+                # dispatched in less; a dispatch time given as host_timeline is the host's, whatever the kernel
+                h += floor if self.dispatch_s is not None else min(floor, self.op_time[j])
             self.t += self.op_time[j]
             if host:
                 if op.name in HOST_SYNC_OPS and op.phase != "optimizer":

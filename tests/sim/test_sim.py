@@ -71,6 +71,8 @@ def test_host_timeline_puts_the_policy_host_time_where_the_device_waits():
     assert (z.iter_time_s, z.host_wait_s) == (4.0, 0.0)
     # a faster dispatch does not make the device faster, a slower one shows
     assert simulate(tr, _Charging(0.0), 300, UNIT, iteration=0, host_timeline=0.25).iter_time_s == 4.0
+    slow = simulate(tr, _Charging(0.0), 300, UNIT, iteration=0, host_timeline=2.0)  # issued every 2 s
+    assert (slow.iter_time_s, slow.host_wait_s) == (7.0, 3.0)
     with pytest.raises(ConfigError, match="host_timeline"):
         simulate(tr, "oracle", 300, UNIT, iteration=0, host_timeline=-1.0)
 
