@@ -170,21 +170,29 @@ class HostPool:
     def alloc(self, nbytes: int) -> HostBuffer:
         size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
         self.poll()
-        for attempt in range(2):
-            for ci, chunk in enumerate(self.chunks):
-                off = chunk.take(size)
-                if off is not None:
-                    return self._hand_out(ci, off, size, nbytes)
-            if attempt == 0 and self._pending:
-                # copies still hold released buffers: wait for the oldest ones before growing
-                for event, _ in self._pending:
-                    if event is not None:
-                        event.synchronize()
-                        self.syncs += 1
-                self.poll()
+        got = self._take(size, nbytes)
+        # copies still hold released buffers: wait for the oldest, one at a time, before growing
+        while got is None and self._pending:
+            event = self._pending[0][0]
+            if event is not None:
+                event.synchronize()
+                self.syncs += 1
+            self.poll()
+            if self._pending and self._pending[0][0] is event:  # an event that reports done only when waited
+                self._give(self._pending.pop(0)[1])
+            got = self._take(size, nbytes)
+        if got is not None:
+            return got
         chunk = self._new_chunk(size)
         off = chunk.take(size)
         return self._hand_out(len(self.chunks) - 1, off, size, nbytes)
+
+    def _take(self, size: int, nbytes: int) -> HostBuffer | None:
+        for ci, chunk in enumerate(self.chunks):
+            off = chunk.take(size)
+            if off is not None:
+                return self._hand_out(ci, off, size, nbytes)
+        return None
 
     def _hand_out(self, ci: int, off: int, size: int, nbytes: int) -> HostBuffer:
         self.in_use += size

@@ -47,3 +47,27 @@ def test_reserve_allocates_up_front_within_the_budget():
     chunks = len(pool.chunks)
     bufs = [pool.alloc(MiB) for _ in range(7)]
     assert len(pool.chunks) == chunks and len(bufs) == 7  # no allocation during use
+
+
+class _Copy:
+    """A copy event that completes only when waited for."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+def test_a_full_pool_waits_for_the_oldest_copy_only():
+    pool = HostPool(budget_bytes=4 * MiB, chunk_bytes=4 * MiB)
+    bufs = [pool.alloc(MiB) for _ in range(4)]
+    events = [_Copy() for _ in bufs]
+    for b, e in zip(bufs, events, strict=True):
+        pool.release(b, e)  # each buffer still read by a copy in flight
+    again = pool.alloc(MiB)
+    assert again is not None and pool.syncs == 1
+    assert [e.done for e in events] == [True, False, False, False]
