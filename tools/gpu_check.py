@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -45,10 +44,6 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
     return {"cmd": " ".join(cmd), "rc": rc, "seconds": round(time.perf_counter() - t0, 1), "tail": out[-4000:]}
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs[1:] if len(xs) > 1 else xs)
-
-
 def events_section(steps: int, fractions: list[float], out: Path) -> None:
     """Runs in a child process (``--section events``): lru per event source against PyTorch alone."""
     import torch
@@ -60,13 +55,13 @@ def events_section(steps: int, fractions: list[float], out: Path) -> None:
         for fam in FAMILIES:
             torch.cuda.reset_peak_memory_stats()
             base = train_unmanaged(fam, steps=steps, preset="small", device="cuda")
-            t0, peak = _median(base.step_seconds), max(base.peak_bytes)
+            t0, peak = base.median_step_seconds(), max(base.peak_bytes)
             rows.append(dict(family=fam, method="PyTorch alone", seconds=t0, ratio=1.0, peak=peak, identical=True,
                              reserved=torch.cuda.max_memory_reserved()))
             soc = train_unmanaged(fam, steps=steps, preset="small", device="cuda", label="save_on_cpu",
                                   step_context=lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
-            rows.append(dict(family=fam, method="torch save_on_cpu", seconds=_median(soc.step_seconds),
-                             ratio=_median(soc.step_seconds) / t0, peak=max(soc.peak_bytes),
+            rows.append(dict(family=fam, method="torch save_on_cpu", seconds=soc.median_step_seconds(),
+                             ratio=soc.median_step_seconds() / t0, peak=max(soc.peak_bytes),
                              identical=soc.digest == base.digest))
             for ev in ("python", "native"):
                 os.environ["DYNN_EVENTS"] = ev
@@ -83,7 +78,7 @@ def events_section(steps: int, fractions: list[float], out: Path) -> None:
                     st = r.stats or {}
                     per = st.get("per_step", [])[1:]
                     rows.append(dict(
-                        family=fam, method=label, seconds=_median(r.step_seconds), ratio=_median(r.step_seconds) / t0,
+                        family=fam, method=label, seconds=r.median_step_seconds(), ratio=r.median_step_seconds() / t0,
                         peak=st.get("max_memory_allocated"), reserved=torch.cuda.max_memory_reserved(),
                         budget=None if frac is None else budget, storage_budget=st.get("budget_bytes"),
                         unmanaged=st.get("unmanaged_bytes"), outside_at_cap=st.get("outside_at_cap_bytes"),

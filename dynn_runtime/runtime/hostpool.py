@@ -173,13 +173,11 @@ class HostPool:
         got = self._take(size, nbytes)
         # copies still hold released buffers: wait for the oldest, one at a time, before growing
         while got is None and self._pending:
-            event = self._pending[0][0]
-            if event is not None:
-                event.synchronize()
-                self.syncs += 1
+            event, buf = self._pending.pop(0)  # release() keeps a buffer pending only with an event
+            event.synchronize()
+            self.syncs += 1
+            self._give(buf)
             self.poll()
-            if self._pending and self._pending[0][0] is event:  # an event that reports done only when waited
-                self._give(self._pending.pop(0)[1])
             got = self._take(size, nbytes)
         if got is not None:
             return got
