@@ -67,6 +67,7 @@ from ..errors import BudgetError, ConfigError, PolicyError, internal_assert
 from ..hints import Hint
 from ..memory import format_bytes, parse_size
 from ..policies.base import Policy, make_policy
+from ..residency import IN_FLIGHT, Record, Residency, Status
 from ..trace.format import Iteration, Op, Trace, read_trace
 from ..trace.modules import ModuleTracker
 from ..trace.recorder import IGNORED_OPS, AutogradNodes
@@ -85,61 +86,28 @@ _MOVABLE_ALWAYS = frozenset({"param", "buffer", "opt_state", "grad"})
 _RANK = {k: i for i, k in enumerate(("param", "buffer", "opt_state", "grad", "activation", "input", "temp"))}
 
 RESIDENT, OFFLOADING, HOST, FETCHING, DROPPED, ABSENT = (
-    "resident", "offloading", "host", "fetching", "dropped", "absent")
-_HOLDS_DEVICE = frozenset({RESIDENT, OFFLOADING, FETCHING})
+    Status.RESIDENT, Status.OFFLOADING, Status.HOST, Status.FETCHING, Status.DROPPED, Status.ABSENT)
 
 
-class _S:
-    """What the manager knows about one device storage.
+class _S(Record):
+    """What the manager knows about one device storage, beyond what the simulator keeps too."""
 
-    ``status`` is a property: a storage whose copy is in flight (``offloading``, ``fetching``) is
-    also listed in ``flight``, the manager's dict of in-flight copies (``None`` when copies are
-    synchronous), so reaping and waiting look at the copies in flight, not at every storage.
-    """
+    __slots__ = ("key", "ref", "host", "event", "name", "movable", "born_step", "fetch_event", "pf", "born_pos",
+                 "obs")
 
-    __slots__ = ("sid", "key", "ref", "nbytes", "kind", "saved", "_status", "host", "host_valid", "event",
-                 "last_access", "last_access_t", "count", "name", "movable", "born_step", "fetch_event", "pf",
-                 "born_pos", "flight", "obs")
-
-    def __init__(self, sid: int, key: int, ref: Any, nbytes: int, kind: str, movable: bool, step: int,
-                 flight: dict[int, _S] | None = None) -> None:
-        self.sid = sid
+    def __init__(self, sid: int, key: int, ref: Any, nbytes: int, kind: str, movable: bool, step: int) -> None:
+        super().__init__(sid, nbytes, kind)
         self.key = key
         self.pf = False  # prefetched, not used since
         self.ref = ref  # weakref to the UntypedStorage
-        self.nbytes = nbytes
-        self.kind = kind
-        self.saved = False
-        self.flight = flight
-        self._status = RESIDENT
         self.host: HostBuffer | None = None
-        self.host_valid = False
         self.event: Any = None  # completion of the last copy into or out of ``host``
         self.fetch_event: Any = None  # completion of an in-flight H2D copy
-        self.last_access = -1
-        self.last_access_t = 0.0
-        self.count = 0
         self.name = ""
         self.movable = movable
         self.born_step = step
         self.born_pos = 0
         self.obs: Any = None  # the native observer, which must see the next access while a copy is in flight
-
-    @property
-    def status(self) -> str:
-        return self._status
-
-    @status.setter
-    def status(self, value: str) -> None:
-        self._status = value
-        if self.obs is not None and value != ABSENT:
-            self.obs.set_watch(self.sid, value == OFFLOADING or value == FETCHING)
-        flight = self.flight
-        if flight is not None:
-            if value == OFFLOADING or value == FETCHING:
-                flight[self.sid] = self
-            else:
-                flight.pop(self.sid, None)
 
 
 @dataclass
@@ -201,7 +169,7 @@ class _Mode(TorchDispatchMode):
             mm._in_dispatch = outer
 
 
-class MemoryManager:
+class MemoryManager(Residency):
     """Keep a training loop's device memory within ``budget`` by moving tensors as ``policy`` says.
 
     ``budget``: bytes (int), a size string (``"6GiB"``), or a float in (0, 1]: that fraction of the
@@ -366,6 +334,7 @@ class MemoryManager:
     def _reset_state(self) -> None:
         self._obs: Any = None
         self._used = 0
+        self._init_residency()
         self.event_source = "python"
         self.event_reason = ""
         self._names: list[str] = []
@@ -409,8 +378,6 @@ class MemoryManager:
         #: device_slack's mark: a CUDA event on the compute stream and the host time it was recorded
         self._slack_mark: tuple[Any, float] | None = None
         self._pending_stalls: list[tuple[Any, Any]] = []
-        #: storages whose copy is in flight (async copies only; kept by ``_S.status``)
-        self._flight: dict[int, _S] = {}
         self._oracle_map: dict[int, int] = {}
         self._oracle_warned = False
         self._largest_op: tuple[int, str] = (0, "")
@@ -774,7 +741,7 @@ class MemoryManager:
             if not self._measure_step and self.used > self.budget:
                 # what the program holds between steps may exceed the budget (after the measuring
                 # step, or a budget lowered by hand): get within it before the step starts
-                self._make_room(0, set(), "the start of the step")
+                self.make_room(0, set(), "the start of the step")
             self._cur.peak_device_bytes = self.used
             if obs is not None:
                 obs.reset_peak()
@@ -1007,10 +974,10 @@ class MemoryManager:
             # outside the dispatcher): make room before accounting it, so the budget still holds.
             try:
                 if self._in_dispatch:
-                    self._make_room(n, set(), "a storage created outside the dispatcher")
+                    self.make_room(n, set(), "a storage created outside the dispatcher")
                 else:
                     with _no_mode():
-                        self._make_room(n, set(), "a storage created outside the dispatcher")
+                        self.make_room(n, set(), "a storage created outside the dispatcher")
             except BudgetError:
                 pass  # counted as an overshoot by _note_peak
         sid = self._next_sid
@@ -1021,12 +988,11 @@ class MemoryManager:
         # that reads raw memory outside the dispatcher (``.numpy()``, printing) never meets an
         # offloaded storage.
         movable = st.resizable() and (self._in_step or kind in _MOVABLE_ALWAYS)
-        s = _S(sid, key, ref, n, kind, movable=movable, step=self._step_index,
-               flight=self._flight if self.async_copies else None)
+        s = _S(sid, key, ref, n, kind, movable=movable, step=self._step_index)
         s.born_pos = self.position
         self.st[sid] = s
         self._key_sid[key] = sid
-        self.used += n
+        self.set_status(s, RESIDENT)
         if self._in_step:
             if fresh:
                 pass  # the caller announces it with its operator position
@@ -1053,9 +1019,9 @@ class MemoryManager:
 
     def _new_native(self, sid: int, kind: str, nbytes: int, movable: bool, born: int) -> _S:
         obs = self._obs
-        s = _S(sid, sid, functools.partial(obs.storage, sid), nbytes, kind, movable=movable, step=self._step_index,
-               flight=self._flight if self.async_copies else None)
+        s = _S(sid, sid, functools.partial(obs.storage, sid), nbytes, kind, movable=movable, step=self._step_index)
         s.obs = obs
+        self.set_status(s, RESIDENT)  # the observer counted its bytes already (_account)
         s.born_pos = born
         if sid in self._saved_pending:
             self._saved_pending.discard(sid)
@@ -1082,9 +1048,8 @@ class MemoryManager:
                 continue
             if self._key_sid.get(s.key) == sid:
                 del self._key_sid[s.key]
-            if s.status in _HOLDS_DEVICE:
-                self.used -= s.nbytes
-            s.status = ABSENT
+            if s.status is not ABSENT:
+                self.set_status(s, ABSENT)
             self._drop_host(s)
             if self._in_step:
                 self._frees.setdefault(self.position, []).append(sid)
@@ -1105,38 +1070,7 @@ class MemoryManager:
         if self.budget is not None and not self._measure_step and self.used > self.budget:
             cur.budget_overshoot_bytes = max(cur.budget_overshoot_bytes, self.used - self.budget)
 
-    # ---- MemoryView (what policies read) ----------------------------------------------------
-    def nbytes(self, sid: int) -> int:
-        return self.st[sid].nbytes
-
-    def kind(self, sid: int) -> str:
-        return self.st[sid].kind
-
-    def saved(self, sid: int) -> bool:
-        return self.st[sid].saved
-
-    def status(self, sid: int) -> str:
-        s = self.st.get(sid)
-        return ABSENT if s is None else s.status
-
-    def resident(self) -> Iterator[int]:
-        return (sid for sid, s in list(self.st.items()) if s.status == RESIDENT)
-
-    def offloaded(self) -> Iterator[int]:
-        return (sid for sid, s in list(self.st.items()) if s.status in (HOST, DROPPED))
-
-    def last_access(self, sid: int) -> int:
-        return self.st[sid].last_access
-
-    def last_access_time(self, sid: int) -> float:
-        return self.st[sid].last_access_t
-
-    def access_count(self, sid: int) -> int:
-        return self.st[sid].count
-
-    def free_bytes(self) -> int:
-        return (self.budget if self.budget is not None else 1 << 62) - self.used
-
+    # ---- MemoryView (what policies read; the rest is Residency's) ------------------------
     def now(self) -> float:
         return time.perf_counter() - self._t0
 
@@ -1262,7 +1196,7 @@ class MemoryManager:
         t0 = time.perf_counter()
         if s.host_valid and s.host is not None:
             self._release_device(s, st)
-            s.status = HOST
+            self.set_status(s, HOST)
         else:
             if s.host is None or s.host.nbytes != s.nbytes:
                 self._drop_host(s)
@@ -1276,7 +1210,7 @@ class MemoryManager:
             # Released now, stream-ordered (copies.py): the block is not reused before the copy
             # has read it, so the host never waits for an eviction.
             self._release_device(s, st)
-            s.status = HOST
+            self.set_status(s, HOST)
             self._cur.bytes_offloaded += s.nbytes
         self._cur.evictions += 1
         dt = time.perf_counter() - t0
@@ -1289,34 +1223,17 @@ class MemoryManager:
         self._copies.release(st)
         if self._obs is not None:
             self._obs.set_away(s.sid, True)
-        else:
-            self.used -= s.nbytes
 
     def _reap(self) -> None:
         """Offloads whose copies have landed release their device bytes; prefetches that landed
         stay FETCHING until first use (the compute stream still has to wait on their event)."""
         if not self.async_copies:
             return
-        for s in list(self._flight.values()):
-            if s.status == FETCHING and s.fetch_event is not None and s.fetch_event.query():
+        for s in list(self.fetching.values()):
+            if s.fetch_event is not None and s.fetch_event.query():
                 st = s.ref()
                 if st is not None:
                     self._finish_fetch(s, st)
-
-    def _wait_copies(self) -> bool:
-        """Make in-flight prefetches usable (the compute stream waits on them; they become
-        evictable); False if none was in flight."""
-        if not self.async_copies:
-            return False
-        fetch = [s for s in self._flight.values() if s.status == FETCHING]
-        if not fetch:
-            return False
-        for s in fetch:
-            st = s.ref()
-            if st is not None:
-                self._finish_fetch(s, st)
-        self._reap()
-        return True
 
     def _fetch_now(self, s: _S, budgeted: bool = True, exclude: set[int] | None = None, where: str = "") -> None:
         """Make ``s`` resident now (a demand fetch: the compute stream waits for it)."""
@@ -1330,7 +1247,7 @@ class MemoryManager:
         internal_assert(s.status == HOST and s.host is not None and s.host_valid,
                          f"runtime: storage {s.sid} is {s.status} without a valid host copy")
         if budgeted:
-            self._make_room(s.nbytes, (exclude or set()) | {s.sid},
+            self.make_room(s.nbytes, (exclude or set()) | {s.sid},
                             f"{where or 'an access'} (fetching a {format_bytes(s.nbytes)} {s.kind} back)")
         t0 = time.perf_counter()
         self._start_fetch(s, st)
@@ -1346,18 +1263,16 @@ class MemoryManager:
         self._copies.allocate(st, s.nbytes)
         if self._obs is not None:
             self._obs.set_away(s.sid, False)
-        else:
-            self.used += s.nbytes
         dst = _u8(st, self.device)
         ev = self._copies.to_device(s.host.tensor, dst, s.event)
         del dst
         if self.async_copies:
             s.fetch_event = ev
             s.event = ev
-            s.status = FETCHING
+            self.set_status(s, FETCHING)
         else:
             s.fetch_event = None
-            s.status = RESIDENT
+            self.set_status(s, RESIDENT)
         self._note_peak()
 
     def _finish_fetch(self, s: _S, st: torch.UntypedStorage) -> None:
@@ -1370,7 +1285,8 @@ class MemoryManager:
             else:
                 self._copies.compute_waits(s.fetch_event)
             s.fetch_event = None
-        s.status = RESIDENT
+        if s.status is FETCHING:  # synchronous copies land resident (_start_fetch)
+            self.set_status(s, RESIDENT)
 
     def _prefetch(self, s: _S) -> None:
         st = s.ref()
@@ -1387,44 +1303,49 @@ class MemoryManager:
         if not self.async_copies:
             self._cur.stall_seconds += dt
 
-    def _make_room(self, need: int, exclude: set[int], where: str = "") -> None:
-        """Evict (policy's victims, best first) until ``need`` more bytes fit in the budget."""
-        budget = self.budget
-        if budget is None or self.used + need <= budget:
-            return
+    # ---- making room: Residency.make_room's hooks, on real copies ---------------------------------
+    def _room_before(self, need: int) -> bool:
         if self._obs is not None and self._obs.sweep():  # storages that died since the last look
             self._native_parse(in_step=self._in_step)
-            if self.used + need <= budget:
-                return
+            if self.fits(need):
+                return True
         self._reap()
-        while self.used + need > budget:
-            short = self.used + need - budget
-            moved = False
-            if short > 0:
-                freed = 0
-                for sid in self.policy.victims(short, exclude):
-                    s = self.st.get(sid)
-                    if s is None or sid in exclude:
-                        continue
-                    if self._evict(s):
-                        moved = True
-                        freed += s.nbytes
-                        if freed >= short:
-                            break
-            if self.used + need <= budget:
-                break
-            if self._wait_copies():
-                continue
-            if not moved:
-                self._oom(need, exclude, where)
+        return False
 
-    def _oom(self, need: int, exclude: set[int], where: str) -> None:
+    def _evict_for_room(self, s: _S) -> bool:
+        return self._evict(s)
+
+    def _land_fetch(self) -> bool:
+        """Make in-flight prefetches usable (the compute stream waits on them; they become
+        evictable); False if none was in flight."""
+        fetch = list(self.fetching.values())
+        for s in fetch:
+            st = s.ref()
+            if st is not None:
+                self._finish_fetch(s, st)
+        self._reap()
+        return bool(fetch)
+
+    def _land_offload(self) -> None:
+        internal_assert(False, "runtime: an eviction releases its device bytes at once (stream-ordered), so no "
+                               "offload is ever pending")
+
+    def _out_of_memory(self, need: int, exclude: set[int], where: str) -> None:
         held = sum(self.st[x].nbytes for x in exclude if x in self.st)
         raise BudgetError(
             f"runtime: out of memory under policy {self.policy.name!r} at {where}: {format_bytes(need)} more needed, "
             f"{format_bytes(self.used)} of {format_bytes(self.budget)} in use ({format_bytes(held)} of it needed by "
             "this operator) and nothing the policy may move. Raise the budget, or use a policy that moves more "
             "(lru, pilot).")
+
+    def _account(self, delta: int) -> None:
+        if self._obs is None:  # the native observer counts device bytes itself (events.cpp, invariant 2)
+            self._used += delta
+
+    def _status_changed(self, s: Record, old: Status, new: Status) -> None:
+        obs = s.obs
+        if obs is not None and new is not ABSENT and (old in IN_FLIGHT or new in IN_FLIGHT):
+            obs.set_watch(s.sid, new in IN_FLIGHT)
 
     def _sync(self) -> None:
         self._copies.sync()
@@ -1546,7 +1467,7 @@ class MemoryManager:
                     f"operator {self._last_name} (position {position}, {self.phase}) touches {format_bytes(busy)}. "
                     f"Raise the budget to at least {format_bytes(busy)}.")
             try:
-                self._make_room(reserve, self._last_busy, where)
+                self.make_room(reserve, self._last_busy, where)
             except BudgetError:
                 if type(self.policy).victims is Policy.victims and self.used > self.budget + reserve:
                     raise  # a policy that never moves anything, and over by more than one operator's allocation
@@ -1621,7 +1542,8 @@ class MemoryManager:
         x = self.st.pop(sid, None)
         if x is None:
             return
-        x.status = ABSENT
+        if x.status is not ABSENT:
+            self.set_status(x, ABSENT)
         self._drop_host(x)
         if in_step:
             self._frees.setdefault(self.position, []).append(sid)
@@ -1723,7 +1645,7 @@ class MemoryManager:
                 s.pf = False
                 self._cur.prefetch_hits += 1
         if est and not self._measure_step:
-            self._make_room(est, need, where)
+            self.make_room(est, need, where)
         out = func(*args, **kwargs)
         node = self._nodes()
         if self._dead:
@@ -1742,7 +1664,7 @@ class MemoryManager:
         writes = self._note_writes(func, args, kwargs)
         if self.used > (self.budget or 1 << 62) and not self._measure_step:
             try:
-                self._make_room(0, need | set(outs), where)
+                self.make_room(0, need | set(outs), where)
             except BudgetError:
                 pass  # the estimate was short: counted as an overshoot, not an error
         self._note_peak()

@@ -2,12 +2,14 @@
 
 Rules the engine keeps (numbered so tests and docs can point at them):
 
-1. Every storage is in one :class:`Status`; transitions go through :meth:`Simulator._set`, which
-   rejects any transition not in ``_TRANSITIONS``.
+1. Every storage is in one :class:`~dynn_runtime.residency.Status`; transitions go through
+   :meth:`~dynn_runtime.residency.Residency.set_status` (the state machine the live runtime uses too),
+   which rejects any transition not in :data:`~dynn_runtime.residency.TRANSITIONS`.
 2. Device bytes held = RESIDENT + OFFLOADING (the device copy lives until the copy ends) +
    FETCHING (space is reserved when the copy starts). It never exceeds the budget: when room is
-   needed the engine asks the policy for victims, and if they are not enough it reports
-   out-of-memory for that operator instead of going over.
+   needed the engine asks the policy for victims (:meth:`~dynn_runtime.residency.Residency.make_room`,
+   the live runtime's loop), and if they are not enough it reports out-of-memory for that operator
+   instead of going over.
 3. Before an operator runs, everything it reads or writes is resident: an in-flight prefetch is
    waited for (stall), an offloaded storage is fetched on demand (stall, a prefetch miss), a
    dropped one is recomputed (its producer re-run, recursively; charged as recompute time).
@@ -53,7 +55,6 @@ compute stream's clock at the end: compute + stalls + recompute (+ host waits un
 from __future__ import annotations
 
 import bisect
-import enum
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -61,6 +62,8 @@ from typing import Any
 
 from ..errors import BudgetError, ConfigError, TraceError, internal_assert
 from ..policies.base import Policy, make_policy
+from ..residency import HOLDS_DEVICE as _HOLDS_DEVICE
+from ..residency import Record, Residency, Status
 from ..trace.format import SCHEMA_VERSION, Trace
 from .hostcost import HostCost
 from .profiles import DeviceProfile, get_profile, op_time
@@ -68,25 +71,7 @@ from .profiles import DeviceProfile, get_profile, op_time
 __all__ = ["Status", "SimResult", "Simulator", "simulate", "unmanaged_peak"]
 
 
-class Status(enum.Enum):
-    ABSENT = "absent"          # not allocated yet, or freed by the program
-    RESIDENT = "resident"
-    OFFLOADING = "offloading"  # device-to-host copy in flight; device copy still valid
-    HOST = "host"              # only on the host
-    FETCHING = "fetching"      # host-to-device copy in flight; device space reserved
-    DROPPED = "dropped"        # freed for recompute
-
-
 S = Status
-_TRANSITIONS: dict[Status, frozenset[Status]] = {
-    S.ABSENT: frozenset({S.RESIDENT}),
-    S.RESIDENT: frozenset({S.OFFLOADING, S.HOST, S.DROPPED, S.ABSENT}),
-    S.OFFLOADING: frozenset({S.HOST, S.RESIDENT, S.ABSENT}),
-    S.HOST: frozenset({S.FETCHING, S.RESIDENT, S.ABSENT}),
-    S.FETCHING: frozenset({S.RESIDENT, S.ABSENT}),
-    S.DROPPED: frozenset({S.RESIDENT, S.ABSENT}),
-}
-_HOLDS_DEVICE = frozenset({S.RESIDENT, S.OFFLOADING, S.FETCHING})
 _RECOMPUTABLE_KINDS = frozenset({"activation", "temp"})
 #: what the simulator offers a policy: the recorded past, the future (replaying a trace), and the
 #: operator stream a pilot model learns from (the pilot policy itself checks that its weights exist)
@@ -138,18 +123,13 @@ class SimResult:
         return asdict(self)
 
 
-@dataclass
-class _St:
-    nbytes: int
-    kind: str
-    saved: bool
-    status: Status = S.ABSENT
-    host_valid: bool = False
-    ready_at: float = 0.0
-    last_access: int = -1
-    last_access_t: float = 0.0
-    count: int = 0
-    chain_temp: bool = False
+class _St(Record):
+    __slots__ = ("ready_at", "chain_temp")
+
+    def __init__(self, sid: int, nbytes: int, kind: str, saved: bool) -> None:
+        super().__init__(sid, nbytes, kind, saved)
+        self.ready_at = 0.0  # when the copy in flight lands
+        self.chain_temp = False  # rebuilt only to recompute a dropped descendant
 
 
 class _OOM(Exception):
@@ -161,7 +141,7 @@ def unmanaged_peak(trace: Trace, iteration: int = -1) -> int:
     return Simulator(trace, "none", budget_bytes=None, iteration=iteration).run().peak_bytes
 
 
-class Simulator:
+class Simulator(Residency):
     """Replays one iteration of ``trace`` against ``policy`` under ``budget_bytes`` on ``profile``."""
 
     #: a rematerialization chain longer than this is reported infeasible (DTR's failure mode)
@@ -223,7 +203,7 @@ class Simulator:
         self.true_nbytes: dict[int, int] = {}
         for s in tr.storages.values():
             b = s.nbytes if not page else max(page, math.ceil(s.nbytes / page) * page)
-            self.st[s.sid] = _St(nbytes=b, kind=s.kind, saved=s.saved)
+            self.st[s.sid] = _St(s.sid, b, s.kind, s.saved)
             self.true_nbytes[s.sid] = s.nbytes
         self.accesses: dict[int, list[int]] = {}
         self.producer: dict[int, int] = {}
@@ -259,37 +239,7 @@ class Simulator:
         dev = str(h.get("device", ""))
         return dev.startswith("cuda") and self.profile.name in str(h.get("device_name", "")).lower()
 
-    # ---- MemoryView (what policies read) ----------------------------------------------------
-    def nbytes(self, sid: int) -> int:
-        return self.st[sid].nbytes
-
-    def kind(self, sid: int) -> str:
-        return self.st[sid].kind
-
-    def saved(self, sid: int) -> bool:
-        return self.st[sid].saved
-
-    def status(self, sid: int) -> str:
-        return self.st[sid].status.value
-
-    def resident(self) -> Iterable[int]:
-        return (sid for sid, s in self.st.items() if s.status is S.RESIDENT)
-
-    def offloaded(self) -> Iterable[int]:
-        return (sid for sid, s in self.st.items() if s.status in (S.HOST, S.DROPPED))
-
-    def last_access(self, sid: int) -> int:
-        return self.st[sid].last_access
-
-    def last_access_time(self, sid: int) -> float:
-        return self.st[sid].last_access_t
-
-    def access_count(self, sid: int) -> int:
-        return self.st[sid].count
-
-    def free_bytes(self) -> int:
-        return self.budget - self.used
-
+    # ---- MemoryView (what policies read; the rest is Residency's) --------------------------
     def now(self) -> float:
         return self.t
 
@@ -358,28 +308,7 @@ class Simulator:
 
     # ---- state transitions ------------------------------------------------------------------
     def _set(self, sid: int, new: Status) -> None:
-        s = self.st[sid]
-        internal_assert(new in _TRANSITIONS[s.status], f"sim: illegal transition {s.status.value} -> {new.value} "
-                         f"for storage {sid}")
-        held_before = s.status in _HOLDS_DEVICE
-        held_after = new in _HOLDS_DEVICE
-        if held_after and not held_before:
-            self.used += s.nbytes
-        elif held_before and not held_after:
-            self.used -= s.nbytes
-        if s.status is S.OFFLOADING:
-            self.pending -= s.nbytes
-            self._offloading.discard(sid)
-        elif s.status is S.FETCHING:
-            self._fetching.discard(sid)
-        if new is S.OFFLOADING:
-            self.pending += s.nbytes
-            self._offloading.add(sid)
-        elif new is S.FETCHING:
-            self._fetching.add(sid)
-        s.status = new
-        if self.used > self.peak:
-            self.peak = self.used
+        self.set_status(self.st[sid], new)
 
     def _stall_until(self, t: float) -> None:
         if t > self.t:
@@ -389,10 +318,10 @@ class Simulator:
     def _reap(self) -> None:
         """Copies that have landed by now: offloads release their device bytes, prefetches become
         resident (and so evictable again)."""
-        for sid in [x for x in self._offloading if self.st[x].ready_at <= self.t]:
-            self._set(sid, S.HOST)
-        for sid in [x for x in self._fetching if self.st[x].ready_at <= self.t]:
-            self._set(sid, S.RESIDENT)
+        for s in [x for x in self.offloading.values() if x.ready_at <= self.t]:
+            self.set_status(s, S.HOST)
+        for s in [x for x in self.fetching.values() if x.ready_at <= self.t]:
+            self.set_status(s, S.RESIDENT)
 
     def _copy_d2h(self, nbytes: int) -> float:
         p = self.profile
@@ -450,29 +379,33 @@ class Simulator:
         self.moves += 1
         return True
 
-    def _make_room(self, need: int, exclude: set[int]) -> None:
-        if self.used + need <= self.budget:
-            return
+    # ---- making room: Residency.make_room's hooks, on the simulated clock ------------------------
+    def _victims(self, short: int, exclude: set[int]) -> Any:
+        self.decision_points += 1
+        return self.policy.victims(short, exclude)
+
+    def _room_before(self, need: int) -> bool:
         self._reap()
-        while self.used - self.pending + need > self.budget:
-            self.decision_points += 1
-            for sid in self.policy.victims(self.used - self.pending + need - self.budget, exclude):
-                if sid in exclude or sid not in self.st:
-                    continue
-                if self._evict(sid):
-                    self.decisions += 1
-                    if self.used - self.pending + need <= self.budget:
-                        break
-            if self.used - self.pending + need <= self.budget:
-                break
-            if not self._fetching:
-                raise _OOM(need)
-            # prefetches in flight hold space: let the earliest land, then it may be evicted
-            self._stall_until(min(self.st[x].ready_at for x in self._fetching))
-            self._reap()
-        while self.used + need > self.budget:  # wait for offloads to land, earliest first
-            self._stall_until(min(self.st[x].ready_at for x in self._offloading))
-            self._reap()
+        return False
+
+    def _evict_for_room(self, s: _St) -> bool:
+        if not self._evict(s.sid):
+            return False
+        self.decisions += 1
+        return True
+
+    def _land_fetch(self) -> bool:
+        # prefetches in flight hold space: let the earliest land, then it may be evicted
+        self._stall_until(min(x.ready_at for x in self.fetching.values()))
+        self._reap()
+        return True
+
+    def _land_offload(self) -> None:
+        self._stall_until(min(x.ready_at for x in self.offloading.values()))
+        self._reap()
+
+    def _out_of_memory(self, need: int, exclude: set[int], where: str) -> None:
+        raise _OOM(need)
 
     def _ensure(self, sid: int, exclude: set[int], depth: int = 0) -> None:
         s = self.st[sid]
@@ -489,7 +422,7 @@ class Simulator:
             self._set(sid, S.RESIDENT)
             return
         if s.status is S.HOST:
-            self._make_room(s.nbytes, exclude)
+            self.make_room(s.nbytes, exclude)
             self.prefetch_misses += 1
             self.moves += 1
             self.bytes_fetched += s.nbytes
@@ -530,7 +463,7 @@ class Simulator:
                 self._ensure(inp, keep, depth + 1)
         rebuilt = [x for x in produced if self.st[x].status in (S.DROPPED,) or x == sid
                    or (self.st[x].chain_temp and self.st[x].status is S.ABSENT)]
-        self._make_room(sum(self.st[x].nbytes for x in rebuilt if self.st[x].status not in _HOLDS_DEVICE), keep)
+        self.make_room(sum(self.st[x].nbytes for x in rebuilt if self.st[x].status not in _HOLDS_DEVICE), keep)
         cost = sum(self.op_time[j] for j in positions)
         self.t += cost
         self.recompute_t += cost
@@ -572,9 +505,7 @@ class Simulator:
         self.t = self.stall = self.recompute_t = 0.0
         self.host_wait = self.policy_host = 0.0
         self.d2h_free = self.h2d_free = 0.0
-        self.used = self.pending = self.peak = 0
-        self._offloading: set[int] = set()
-        self._fetching: set[int] = set()
+        self._init_residency()
         self._rebuilding: set[tuple[int, int, int]] = set()
         self.bytes_offloaded = self.bytes_fetched = 0
         self.decisions = self.evictions = self.recomputed_ops = self.decision_points = self.moves = 0
@@ -636,7 +567,7 @@ class Simulator:
         pol = self.policy
         self.position = 0
         for sid in self.initial:
-            self._make_room(self.st[sid].nbytes, set())
+            self.make_room(self.st[sid].nbytes, set())
             self._set(sid, S.RESIDENT)
             self.st[sid].host_valid = self.st[sid].kind in ("param", "buffer")
             pol.on_alloc(sid, -1)
@@ -656,7 +587,7 @@ class Simulator:
             need = set(op.inputs) | set(op.writes) | (set(op.outputs) - set(allocs))
             for sid in need:
                 self._ensure(sid, need)
-            self._make_room(sum(self.st[s].nbytes for s in allocs), need)
+            self.make_room(sum(self.st[s].nbytes for s in allocs), need)
             for sid in allocs:
                 self._set(sid, S.RESIDENT)
                 pol.on_alloc(sid, j)

@@ -339,27 +339,30 @@ def test_dtr_is_refused_live_with_a_reason():
 
 
 def test_in_flight_copies_are_registered_by_status():
-    # reaping and waiting on CUDA look only at the registry; a storage whose copy is in flight but
-    # missing from it would never release its device bytes, one left in it would be waited on forever
+    # reaping and waiting on CUDA look only at the in-flight sets; a storage whose copy is in flight but
+    # missing from them would never become usable, one left in them would be waited on forever. The
+    # live manager keeps them through the residency state machine the simulator uses too.
     from dynn_runtime.runtime.manager import _S, ABSENT, FETCHING, HOST, OFFLOADING, RESIDENT
 
-    flight: dict = {}
-    s = _S(7, 0, None, 16, "activation", movable=True, step=0, flight=flight)
-    assert flight == {}
-    s.status = OFFLOADING
-    assert flight == {7: s}
-    s.status = HOST
-    assert flight == {}
-    s.status = FETCHING
-    assert flight == {7: s}
-    s.status = RESIDENT
-    assert flight == {}
-    s.status = OFFLOADING
-    s.status = ABSENT  # freed while its copy was in flight
-    assert flight == {}
-    sync = _S(8, 0, None, 16, "activation", movable=True, step=0)  # synchronous copies: no registry
-    sync.status = OFFLOADING
-    assert sync.status == OFFLOADING and sync.flight is None
+    mm = dr.MemoryManager(1 << 20, device="cpu")
+    s = _S(7, 0, None, 16, "activation", movable=True, step=0)
+    mm.st[7] = s
+    mm.set_status(s, RESIDENT)
+    assert (mm.used, mm.offloading, mm.fetching) == (16, {}, {})
+    mm.set_status(s, OFFLOADING)
+    assert mm.offloading == {7: s} and mm.pending == 16 and mm.used == 16
+    mm.set_status(s, HOST)
+    assert (mm.used, mm.pending, mm.offloading) == (0, 0, {})
+    mm.set_status(s, FETCHING)
+    assert mm.fetching == {7: s} and mm.used == 16
+    mm.set_status(s, RESIDENT)
+    assert mm.fetching == {}
+    mm.set_status(s, OFFLOADING)
+    mm.set_status(s, ABSENT)  # freed while its copy was in flight
+    assert (mm.used, mm.pending, mm.offloading) == (0, 0, {})
+    assert mm.status(7) == "absent"
+    with pytest.raises(AssertionError, match="illegal transition absent -> host"):
+        mm.set_status(s, HOST)
 
 
 def test_pilot_worker_in_the_live_runtime():

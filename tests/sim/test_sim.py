@@ -14,8 +14,8 @@ from builder import TB, UNIT  # noqa: E402
 
 from dynn_runtime.errors import BudgetError, ConfigError, PolicyError, TraceError  # noqa: E402
 from dynn_runtime.policies import POLICIES  # noqa: E402
+from dynn_runtime.residency import TRANSITIONS, Status  # noqa: E402
 from dynn_runtime.sim import Simulator, simulate, unmanaged_peak  # noqa: E402
-from dynn_runtime.sim.engine import _TRANSITIONS, Status  # noqa: E402
 
 ALL = sorted(POLICIES)
 
@@ -324,9 +324,9 @@ def test_state_machine_rejects_illegal_transitions():
     sim.run()
     sid = next(iter(sim.st))
     sim.st[sid].status = Status.HOST
-    assert Status.DROPPED not in _TRANSITIONS[Status.HOST]
+    assert Status.DROPPED not in TRANSITIONS[Status.HOST]
     with pytest.raises(AssertionError, match="illegal transition host -> dropped.*bug"):
-        sim._set(sid, Status.DROPPED)
+        sim.set_status(sim.st[sid], Status.DROPPED)
 
 
 # ---- bad input -------------------------------------------------------------------------------------

@@ -1,0 +1,226 @@
+"""The residency state machine the simulator and the live runtime share.
+
+Every managed storage is in one :class:`Status`. The simulator (:mod:`dynn_runtime.sim.engine`) and
+the live manager (:mod:`dynn_runtime.runtime.manager`) both keep their storages in a
+:class:`Residency`; they differ only in their clock (simulated seconds, or the host's) and their
+copy backend (simulated copy engines, or real streams and events), which each supplies through the
+hooks below.
+
+Invariants :class:`Residency` keeps:
+
+1. A status changes only through :meth:`Residency.set_status`, which rejects a transition not in
+   :data:`TRANSITIONS` (a bug, reported as one) and keeps the count of device bytes: a storage holds
+   its bytes while it is in :data:`HOLDS_DEVICE` (``resident``; ``offloading``, whose device copy
+   lives until its copy ends; ``fetching``, whose space is taken when its copy starts).
+2. The storages with a copy in flight are exactly those in ``offloading`` (``Residency.offloading``;
+   their bytes are ``pending``: they leave the device when the copy lands) and ``fetching``
+   (``Residency.fetching``), so reaping and waiting look only there.
+3. :meth:`Residency.make_room` frees room for ``need`` more bytes by evicting the policy's victims,
+   best first, counting an offload in flight as gone; when that is not enough it lets a copy in
+   flight land (a prefetch holds space and becomes evictable), and only when nothing moved and
+   nothing is in flight does it report out of memory. Before it returns, the bytes held (offloads in
+   flight included) plus ``need`` are within the budget.
+4. The read side of the policy interface (:class:`~dynn_runtime.policies.base.MemoryView`) reads
+   the same records in both.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from typing import Any
+
+from .errors import internal_assert
+
+__all__ = ["Status", "TRANSITIONS", "HOLDS_DEVICE", "IN_FLIGHT", "Record", "Residency"]
+
+
+class Status(str, enum.Enum):
+    """Where a storage's bytes are. A ``str`` enum: policies compare ``view.status(sid)`` with plain
+    strings (``"resident"``)."""
+
+    ABSENT = "absent"          # not allocated yet, or freed by the program
+    RESIDENT = "resident"
+    OFFLOADING = "offloading"  # device-to-host copy in flight; the device copy is still valid
+    HOST = "host"              # only on the host
+    FETCHING = "fetching"      # host-to-device copy in flight; device space taken
+    DROPPED = "dropped"        # freed for recompute
+
+    def __str__(self) -> str:
+        return self.value
+
+
+S = Status
+TRANSITIONS: dict[Status, frozenset[Status]] = {
+    S.ABSENT: frozenset({S.RESIDENT}),
+    S.RESIDENT: frozenset({S.OFFLOADING, S.HOST, S.DROPPED, S.ABSENT}),
+    S.OFFLOADING: frozenset({S.HOST, S.RESIDENT, S.ABSENT}),
+    S.HOST: frozenset({S.FETCHING, S.RESIDENT, S.ABSENT}),
+    S.FETCHING: frozenset({S.RESIDENT, S.ABSENT}),
+    S.DROPPED: frozenset({S.RESIDENT, S.ABSENT}),
+}
+HOLDS_DEVICE = frozenset({S.RESIDENT, S.OFFLOADING, S.FETCHING})
+IN_FLIGHT = frozenset({S.OFFLOADING, S.FETCHING})
+AWAY = frozenset({S.HOST, S.DROPPED})
+
+
+class Record:
+    """What both keep about one storage; each adds its own fields in a subclass."""
+
+    __slots__ = ("sid", "nbytes", "kind", "saved", "status", "host_valid", "last_access", "last_access_t", "count")
+
+    def __init__(self, sid: int, nbytes: int, kind: str, saved: bool = False) -> None:
+        self.sid = sid
+        self.nbytes = nbytes
+        self.kind = kind
+        self.saved = saved
+        self.status = S.ABSENT  # changed only by Residency.set_status (invariant 1)
+        self.host_valid = False  # the host holds a copy of the current bytes (not written since)
+        self.last_access = -1
+        self.last_access_t = 0.0
+        self.count = 0
+
+
+class Residency:
+    """Storages, their statuses, and the device bytes they hold under ``budget``.
+
+    A subclass sets ``st``, ``budget`` (None: unlimited) and ``policy``, calls
+    :meth:`_init_residency`, and supplies the hooks: :meth:`_evict_for_room`,
+    :meth:`_land_fetch`, :meth:`_land_offload`, :meth:`_out_of_memory`, and where it needs them
+    :meth:`_account`, :meth:`_status_changed` and :meth:`_room_before`.
+    """
+
+    st: dict[int, Any]
+    budget: int | None
+    policy: Any
+
+    def _init_residency(self) -> None:
+        self.used = 0
+        #: device bytes of offloads in flight: they leave the device when their copies land
+        self.pending = 0
+        self.peak = 0
+        self.offloading: dict[int, Any] = {}
+        self.fetching: dict[int, Any] = {}
+
+    # ---- the state machine ---------------------------------------------------------------------
+    def set_status(self, s: Record, new: Status) -> None:
+        """Move ``s`` to ``new`` (invariant 1) and keep the device-byte count and the in-flight sets."""
+        old = s.status
+        internal_assert(new in TRANSITIONS[old],
+                        f"residency: illegal transition {old.value} -> {new.value} for storage {s.sid}")
+        held_before = old in HOLDS_DEVICE
+        held_after = new in HOLDS_DEVICE
+        if held_after != held_before:
+            self._account(s.nbytes if held_after else -s.nbytes)
+        if old is S.OFFLOADING:
+            self.pending -= s.nbytes
+            del self.offloading[s.sid]
+        elif old is S.FETCHING:
+            del self.fetching[s.sid]
+        if new is S.OFFLOADING:
+            self.pending += s.nbytes
+            self.offloading[s.sid] = s
+        elif new is S.FETCHING:
+            self.fetching[s.sid] = s
+        s.status = new
+        self._status_changed(s, old, new)
+
+    def _account(self, delta: int) -> None:
+        """Device bytes held changed by ``delta`` (a storage entered or left :data:`HOLDS_DEVICE`)."""
+        self.used += delta
+        if self.used > self.peak:
+            self.peak = self.used
+
+    def _status_changed(self, s: Record, old: Status, new: Status) -> None:
+        """Called after every transition."""
+
+    # ---- making room (invariant 3) -----------------------------------------------------------
+    def fits(self, need: int) -> bool:
+        return self.budget is None or self.used + need <= self.budget
+
+    def make_room(self, need: int, exclude: set[int], where: str = "") -> None:
+        """Evict until ``need`` more bytes fit in the budget; ``exclude`` may not move."""
+        budget = self.budget
+        if budget is None or self.used + need <= budget:
+            return
+        if self._room_before(need):
+            return
+        while True:
+            short = self.used - self.pending + need - budget
+            if short <= 0:
+                break
+            moved = False
+            for sid in self._victims(short, exclude):
+                if sid in exclude:
+                    continue
+                s = self.st.get(sid)
+                if s is None or not self._evict_for_room(s):
+                    continue
+                moved = True
+                if self.used - self.pending + need <= budget:
+                    break
+            if self.used - self.pending + need <= budget:
+                break
+            if self.fetching and self._land_fetch():
+                continue
+            if not moved:
+                self._out_of_memory(need, exclude, where)
+        while self.used + need > budget and self.offloading:
+            self._land_offload()
+
+    def _victims(self, short: int, exclude: set[int]) -> Iterator[int]:
+        """The policy's victims for ``short`` bytes (one decision point)."""
+        return self.policy.victims(short, exclude)
+
+    def _room_before(self, need: int) -> bool:
+        """Before the first victim: settle what has happened since (copies that landed). True if
+        ``need`` fits now."""
+        return False
+
+    def _evict_for_room(self, s: Any) -> bool:
+        """Evict ``s`` to make room; False if it cannot leave."""
+        raise NotImplementedError
+
+    def _land_fetch(self) -> bool:
+        """Let in-flight prefetches land (they hold space, and become evictable); False if none could."""
+        raise NotImplementedError
+
+    def _land_offload(self) -> None:
+        """Wait for the earliest offload in flight to land (its device bytes are released)."""
+        raise NotImplementedError
+
+    def _out_of_memory(self, need: int, exclude: set[int], where: str) -> None:
+        """Nothing moved and nothing is in flight: raise."""
+        raise NotImplementedError
+
+    # ---- MemoryView: what policies read (invariant 4) ------------------------------------------
+    def nbytes(self, sid: int) -> int:
+        return self.st[sid].nbytes
+
+    def kind(self, sid: int) -> str:
+        return self.st[sid].kind
+
+    def saved(self, sid: int) -> bool:
+        return self.st[sid].saved
+
+    def status(self, sid: int) -> str:
+        s = self.st.get(sid)
+        return S.ABSENT.value if s is None else s.status.value
+
+    def resident(self) -> Iterator[int]:
+        return (sid for sid, s in list(self.st.items()) if s.status is S.RESIDENT)
+
+    def offloaded(self) -> Iterator[int]:
+        return (sid for sid, s in list(self.st.items()) if s.status in AWAY)
+
+    def last_access(self, sid: int) -> int:
+        return self.st[sid].last_access
+
+    def last_access_time(self, sid: int) -> float:
+        return self.st[sid].last_access_t
+
+    def access_count(self, sid: int) -> int:
+        return self.st[sid].count
+
+    def free_bytes(self) -> int:
+        return (self.budget if self.budget is not None else 1 << 62) - self.used
