@@ -152,7 +152,7 @@ class RealBenchReport:
 def checkpoint_blocks(model: Any) -> list[str]:
     """Wrap every block of ``model``'s outermost ``nn.ModuleList`` objects in non-reentrant
     ``torch.utils.checkpoint``; returns the lists' names (empty: the model has no repeated block)."""
-    from ..runtime.manager import checkpoint_modules, repeated_blocks
+    from ..runtime.blocks import checkpoint_modules, repeated_blocks
 
     lists, blocks = repeated_blocks(model)
     checkpoint_modules(blocks)

@@ -23,11 +23,15 @@ say which is in use and why.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["EVENT_SOURCES", "native_module", "native_reason", "resolve"]
+import torch
+
+__all__ = ["EVENT_SOURCES", "QUIET", "native_module", "native_reason", "no_mode", "resolve"]
 
 EVENT_SOURCES = ("auto", "native", "python")
 
@@ -80,3 +84,25 @@ def resolve(requested: str) -> tuple[str, str]:
         warnings.warn(f"dynn-runtime: {_reason}; using the Python event path (a fixed Python cost per operator).",
                       RuntimeWarning, stacklevel=3)
     return "python", _reason
+
+
+#: the started native observer (one per process), suspended by :func:`no_mode`
+QUIET: list[Any] = []
+
+
+@contextlib.contextmanager
+def no_mode() -> Iterator[None]:
+    """Run the manager's own tensor work without re-entering its dispatch mode or being observed."""
+    obs = QUIET[-1] if QUIET else None
+    if obs is not None:
+        obs.suspend()
+    try:
+        if torch._C._len_torch_dispatch_stack():
+            with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
+                yield
+        else:
+            with torch.no_grad():
+                yield
+    finally:
+        if obs is not None:
+            obs.resume()

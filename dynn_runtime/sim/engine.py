@@ -529,7 +529,7 @@ class Simulator(Residency):
             except _OOM as exc:
                 feasible = False
                 j = self.position
-                op = self.ops[j] if j < len(self.ops) else None
+                op = self.ops[j] if 0 <= j < len(self.ops) else None
                 where = f"{op.name} in {op.module or '<top>'} ({op.phase})" if op else "the iteration start"
                 if len(exc.args) > 1:
                     reason = f"infeasible at op {j} ({where}): {exc.args[1]}"
@@ -565,7 +565,7 @@ class Simulator(Residency):
 
     def _run_ops(self) -> None:
         pol = self.policy
-        self.position = 0
+        self.position = -1  # before the first operator: an access at position 0 is still ahead (next_use)
         for sid in self.initial:
             self.make_room(self.st[sid].nbytes, set())
             self._set(sid, S.RESIDENT)

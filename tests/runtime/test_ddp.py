@@ -67,3 +67,63 @@ def test_ddp_gloo_same_result_as_without_manager(tmp_path, world):
         assert results[(True, r)]["peak"] <= (96 << 10) + results[(True, r)]["slack"]  # native: soft budget
     # and the ranks agree with each other (the gradients were all-reduced)
     assert all(torch.equal(a, b) for a, b in zip(results[(True, 0)]["params"], results[(True, 1)]["params"]))
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class _Gate:
+    """A collective's ``Work`` that completes only when the test says so (gloo on one rank is done at once)."""
+
+    def __init__(self, work):
+        self.work, self.open = work, False
+
+    def is_completed(self):
+        return self.open and self.work.is_completed()
+
+    def wait(self):
+        self.open = True
+        return self.work.wait()
+
+
+def test_a_collective_keeps_its_tensors_on_the_device_until_its_work_completes(one_rank, monkeypatch):
+    """An all-reduce runs on after its operator returns (NCCL's stream, gloo's threads) and reads its
+    tensors: the manager may not move them until the work completes (on the Python source, whose
+    dispatch sees the ``Work``), or until the step ends (the native source, which does not)."""
+    import dynn_runtime as dr
+    from dynn_runtime.runtime import python_source
+
+    gates = []
+    real = python_source._works
+    monkeypatch.setattr(python_source, "_works", lambda out: gates.extend(_Gate(w) for w in real(out)) or gates[-1:])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mm = dr.MemoryManager(1 << 30, policy="lru", device="cpu").attach(model, opt)
+    x = torch.randn(8, 64)
+    try:
+        with mm.step():
+            model(x).pow(2).mean().backward()
+            grad = model[0].weight.grad
+            before, n = grad.clone(), grad.untyped_storage().nbytes()
+            work = dist.all_reduce(grad, async_op=True)
+            assert len(gates) == (mm.event_source == "python")
+            assert mm.offload(grad) == 0  # in flight: it stays
+            assert mm.status(mm._sid(grad)) == "resident"
+            work.wait()
+            for g in gates:
+                g.open = True
+            # the Python source saw the Work complete: free to move; the native source holds it to the end
+            assert mm.offload(grad) == (n if mm.event_source == "python" else 0)
+            opt.step()
+        assert torch.equal(model[0].weight.grad, before)  # one rank: the sum is itself, bit for bit
+        with mm.step():  # the step ended: nothing is held any more
+            assert not mm._held and not mm._collectives
+            assert mm.offload(model[0].weight.grad) > 0
+            opt.step()
+    finally:
+        mm.detach()

@@ -11,7 +11,7 @@ from torch import nn
 
 import dynn_runtime as dr
 from dynn_runtime.errors import BudgetError, ConfigError
-from dynn_runtime.runtime import manager as manager_mod
+from dynn_runtime.runtime import native_source
 from dynn_runtime.runtime.events import native_module, resolve
 
 C = native_module()
@@ -41,7 +41,7 @@ def _ops(log: bytes) -> list[tuple[int, list[int]]]:
 
 
 def test_log_tags_match_the_extension():
-    assert (C.LOG_OP, C.LOG_ALLOC, C.LOG_FREE) == manager_mod._C_TAGS
+    assert (C.LOG_OP, C.LOG_ALLOC, C.LOG_FREE) == native_source._C_TAGS
 
 
 def test_the_observer_logs_each_kernel_once_and_skips_what_decomposes():

@@ -342,7 +342,11 @@ def test_in_flight_copies_are_registered_by_status():
     # reaping and waiting on CUDA look only at the in-flight sets; a storage whose copy is in flight but
     # missing from them would never become usable, one left in them would be waited on forever. The
     # live manager keeps them through the residency state machine the simulator uses too.
-    from dynn_runtime.runtime.manager import _S, ABSENT, FETCHING, HOST, OFFLOADING, RESIDENT
+    from dynn_runtime.residency import Status
+    from dynn_runtime.runtime.storages import _S
+
+    ABSENT, FETCHING, HOST, OFFLOADING, RESIDENT = (
+        Status.ABSENT, Status.FETCHING, Status.HOST, Status.OFFLOADING, Status.RESIDENT)
 
     mm = dr.MemoryManager(1 << 20, device="cpu")
     s = _S(7, 0, None, 16, "activation", movable=True, step=0)

@@ -1,0 +1,260 @@
+"""Moving storages on and off the device: the live side of :class:`~dynn_runtime.residency.Residency`.
+
+Evictions, demand fetches and prefetches go through the copy engine (:mod:`.copies`) under the
+invariants of :mod:`.manager`'s docstring; every status change goes through
+:meth:`~dynn_runtime.residency.Residency.set_status`, and room is made by the shared
+:meth:`~dynn_runtime.residency.Residency.make_room` with the hooks below. An eviction releases its
+device bytes at once, stream-ordered, so no offload is ever pending here: storages go
+``resident -> host`` and come back ``host -> fetching -> resident`` (asynchronous copies) or
+``host -> resident`` (synchronous ones).
+
+State: ``_copies``, ``async_copies``, ``pool``, ``_cur`` (the step's statistics), ``_pending_stalls``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ..errors import BudgetError, internal_assert
+from ..memory import format_bytes
+from ..residency import IN_FLIGHT, Record, Residency, Status
+from .storages import _S, _u8
+
+RESIDENT, HOST, FETCHING, ABSENT = Status.RESIDENT, Status.HOST, Status.FETCHING, Status.ABSENT
+
+
+class Moves(Residency):
+    """Evict, fetch and prefetch on real copies; the make-room hooks."""
+
+    def _evict(self, s: _S) -> bool:
+        """Move a resident storage off the device. False if it cannot leave."""
+        if s.status != RESIDENT or not s.movable or s.sid in self._pinned or s.sid in self._held:
+            return False
+        st = s.ref()
+        if st is None:
+            return False
+        obs = self._obs
+        if obs is not None:
+            if not st.resizable():
+                s.movable = False
+                return False
+            if s.host_valid and not obs.host_valid(s.sid):  # written since its host copy was made
+                self._drop_host(s)
+        mode = self.policy.evict_mode(s.sid)
+        if mode == "drop":
+            return False  # recompute at runtime: not supported; the policy must offload
+        # "discard" (the oracle's never-used-again) is never honoured live: the trace could be wrong,
+        # and a wrong discard loses data. Offload instead.
+        t0 = time.perf_counter()
+        if s.host_valid and s.host is not None:
+            self._release_device(s, st)
+            self.set_status(s, HOST)
+        else:
+            if s.host is None or s.host.nbytes != s.nbytes:
+                self._drop_host(s)
+                s.host = self.pool.alloc(s.nbytes)
+            src = _u8(st, self.device)
+            s.event = self._copies.to_host(src, s.host.tensor)
+            del src
+            s.host_valid = True
+            if obs is not None:
+                obs.set_host_valid(s.sid, True)
+            # Released now, stream-ordered (copies.py): the block is not reused before the copy
+            # has read it, so the host never waits for an eviction.
+            self._release_device(s, st)
+            self.set_status(s, HOST)
+            self._cur.bytes_offloaded += s.nbytes
+        self._cur.evictions += 1
+        dt = time.perf_counter() - t0
+        self._cur.copy_seconds += dt
+        if not self.async_copies:
+            self._cur.stall_seconds += dt
+        return True
+
+    def _release_device(self, s: _S, st: torch.UntypedStorage) -> None:
+        self._copies.release(st)
+        if self._obs is not None:
+            self._obs.set_away(s.sid, True)
+
+    # ---- collectives: what a c10d operator reads or writes stays until its work completes -------
+    def _hold_for_collective(self, sids: set[int], works: list[Any] | None) -> None:
+        """A ``c10d::`` operator (DDP's bucket all-reduce) was issued on ``sids``: its work runs on in
+        the background (NCCL's stream, gloo's threads) and reads them, so they may not move until it
+        completes. ``works``: its ``Work`` objects (the Python source), or None where they are not
+        visible (the native source): then the storages are held until the step ends."""
+        held = self._held
+        sids = tuple(x for x in sids if x in self.st)
+        for sid in sids:
+            held[sid] = held.get(sid, 0) + 1
+        self._collectives.append((tuple(works) if works else None, sids))
+
+    def _release_collectives(self, wait: bool) -> None:
+        """Release the storages of collectives whose work completed; ``wait``: of all of them (the
+        step ends: a collective still running is waited for first)."""
+        keep = []
+        for works, sids in self._collectives:
+            if works is not None and not all(w.is_completed() for w in works):
+                if not wait:
+                    keep.append((works, sids))
+                    continue
+                for w in works:
+                    w.wait()
+            elif works is None and not wait:
+                keep.append((works, sids))
+                continue
+            for sid in sids:
+                n = self._held.get(sid, 0) - 1
+                if n > 0:
+                    self._held[sid] = n
+                else:
+                    self._held.pop(sid, None)
+        self._collectives = keep
+
+    def _reap(self) -> None:
+        """Offloads whose copies have landed release their device bytes; prefetches that landed
+        stay FETCHING until first use (the compute stream still has to wait on their event)."""
+        if not self.async_copies:
+            return
+        for s in list(self.fetching.values()):
+            if s.fetch_event is not None and s.fetch_event.query():
+                st = s.ref()
+                if st is not None:
+                    self._finish_fetch(s, st)
+
+    def _fetch_now(self, s: _S, budgeted: bool = True, exclude: set[int] | None = None, where: str = "") -> None:
+        """Make ``s`` resident now (a demand fetch: the compute stream waits for it)."""
+        st = s.ref()
+        internal_assert(st is not None, f"runtime: storage {s.sid} is needed but was freed")
+        if s.status == RESIDENT:
+            return
+        if s.status == FETCHING:
+            self._finish_fetch(s, st)
+            return
+        internal_assert(s.status == HOST and s.host is not None and s.host_valid,
+                         f"runtime: storage {s.sid} is {s.status} without a valid host copy")
+        if budgeted:
+            self.make_room(s.nbytes, (exclude or set()) | {s.sid},
+                            f"{where or 'an access'} (fetching a {format_bytes(s.nbytes)} {s.kind} back)")
+        t0 = time.perf_counter()
+        self._start_fetch(s, st)
+        self._finish_fetch(s, st)
+        self._cur.prefetch_misses += 1
+        self._cur.bytes_fetched_on_demand += s.nbytes
+        dt = time.perf_counter() - t0
+        self._cur.copy_seconds += dt
+        if not self.async_copies:
+            self._cur.stall_seconds += dt
+
+    def _start_fetch(self, s: _S, st: torch.UntypedStorage) -> None:
+        self._copies.allocate(st, s.nbytes)
+        if self._obs is not None:
+            self._obs.set_away(s.sid, False)
+        dst = _u8(st, self.device)
+        ev = self._copies.to_device(s.host.tensor, dst, s.event)
+        del dst
+        if self.async_copies:
+            s.fetch_event = ev
+            s.event = ev
+            self.set_status(s, FETCHING)
+        else:
+            s.fetch_event = None
+            self.set_status(s, RESIDENT)
+        self._note_peak()
+
+    def _finish_fetch(self, s: _S, st: torch.UntypedStorage) -> None:
+        """A fetched storage becomes usable: the compute stream waits on its copy (invariant 3)."""
+        if s.fetch_event is not None:
+            if not s.fetch_event.query():  # a demand fetch or a late prefetch: time the wait on the GPU
+                pair = self._copies.timed_wait(s.fetch_event)
+                if pair is not None:
+                    self._pending_stalls.append(pair)
+            else:
+                self._copies.compute_waits(s.fetch_event)
+            s.fetch_event = None
+        if s.status is FETCHING:  # synchronous copies land resident (_start_fetch)
+            self.set_status(s, RESIDENT)
+
+    def _prefetch(self, s: _S) -> None:
+        st = s.ref()
+        if st is None or s.status != HOST or not s.host_valid:
+            return
+        if self.used + s.nbytes > self.budget:
+            return
+        t0 = time.perf_counter()
+        self._start_fetch(s, st)
+        s.pf = True
+        self._cur.bytes_prefetched += s.nbytes
+        dt = time.perf_counter() - t0
+        self._cur.copy_seconds += dt
+        if not self.async_copies:
+            self._cur.stall_seconds += dt
+
+    def _room_before(self, need: int) -> bool:
+        if self._collectives:
+            self._release_collectives(wait=False)
+        if self._obs is not None and self._obs.sweep():  # storages that died since the last look
+            self._native_parse(in_step=self._in_step)
+            if self.fits(need):
+                return True
+        self._reap()
+        return False
+
+    def _evict_for_room(self, s: _S) -> bool:
+        return self._evict(s)
+
+    def _land_fetch(self) -> bool:
+        """Make in-flight prefetches usable (the compute stream waits on them; they become
+        evictable); False if none was in flight."""
+        fetch = list(self.fetching.values())
+        for s in fetch:
+            st = s.ref()
+            if st is not None:
+                self._finish_fetch(s, st)
+        self._reap()
+        return bool(fetch)
+
+    def _land_offload(self) -> None:
+        internal_assert(False, "runtime: an eviction releases its device bytes at once (stream-ordered), so no "
+                               "offload is ever pending")
+
+    def _out_of_memory(self, need: int, exclude: set[int], where: str) -> None:
+        held = sum(self.st[x].nbytes for x in exclude if x in self.st)
+        raise BudgetError(
+            f"runtime: out of memory under policy {self.policy.name!r} at {where}: {format_bytes(need)} more needed, "
+            f"{format_bytes(self.used)} of {format_bytes(self.budget)} in use ({format_bytes(held)} of it needed by "
+            "this operator) and nothing the policy may move. Raise the budget, or use a policy that moves more "
+            "(lru, pilot).")
+
+    def _account(self, delta: int) -> None:
+        if self._obs is None:  # the native observer counts device bytes itself (events.cpp, invariant 2)
+            self._used += delta
+
+    def _status_changed(self, s: Record, old: Status, new: Status) -> None:
+        obs = s.obs
+        if obs is not None and new is not ABSENT and (old in IN_FLIGHT or new in IN_FLIGHT):
+            obs.set_watch(s.sid, new in IN_FLIGHT)
+
+    def _sync(self) -> None:
+        self._copies.sync()
+        if self.async_copies:
+            self._reap()
+        self.pool.poll()
+
+    def _apply(self, actions: list[Any], busy: set[int]) -> None:
+        for a in actions:
+            s = self.st.get(a.sid)
+            if s is None:
+                continue
+            if a.kind == "evict":
+                if a.sid not in busy:
+                    self._evict(s)
+            elif a.kind == "prefetch" and s.status == HOST:
+                self._prefetch(s)
+
+    def _resolve_stalls(self) -> None:
+        for before, after in self._pending_stalls:
+            self._cur.stall_seconds += before.elapsed_time(after) * 1e-3
+        self._pending_stalls = []

@@ -1,0 +1,249 @@
+"""The native event source's Python side: what runs at its decision points.
+
+``dynn_runtime._C``'s observer (``events.cpp``) calls :meth:`NativeSource._native_fault` when an
+operator is about to read a storage that is away or in flight, and :meth:`NativeSource._native_decide`
+when the budget is exceeded after an operator or on the policy's periodic turn. Both keep an error
+instead of raising it through the C++ frames; it surfaces at the next forward or at the end of the
+step. The operator log is read in batches (:meth:`NativeSource._native_parse`) and told to the policy
+as the Python source tells it, operator by operator.
+
+State: ``_obs``, ``_names``, ``_idiom_by_name``, ``_pending_error``, ``_last_busy``, ``_last_name``,
+``_engaged``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import BudgetError, internal_assert
+from ..memory import format_bytes
+from ..policies.base import Policy
+from ..residency import Status
+from ..trace.format import Op
+
+RESIDENT, ABSENT = Status.RESIDENT, Status.ABSENT
+
+_PHASES = ("forward", "backward", "optimizer", "forward")
+_C_TAGS = (1, 2, 3)  # dynn_runtime._C's LOG_OP, LOG_ALLOC, LOG_FREE (checked by a test)
+
+
+class NativeSource:
+    """Faults, decisions and the log of the native event source."""
+
+    def _native_fault(self, sids: list[int], ins: list[int], name: str) -> None:
+        try:
+            self._fault(sids, ins, name)
+        except BaseException as exc:  # noqa: BLE001  (kept and raised at the next check: _raise_pending)
+            self._keep_error(exc)
+
+    def _native_decide(self, position: int) -> None:
+        try:
+            self._decide(position)
+        except BaseException as exc:  # noqa: BLE001
+            self._keep_error(exc)
+
+    def _keep_error(self, exc: BaseException) -> None:
+        """A handler's error, without its traceback: the frames of the operator's caller would keep
+        the program's tensors alive until it is raised."""
+        exc.__traceback__ = None
+        exc.__context__ = None
+        if self._pending_error is None:
+            self._pending_error = exc
+
+    def _raise_pending(self) -> None:
+        exc, self._pending_error = self._pending_error, None
+        if exc is not None:
+            raise exc
+
+    def _fault(self, sids: list[int], ins: list[int], name: str) -> None:
+        """An operator is about to read storages that are away or in flight: bring them back (the
+        kernel runs when this returns). ``ins`` are all its inputs: none of them may leave now."""
+        in_step = self._in_step
+        if in_step and not self._measure_step:
+            self._native_parse(in_step=True)  # the policy's view must be current before it picks victims
+        where = (f"operator {name} (position {self._obs.position}, {self.phase})" if in_step
+                 else f"operator {name} (between steps)")
+        need = set(ins)
+        error = None
+        if in_step and not self._measure_step:
+            reads = sum(self.st[x].nbytes for x in need if x in self.st)
+            if reads > self.budget:
+                error = BudgetError(
+                    f"runtime: the budget {format_bytes(self.budget)} is smaller than what one operator needs: {where} "
+                    f"reads {format_bytes(reads)}. Raise the budget to at least {format_bytes(reads)}.")
+        for sid in sids:
+            s = self.st.get(sid)
+            internal_assert(s is not None, f"runtime: storage {sid} is away but unknown to the manager")
+            if s.status == RESIDENT:
+                continue
+            try:
+                self._fetch_now(s, exclude=need, where=where)
+            except BudgetError:
+                # The kernel must find its data. The operator itself fits (else ``error`` is set): what
+                # fills the rest is resident and may not move (held by the program, in flight), so the
+                # step goes on over the budget, as after any operator on this source, and says so.
+                self._fetch_now(s, budgeted=False)
+                if in_step and not self._measure_step:
+                    self._cur.budget_overshoot_bytes = max(self._cur.budget_overshoot_bytes, self.used - self.budget)
+        if error is not None:
+            raise error
+
+    def _decide(self, position: int) -> None:
+        """After operator ``position``: the budget is exceeded, or the policy's periodic turn."""
+        self._native_parse(in_step=self._in_step)
+        if not self._in_step or self._measure_step:
+            return
+        reserve = self._obs.max_made  # room for the next operator (events.cpp, invariant 6)
+        if self.used + reserve > self.budget:
+            where = f"after operator {self._last_name} (position {position}, {self.phase})"
+            busy = sum(self.st[x].nbytes for x in self._last_busy if x in self.st)
+            if busy > self.budget:
+                raise BudgetError(
+                    f"runtime: the budget {format_bytes(self.budget)} is smaller than what one operator needs: "
+                    f"operator {self._last_name} (position {position}, {self.phase}) touches {format_bytes(busy)}. "
+                    f"Raise the budget to at least {format_bytes(busy)}.")
+            try:
+                self.make_room(reserve, self._last_busy, where)
+            except BudgetError:
+                if type(self.policy).victims is Policy.victims and self.used > self.budget + reserve:
+                    raise  # a policy that never moves anything, and over by more than one operator's allocation
+                # the operator ran over (counted as an overshoot); the next decision point tries again
+
+    def _native_parse(self, in_step: bool, light: bool = False) -> None:
+        """Read the operator log since the last call: storages born and freed, and (in a step) each
+        operator, told to the policy as the Python path tells it. ``light``: only the storages that
+        outlive the batch (a step that never needed a decision: the policy has nothing to learn
+        from what fit)."""
+        obs = self._obs
+        if obs is None:
+            return
+        if in_step and not light and not self._measure_step:
+            self._engaged = True
+        words, names = obs.take_log(light)
+        if names:
+            self._names.extend(names)
+        if light:  # the compacted log drops a birth and death seen together, even of storages known here
+            for sid in [x for x in self.st if not obs.alive(x)]:
+                self._forget_native(sid, in_step)
+        if not words:
+            return
+        log = memoryview(words).cast("q")
+        st = self.st
+        pol = self.policy
+        tell = in_step and not self._measure_step
+        measuring = in_step and self._measure_step
+        OP, ALLOC, FREE = _C_TAGS
+        i, n = 0, len(log)
+        while i < n:
+            tag = log[i]
+            if tag == OP:
+                j = self.position
+                ni, no, nw, na = log[i + 5], log[i + 6], log[i + 7], log[i + 8]
+                k = i + 9
+                ins = log[k:k + ni].tolist()
+                outs = log[k + ni:k + ni + no].tolist()
+                writes = log[k + ni + no:k + ni + no + nw].tolist()
+                allocs = log[k + ni + no + nw:k + ni + no + nw + na].tolist()
+                name = self._names[log[i + 1]]
+                phase, module, node, used = _PHASES[log[i + 2] & 3], log[i + 2] >> 2, log[i + 3], log[i + 4]
+                i = k + ni + no + nw + na
+                self.phase = phase
+                for sid in writes:
+                    x = st.get(sid)
+                    if x is not None and x.host is not None and not obs.host_valid(sid):
+                        self._drop_host(x)
+                if in_step:
+                    self._native_op(j, name, phase, module, node, ins, outs, writes, allocs, tell, measuring)
+                    self._timeline.append((self._step_index, j, used, phase))
+                    self.position = j + 1
+            elif tag == ALLOC:
+                sid, nb, fresh = log[i + 1], log[i + 2], log[i + 3]
+                i += 4
+                x = st.get(sid)
+                if x is None:
+                    x = self._new_native(sid, "temp" if fresh else "input", nb, in_step, self.position)
+                if in_step and not fresh:
+                    pos = self.position
+                    self._pre.setdefault(pos, []).append(sid)
+                    if tell:
+                        pol.on_alloc(sid, -1 if pos == 0 else pos)
+            elif tag == FREE:
+                i += 2
+                self._forget_native(log[i - 1], in_step)
+            else:
+                internal_assert(False, f"runtime: corrupt native event log (tag {tag} at word {i})")
+
+    def _forget_native(self, sid: int, in_step: bool) -> None:
+        self._saved_pending.discard(sid)
+        x = self.st.pop(sid, None)
+        if x is None:
+            return
+        if x.status is not ABSENT:
+            self.set_status(x, ABSENT)
+        self._drop_host(x)
+        if in_step:
+            self._frees.setdefault(self.position, []).append(sid)
+        self._pinned.discard(sid)
+        self.policy.on_free(sid)
+
+    def _native_op(self, j: int, name: str, phase: str, module: int, node: int, ins: list[int], outs: list[int],
+                   writes: list[int], allocs: list[int], tell: bool, measuring: bool) -> None:
+        st = self.st
+        if measuring:
+            touched = sum(st[x].nbytes for x in ins if x in st) + sum(st[x].nbytes for x in allocs if x in st)
+            if touched > self._largest_op[0]:
+                self._largest_op = (touched, f"operator {name} (position {j}, {phase})")
+        mods = self._modules
+        if mods is not None and phase == "backward":
+            module = mods.node_modules.get(node, 0)
+        op = Op(name=name, idiom=self._idiom_of(name), phase=phase,
+                module=mods.paths[module] if mods is not None and module < len(mods.paths) else "",
+                inputs=tuple(ins), outputs=tuple(outs), writes=tuple(writes), allocs=tuple(allocs), duration_s=0.0,
+                flops=0, nbytes=0, node=node)
+        self._ops.append(op)
+        self._last_busy = set(ins).union(outs)
+        self._last_name = name
+        if name.startswith("c10d::"):  # the observer does not see the Work: held until the step ends
+            self._hold_for_collective(self._last_busy, None)
+        if not tell:
+            return
+        t0 = time.perf_counter()
+        pol = self.policy
+        now = t0 - self._t0
+        for sid in allocs:
+            pol.on_alloc(sid, j)
+        cur = self._cur
+        for sid in self._last_busy:
+            s = st.get(sid)
+            if s is None:
+                continue
+            s.last_access = j
+            s.last_access_t = now
+            s.count += 1
+            if s.pf:
+                s.pf = False
+                cur.prefetch_hits += 1
+            pol.on_access(sid, j)
+        if self._trace is not None:
+            self._map_oracle_op(j, ins, allocs, name)
+        self.position = j
+        pol.on_op(j, op)
+        self._apply(pol.after_op(j), self._last_busy)
+        cur.policy_seconds += time.perf_counter() - t0
+
+    def _idiom_of(self, name: str) -> tuple[int, ...]:
+        iv = self._idiom_by_name.get(name)
+        if iv is None:
+            iv = ()
+            try:
+                ns, _, rest = name.partition("::")
+                base, _, overload = rest.partition(".")
+                packet = getattr(getattr(torch.ops, ns), base)
+                func = getattr(packet, overload or "default")
+                iv = self._idiom(func, name)
+            except (AttributeError, RuntimeError):
+                pass  # an operator torch.ops cannot name: no idiom vector
+            self._idiom_by_name[name] = iv
+        return iv
