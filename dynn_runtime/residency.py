@@ -96,6 +96,9 @@ class Residency:
 
     def _init_residency(self) -> None:
         self.used = 0
+        #: bytes of the storages away from the device (host, dropped): used + away is what the
+        #: program would hold on the device without a manager
+        self.away = 0
         #: device bytes of offloads in flight: they leave the device when their copies land
         self.pending = 0
         self.peak = 0
@@ -112,6 +115,10 @@ class Residency:
         held_after = new in HOLDS_DEVICE
         if held_after != held_before:
             self._account(s.nbytes if held_after else -s.nbytes)
+        if old in AWAY:
+            self.away -= s.nbytes
+        if new in AWAY:
+            self.away += s.nbytes
         if old is S.OFFLOADING:
             self.pending -= s.nbytes
             del self.offloading[s.sid]

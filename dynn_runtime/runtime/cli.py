@@ -41,7 +41,7 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
 def _step_line(step: int, loss: float, st: dict[str, Any], budget_text: str) -> str:
     if not st.get("managed", True):
         return (f"step {step:4d}  loss {loss:.6f}  peak {format_bytes(st['peak_device_bytes'])}  "
-                f"(unmanaged: measuring the peak for budget {budget_text})")
+                f"(measuring the peak for budget {budget_text})")
     return (f"step {step:4d}  loss {loss:.6f}  peak {format_bytes(st['peak_device_bytes'])} / budget "
             f"{budget_text}  offloaded {format_bytes(st['bytes_offloaded'])}  prefetched "
             f"{format_bytes(st['bytes_prefetched'])}  on demand {format_bytes(st['bytes_fetched_on_demand'])}  "

@@ -269,7 +269,12 @@ class MemoryManager(PythonSource, NativeSource, OracleAlignment, StorageTable, M
         self._step_index = 0
         self._cur = StepStats()
         self.steps: list[StepStats] = []
+        #: this step measures the peak for a fractional budget (``_measuring``), unmanaged where the
+        #: device gives no budget for it (``_measure_step``: the CPU); the live bytes' peak so far
+        #: (resident + away: what PyTorch alone would hold) and the operator it came at
+        self._measuring = False
         self._measure_step = False
+        self._live_peak = self._live_pos = self._away_folded = 0
         self._ops: list[Op] = []
         self._nodes = AutogradNodes()
         self._frees: dict[int, list[int]] = {}
@@ -584,7 +589,7 @@ class MemoryManager(PythonSource, NativeSource, OracleAlignment, StorageTable, M
             self._leave_step()
             raise
         ok = False
-        measuring = self._measure_step
+        measuring, first_budget = self._measuring, self.budget
         try:
             yield self
             ok = True
@@ -592,9 +597,10 @@ class MemoryManager(PythonSource, NativeSource, OracleAlignment, StorageTable, M
             if not measuring:
                 raise
             raise BudgetError(
-                f"runtime: a fractional budget ({self._budget_spec!r}) runs the first step unmanaged to measure the "
-                "peak, and that step ran out of device memory: the model does not fit without the manager. Give "
-                "the budget in bytes (budget='20GiB'), or leave it out (the device's free memory less a headroom)."
+                f"runtime: a fractional budget ({self._budget_spec!r}) measures the peak in the first step, run "
+                + ("unmanaged" if first_budget is None else f"under the device's free memory ({format_bytes(first_budget)})")
+                + ", and that step ran out of device memory. Give the budget in bytes (budget='20GiB'), or leave it "
+                "out (the device's free memory less a headroom)."
             ) from exc
         finally:
             try:
@@ -611,6 +617,31 @@ class MemoryManager(PythonSource, NativeSource, OracleAlignment, StorageTable, M
             self._obs.set_phase(-1)
             self._obs.set_budget(0)
 
+    def _first_step_budget(self) -> int | None:
+        """A fractional budget's measuring step runs under the device's free memory (what the
+        managed storages may take of it, :func:`default_budget`), so a model that does not fit the
+        device is measured too; None (unmanaged) on the CPU, where there is no device limit."""
+        if not self.cuda:
+            return None
+        with no_mode():
+            outside = max(0, torch.cuda.memory_allocated(self.device) - self.used)
+        return max(1, default_budget(self.device) - outside)
+
+    def _fold_live_peak(self) -> None:
+        """Native source, measuring step: the observer's peak of device bytes since the last fold,
+        plus what was away meanwhile (it changes only here, at decision points), is the live bytes'
+        peak over that stretch. Called before and after a decision point moves anything."""
+        obs = self._obs
+        peak, pos = obs.peak, obs.peak_position or obs.position
+        cur = self._cur
+        if peak > cur.peak_device_bytes:
+            cur.peak_device_bytes, self._peak_pos = peak, pos
+        live = max(peak + self._away_folded, obs.used + self.away)
+        if live > self._live_peak:
+            self._live_peak, self._live_pos = live, pos
+        obs.reset_peak()
+        self._away_folded = self.away
+
     def _begin_step(self) -> None:
         if self.cuda and torch.cuda.is_current_stream_capturing():
             raise ConfigError(
@@ -623,7 +654,11 @@ class MemoryManager(PythonSource, NativeSource, OracleAlignment, StorageTable, M
             obs.sweep()
             self._native_parse(in_step=False, light=True)  # between steps: the program's work, not the step's
         self._cur = StepStats(step=self._step_index)
-        self._measure_step = self.budget is None
+        self._measuring = self.budget is None  # a fractional budget: this step measures the peak
+        if self._measuring:
+            self.budget = self._first_step_budget()
+        self._measure_step = self.budget is None  # ... and runs unmanaged
+        self._live_peak, self._live_pos, self._away_folded = self.used + self.away, 0, self.away
         self._peak_pos = 0
         self.position = 0
         self.phase = "forward"
@@ -642,7 +677,7 @@ class MemoryManager(PythonSource, NativeSource, OracleAlignment, StorageTable, M
             obs.set_phase(-1)
             measuring = self.budget is None
             obs.set_budget(0 if measuring else self.budget)
-            obs.set_sweep_every(1 if measuring else 0)  # the measured peak must be exact
+            obs.set_sweep_every(1 if self._measuring else 0)  # the measured peak must be exact
             acts = type(self.policy).after_op is not Policy.after_op
             obs.set_decide_every(self.decide_every if acts and not measuring else 0)
         self._t_step = time.perf_counter()
@@ -674,7 +709,9 @@ class MemoryManager(PythonSource, NativeSource, OracleAlignment, StorageTable, M
         if obs is not None:
             with no_mode():
                 obs.sweep()
-                self._native_parse(in_step=True, light=not (self._engaged or self._measure_step or self.record_every_op))
+                self._native_parse(in_step=True, light=not (self._engaged or self._measuring or self.record_every_op))
+            if self._measuring:
+                self._fold_live_peak()
             obs.set_in_step(False)
             obs.set_phase(-1)
             obs.set_budget(0)
@@ -713,13 +750,15 @@ class MemoryManager(PythonSource, NativeSource, OracleAlignment, StorageTable, M
                                           pre_allocs=self._pre, hints=self._hints))
             del self.history[:-self.history_len]
         self._ops = []
-        if self._measure_step and ok:
+        if self._measuring and not ok:
+            self.budget = None  # the next step measures again
+        elif self._measuring:
             frac = self.budget_fraction
             # State the step created after its peak and keeps (the optimizer's first moments) is
             # there at every later step's peak: count it, or "1/8" would really mean less.
             late = sum(x.nbytes for x in self.st.values()
-                       if x.born_step == self._step_index and x.born_pos > self._peak_pos and x.kind in _PERSISTENT)
-            self.measured_peak = cur.peak_device_bytes + late
+                       if x.born_step == self._step_index and x.born_pos > self._live_pos and x.kind in _PERSISTENT)
+            self.measured_peak = max(self._live_peak, cur.peak_device_bytes) + late
             self.budget = max(1, int(self.measured_peak * frac))
             cur.managed = False
             if self._largest_op[0] > self.budget:
@@ -734,7 +773,7 @@ class MemoryManager(PythonSource, NativeSource, OracleAlignment, StorageTable, M
             if ok:
                 self._measure_cap_headroom()
             self._fit_to_cap()  # what the step left outside the storages (workspaces it created) counts next step
-        self._measure_step = False
+        self._measure_step = self._measuring = False
         self.steps.append(cur)
         self._step_index += 1
         if self._budget_problem:

@@ -34,13 +34,21 @@ class NativeSource:
 
     def _native_fault(self, sids: list[int], ins: list[int], name: str) -> None:
         try:
+            if self._measuring:
+                self._fold_live_peak()
             self._fault(sids, ins, name)
+            if self._measuring:
+                self._fold_live_peak()
         except BaseException as exc:  # noqa: BLE001  (kept and raised at the next check: _raise_pending)
             self._keep_error(exc)
 
     def _native_decide(self, position: int) -> None:
         try:
+            if self._measuring:
+                self._fold_live_peak()
             self._decide(position)
+            if self._measuring:
+                self._fold_live_peak()
         except BaseException as exc:  # noqa: BLE001
             self._keep_error(exc)
 
@@ -133,7 +141,7 @@ class NativeSource:
         st = self.st
         pol = self.policy
         tell = in_step and not self._measure_step
-        measuring = in_step and self._measure_step
+        measuring = in_step and self._measuring
         OP, ALLOC, FREE = _C_TAGS
         i, n = 0, len(log)
         while i < n:

@@ -154,10 +154,9 @@ class PythonSource:
         collective = name.startswith("c10d::")
         est = 0 if collective else self._estimate_out(func, args, kwargs) or 0  # collectives work in place
         touched = sum(self.st[x].nbytes for x in ins) + est
-        if self._measure_step or self.budget is None:
-            if touched > self._largest_op[0]:
-                self._largest_op = (touched, where)
-        elif touched > self.budget:
+        if self._measuring and touched > self._largest_op[0]:
+            self._largest_op = (touched, where)
+        if not self._measure_step and self.budget is not None and touched > self.budget:
             raise BudgetError(
                 f"runtime: the budget {format_bytes(self.budget)} is smaller than what one operator needs: {where} "
                 f"reads {format_bytes(touched - est)} and creates {format_bytes(est)}. Raise the budget to at least "

@@ -207,6 +207,8 @@ class StorageTable:
         if self.used > cur.peak_device_bytes:
             cur.peak_device_bytes = self.used
             self._peak_pos = self.position
+        if self._measuring and self.used + self.away > self._live_peak:
+            self._live_peak, self._live_pos = self.used + self.away, self.position
         if self.budget is not None and not self._measure_step and self.used > self.budget:
             cur.budget_overshoot_bytes = max(cur.budget_overshoot_bytes, self.used - self.budget)
 

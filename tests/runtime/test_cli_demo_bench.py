@@ -41,7 +41,7 @@ def test_train_budget_lru_is_bit_identical_and_within_budget(tmp_path, capsys):
                "--json", str(out_json)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "(unmanaged: measuring the peak for budget 1/2)" in out
+    assert "(measuring the peak for budget 1/2)" in out
     assert "within the budget" in out
     assert "bit-identical        yes" in out
     data = json.loads(out_json.read_text())

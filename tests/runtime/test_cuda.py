@@ -80,3 +80,21 @@ def test_copies_run_on_side_streams_and_the_host_rarely_waits():
     syncs = sum(s["host_syncs"] for s in per[1:])
     assert moves > 0
     assert syncs * 10 <= moves, f"the host waited {syncs} times for {moves} evictions"
+
+
+@pytest.mark.parametrize("events", _sources())
+def test_fraction_budget_on_a_model_larger_than_the_free_memory(events, monkeypatch):
+    """``budget="1/4"`` measures the peak in a first step run under the device's free memory: with
+    that made a third of the model's peak, the first step moves storages and measures the peak all
+    the same, and every later step keeps to a quarter of it, bit-identically."""
+    monkeypatch.setenv("DYNN_EVENTS", events)
+    base = train_unmanaged("moe", steps=3, preset="small", device="cuda")
+    free = int(max(base.peak_bytes) / 3)
+    monkeypatch.setattr(MemoryManager, "_first_step_budget", lambda self: free)
+    r = train_managed("moe", "1/4", "lru", steps=3, preset="small", device="cuda")
+    st = r.stats
+    first = st["per_step"][0]
+    assert not first["managed"] and first["evictions"] > 0
+    assert st["measured_peak_bytes"] >= max(base.peak_bytes) * 0.75  # the allocator rounds above the storages
+    differ = [k for k, v in r.tensor_digests.items() if base.tensor_digests.get(k) != v]
+    assert not differ and r.losses == base.losses

@@ -90,6 +90,29 @@ def test_bit_identical_save_on_cpu_and_fraction_budget(family):
     assert sum(s["bytes_offloaded"] for s in later) > 0
 
 
+@pytest.mark.parametrize("events", ["python", "native"])
+@pytest.mark.parametrize("family", ["moe", "evoformer"])
+def test_fraction_budget_measures_a_model_larger_than_the_device(family, events, monkeypatch):
+    """On CUDA a fractional budget's measuring step runs under the device's free memory, not
+    unmanaged, so "1/4" works for a model that does not fit the device. Here the device is made
+    smaller than the model (a third of its peak): the first step moves storages, still measures the
+    peak PyTorch alone reaches, and the run is bit-identical."""
+    if events == "native" and not NATIVE:
+        pytest.skip("the native event source is not built")
+    _, _, peak = _baseline(family)
+    _, _, ref = _train(family, "lru", 0.75, events=events)  # measured unmanaged (the CPU's measuring step)
+    device = int(peak / 3)
+    monkeypatch.setattr(dr.MemoryManager, "_first_step_budget", lambda self: device)
+    losses, state, stats = _train(family, "lru", 0.75, events=events)
+    _assert_same(family, losses, state)
+    first = stats["per_step"][0]
+    assert not first["managed"] and first["evictions"] > 0  # measuring, and it had to move things
+    assert first["peak_device_bytes"] <= _limit(stats, device)
+    assert stats["measured_peak_bytes"] == ref["measured_peak_bytes"]
+    assert stats["budget_bytes"] == ref["budget_bytes"] == int(stats["measured_peak_bytes"] * 0.75)
+    assert all(s["peak_device_bytes"] <= _limit(stats, stats["budget_bytes"]) for s in stats["per_step"][1:])
+
+
 def test_oracle_from_a_recorded_trace(tmp_path):
     from dynn_runtime.trace.recorder import record
 
@@ -567,7 +590,7 @@ def test_default_budget_is_free_device_memory_less_a_headroom(monkeypatch):
 def test_a_measuring_step_out_of_memory_says_to_give_bytes():
     model = nn.Linear(8, 8)
     mm = dr.MemoryManager("1/1", device="cpu").attach(model)
-    with pytest.raises(BudgetError, match="does not fit without the manager"):
+    with pytest.raises(BudgetError, match="measures the peak in the first step, run unmanaged.*give the budget in bytes|Give the budget in bytes"):
         with mm.step():
             model(torch.randn(2, 8)).sum().backward()
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
