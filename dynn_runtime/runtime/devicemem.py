@@ -10,7 +10,7 @@ import torch
 from ..errors import BudgetError
 from ..memory import format_bytes
 
-__all__ = ["DEFAULT_HEADROOM", "default_budget", "device_baseline"]
+__all__ = ["DEFAULT_HEADROOM", "default_budget", "device_baseline", "device_room"]
 
 #: what ``default_budget`` leaves free on a CUDA device: (bytes, fraction of its total), the larger
 #: applies (the CUDA context's own allocations, other processes' growth, the allocator's slack)
@@ -45,3 +45,12 @@ def device_baseline(dev: torch.device) -> int:
     del a
     torch.cuda.synchronize(dev)
     return torch.cuda.memory_allocated(dev)
+
+
+def device_room(dev: torch.device) -> int:
+    """Bytes more this process can allocate on ``dev`` now: the device's free memory plus what the
+    caching allocator holds unused. On the CPU, where the budget is logical, no limit."""
+    if dev.type != "cuda":
+        return 1 << 62
+    free, _ = torch.cuda.mem_get_info(dev)
+    return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)

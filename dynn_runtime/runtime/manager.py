@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import time
 import warnings
 from collections.abc import Iterator
@@ -70,7 +71,7 @@ from ..trace.recorder import AutogradNodes
 from .blocks import _checkpoint_blocks, _is_compiled, checkpoint_modules, repeated_blocks
 from .budget import Budget
 from .copies import CudaCopies, SyncCopies
-from .devicemem import default_budget
+from .devicemem import default_budget, device_room
 from .events import QUIET, no_mode
 from .hostpool import HostPool
 from .lists import ListSplitter
@@ -401,48 +402,117 @@ class MemoryManager(PythonSource, NativeSource, OracleAlignment, StorageTable, M
         return self
 
     def detach(self) -> None:
-        """Stop managing: every offloaded or dropped storage comes back, hooks are removed, and the
-        host pool is released. Tensors are where and what they were, bit for bit."""
+        """Stop managing: hooks are removed and the host pool is released. Every storage that is away
+        comes back to the device, bit for bit. When they do not all fit the device's free memory, the
+        parameters, buffers, gradients and optimizer state among them become CPU tensors with the
+        same values instead (one warning): nothing is lost, and the model is then partly on the CPU.
+        If a storage could be neither brought back nor moved, BudgetError is raised and the manager
+        stays attached, every tensor as it was."""
         if not self._attached:
             return
         if self._passthrough:
             self._attached = False
             return
+        if self.hard_cap and self.cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)  # the cap was the manager's
         try:
-            self.restore_all()
-        finally:
-            if self._mode is not None:
-                self._mode.__exit__(None, None, None)
-                self._mode = None
-            if self._obs is not None:
-                self._obs.stop()
-                if self._obs in QUIET:
-                    QUIET.remove(self._obs)
-            if self._saved_hooks is not None:
-                self._saved_hooks.__exit__(None, None, None)
-                self._saved_hooks = None
-            if self._modules is not None:
-                self._modules.remove()
-            for h in self._handles:
-                h.remove()
-            self._handles = []
-            if self._lists is not None:
-                self._lists.remove()
-            for m in self._checkpointed:
-                del m.forward  # back to the class's forward
-            self._checkpointed = []
-            self._sync()
-            for s in self.st.values():
-                self._drop_host(s)
-            self.pool.close()
-            if self.hard_cap and self.cuda:
-                torch.cuda.set_per_process_memory_fraction(1.0, self.device)
-            for s in self.st.values():
-                s.obs = None
-            if self._obs is not None:
-                self._used = self._obs.used
-            self._obs = None
-            self._attached = False
+            with no_mode():
+                self._copies.sync()  # copies in flight may hold the last reference to a storage: settle first
+                self._drain()
+                if self.away <= device_room(self.device):
+                    self._restore()
+                else:
+                    self._away_to_cpu()
+        except BaseException:
+            if self.cap_bytes is not None:
+                self._apply_hard_cap()  # still attached: the cap stays
+            raise
+        self._teardown()
+
+    def _teardown(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        if self._obs is not None:
+            self._obs.stop()
+            if self._obs in QUIET:
+                QUIET.remove(self._obs)
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+        if self._modules is not None:
+            self._modules.remove()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self._lists is not None:
+            self._lists.remove()
+        for m in self._checkpointed:
+            del m.forward  # back to the class's forward
+        self._checkpointed = []
+        self._sync()
+        for s in self.st.values():
+            self._drop_host(s)
+        self.pool.close()
+        for s in self.st.values():
+            s.obs = None
+        if self._obs is not None:
+            self._used = self._obs.used
+        self._obs = None
+        self._attached = False
+
+    def _state_tensors(self) -> list[tuple[torch.Tensor, Any]]:
+        """The model's parameters and buffers, their gradients and the optimizer's state, each with a
+        function that puts another tensor in its place."""
+        out: list[tuple[torch.Tensor, Any]] = []
+
+        def put_data(t: torch.Tensor) -> Any:
+            return lambda v: setattr(t, "data", v)
+
+        for p in self.model.parameters():
+            out.append((p, put_data(p)))
+            if p.grad is not None:
+                out.append((p.grad, put_data(p.grad)))
+        for m in self.model.modules():
+            for name, b in m._buffers.items():
+                if b is not None:
+                    out.append((b, functools.partial(m._buffers.__setitem__, name)))
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor):
+                        out.append((v, functools.partial(state.__setitem__, k)))
+        return out
+
+    def _away_to_cpu(self) -> None:
+        """detach() when what is away does not fit the device: the state tensors on those storages
+        become CPU tensors read from their host copies (all checked first: nothing moves unless every
+        away storage has a tensor to put it in)."""
+        owners: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+        for t, put in self._state_tensors():
+            sid = self._sid(t)
+            if sid is not None and self.st[sid].status in (HOST, DROPPED):
+                owners.setdefault(sid, []).append((t, put))
+        away = [s for s in self.st.values() if s.status in (HOST, DROPPED) and s.ref() is not None]
+        orphans = [s for s in away if s.sid not in owners]
+        if orphans:
+            raise BudgetError(
+                f"runtime: detach() cannot bring back {format_bytes(self.away)} that is off the device "
+                f"({format_bytes(device_room(self.device))} free on {self.device}), and {len(orphans)} of those "
+                f"storages ({format_bytes(sum(s.nbytes for s in orphans))}) hold no parameter, buffer, gradient or "
+                "optimizer state that could move to the CPU instead. The manager stays attached and nothing moved: "
+                "free device memory (drop tensors the program still holds) and detach() again.")
+        n = 0
+        for sid, pairs in owners.items():
+            s = self.st[sid]
+            for t, put in pairs:
+                put(self._host_copy(t, s))
+                n += 1
+        warnings.warn(
+            f"dynn-runtime: the managed state does not fit the free memory of {self.device} "
+            f"({format_bytes(self.away)} away, {format_bytes(device_room(self.device))} free), so detach() left "
+            f"{n} tensors of it on the CPU with the same values: the model is now partly on the CPU.",
+            RuntimeWarning, stacklevel=3)
 
     def __enter__(self) -> MemoryManager:
         return self
@@ -451,14 +521,28 @@ class MemoryManager(PythonSource, NativeSource, OracleAlignment, StorageTable, M
         self.detach()
 
     def restore_all(self) -> None:
-        """Bring every managed storage back to the device (e.g. before saving a checkpoint)."""
+        """Bring every managed storage back to the device, budget or not. Raises BudgetError, having
+        moved nothing, when they do not fit the device's free memory (a checkpoint needs no
+        restore: ``state_dict()`` under the manager streams host copies when the state does not fit)."""
         with no_mode():
             self._copies.sync()  # copies in flight may hold the last reference to a storage: settle first
             self._drain()
-            for s in list(self.st.values()):
-                if s.status in (HOST, DROPPED, FETCHING) and s.ref() is not None:
-                    self._fetch_now(s, budgeted=False)
-            self._sync()
+            room = device_room(self.device)
+            if self.cap_bytes is not None and self.cuda:
+                room = min(room, self.cap_bytes + self._outside0 + self.unmanaged_bytes - self.used)
+            if self.away > room:
+                raise BudgetError(
+                    f"runtime: restore_all() needs {format_bytes(self.away)} more on {self.device} and "
+                    f"{format_bytes(max(room, 0))} is free; nothing was moved. To save a checkpoint, call state_dict() "
+                    "under the manager (it streams host copies when the state does not fit); detach() leaves what "
+                    "does not fit on the CPU.")
+            self._restore()
+
+    def _restore(self) -> None:
+        for s in list(self.st.values()):
+            if s.status in (HOST, DROPPED, FETCHING) and s.ref() is not None:
+                self._fetch_now(s, budgeted=False)
+        self._sync()
 
     def _state_dict_pre(self) -> None:
         """Before ``state_dict()``: everything comes back if it fits the budget (the state dict then

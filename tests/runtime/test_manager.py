@@ -599,3 +599,80 @@ def test_a_measuring_step_out_of_memory_says_to_give_bytes():
         model(torch.randn(2, 8)).sum().backward()
     assert mm.budget is not None
     mm.detach()
+
+
+def _offloaded_adam(events):
+    """A model trained one step under the manager, then everything offloaded: parameters, gradients
+    (kept: no zero_grad) and Adam's state all away from the device."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mm = dr.MemoryManager(1 << 30, policy="lru", device="cpu", events=events).attach(model, opt)
+    with mm.step():
+        model(torch.randn(4, 32)).pow(2).mean().backward()
+        opt.step()
+    state = [*model.parameters(), *(p.grad for p in model.parameters())]
+    state += [v for s in opt.state.values() for v in s.values() if v.dim()]
+    want = [t.detach().clone() for t in state]
+    assert mm.offload(*state) > 0
+    return model, opt, mm, want
+
+
+@pytest.mark.parametrize("events", ["python", "native"])
+def test_restore_all_and_detach_when_the_state_does_not_fit_the_device(events, monkeypatch):
+    """restore_all() refuses, moving nothing, when what is away exceeds the device's free memory;
+    detach() then leaves the state on the CPU with the same values instead of running out of memory."""
+    if events == "native" and not NATIVE:
+        pytest.skip("the native event source is not built")
+    from dynn_runtime.runtime import manager as manager_mod
+
+    model, opt, mm, want = _offloaded_adam(events)
+    away = mm.away
+    assert away > 0
+    monkeypatch.setattr(manager_mod, "device_room", lambda dev: away - 1)
+    with pytest.raises(BudgetError, match="restore_all\\(\\) needs .* nothing was moved"):
+        mm.restore_all()
+    assert mm.away == away and mm.attached
+    with pytest.warns(RuntimeWarning, match="left .* tensors of it on the CPU"):
+        mm.detach()
+    assert not mm.attached
+    got = [*model.parameters(), *(p.grad for p in model.parameters())]
+    got += [v for s in opt.state.values() for v in s.values() if v.dim()]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(t.untyped_storage().nbytes() > 0 for t in got)  # real storages again, none left empty
+
+
+@pytest.mark.parametrize("events", ["python", "native"])
+def test_detach_brings_everything_back_when_it_fits(events, monkeypatch):
+    if events == "native" and not NATIVE:
+        pytest.skip("the native event source is not built")
+    from dynn_runtime.runtime import manager as manager_mod
+
+    model, opt, mm, want = _offloaded_adam(events)
+    monkeypatch.setattr(manager_mod, "device_room", lambda dev: mm.away)  # just enough
+    ids = [id(p) for p in model.parameters()]
+    mm.detach()
+    got = [*model.parameters(), *(p.grad for p in model.parameters())]
+    got += [v for s in opt.state.values() for v in s.values() if v.dim()]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert [id(p) for p in model.parameters()] == ids
+
+
+def test_detach_that_cannot_move_something_stays_attached(monkeypatch):
+    """A storage away from the device that no parameter, buffer, gradient or optimizer state holds
+    cannot be put on the CPU for the program: detach() raises and nothing changes."""
+    from dynn_runtime.runtime import manager as manager_mod
+
+    model, opt, mm, want = _offloaded_adam("python")
+    loose = torch.randn(64, 64)
+    with mm.step():
+        kept = loose * 2  # made in the step and movable while it runs
+        expected = kept.clone()
+        assert mm.offload(kept) > 0
+        monkeypatch.setattr(manager_mod, "device_room", lambda dev: 0)
+        with pytest.raises(BudgetError, match="hold no parameter, buffer, gradient or optimizer state"):
+            mm.detach()
+    assert mm.attached
+    monkeypatch.setattr(manager_mod, "device_room", lambda dev: 1 << 62)
+    mm.detach()
+    assert torch.equal(kept, expected)
