@@ -48,30 +48,26 @@ wait would corrupt (tests/runtime/test_fake_async.py).
 from __future__ import annotations
 
 import collections
-import contextlib
-import functools
 import time
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .. import hints
-from ..errors import BudgetError, ConfigError, PolicyError, internal_assert
+from ..errors import ConfigError, PolicyError, internal_assert
 from ..hints import Hint
-from ..memory import format_bytes, parse_size
+from ..memory import parse_size
 from ..policies.base import Policy, make_policy
 from ..residency import Status
 from ..trace.format import Iteration, Op, Trace, read_trace
 from ..trace.modules import ModuleTracker
 from ..trace.recorder import AutogradNodes
+from . import devicemem
 from .blocks import _checkpoint_blocks, _is_compiled, checkpoint_modules, repeated_blocks
 from .budget import Budget
 from .copies import CudaCopies, SyncCopies
-from .devicemem import default_budget, device_room
+from .devicemem import default_budget
 from .events import QUIET, no_mode
 from .hostpool import HostPool
 from .lists import ListSplitter
@@ -79,49 +75,16 @@ from .moves import Moves
 from .native_source import NativeSource
 from .oracle import OracleAlignment
 from .python_source import PythonSource, _Mode, _unpack
-from .storages import _MOVABLE_ALWAYS, _PERSISTENT, _S, StorageTable
+from .state import StateTransfer
+from .steps import Steps, StepStats
+from .storages import _S, StorageTable
 
 __all__ = ["MemoryManager", "StepStats", "checkpoint_modules", "repeated_blocks"]
 
-RESIDENT, HOST, FETCHING, DROPPED, ABSENT = (
-    Status.RESIDENT, Status.HOST, Status.FETCHING, Status.DROPPED, Status.ABSENT)
+RESIDENT = Status.RESIDENT
 
 
-@dataclass
-class StepStats:
-    """What the manager did during one step (or, summed, over all of them)."""
-
-    step: int = 0
-    ops: int = 0
-    peak_device_bytes: int = 0
-    bytes_offloaded: int = 0
-    bytes_prefetched: int = 0
-    bytes_fetched_on_demand: int = 0
-    evictions: int = 0
-    stall_seconds: float = 0.0
-    copy_seconds: float = 0.0
-    policy_seconds: float = 0.0
-    recomputed_ops: int = 0
-    prefetch_hits: int = 0
-    prefetch_misses: int = 0
-    budget_overshoot_bytes: int = 0
-    wall_seconds: float = 0.0
-    decision_points: int = 0
-    host_syncs: int = 0
-    """Times the host waited for the GPU inside the step (a copy event, a pinned buffer still in a
-    copy); the one synchronization that closes a step is not counted."""
-    managed: bool = True
-
-    def add(self, other: StepStats) -> None:
-        for k in ("ops", "bytes_offloaded", "bytes_prefetched", "bytes_fetched_on_demand", "evictions",
-                  "stall_seconds", "copy_seconds", "policy_seconds", "recomputed_ops", "prefetch_hits",
-                  "prefetch_misses", "wall_seconds", "decision_points", "host_syncs"):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
-        self.peak_device_bytes = max(self.peak_device_bytes, other.peak_device_bytes)
-        self.budget_overshoot_bytes = max(self.budget_overshoot_bytes, other.budget_overshoot_bytes)
-
-
-class MemoryManager(PythonSource, NativeSource, OracleAlignment, StorageTable, Moves, Budget):
+class MemoryManager(Steps, StateTransfer, PythonSource, NativeSource, OracleAlignment, StorageTable, Moves, Budget):
     """Keep a training loop's device memory within ``budget`` by moving tensors as ``policy`` says.
 
     ``budget``: bytes (int), a size string (``"6GiB"``), or a float in (0, 1]: that fraction of the
@@ -231,7 +194,6 @@ class MemoryManager(PythonSource, NativeSource, OracleAlignment, StorageTable, M
     @property
     def attached(self) -> bool:
         return self._attached
-
 
     @property
     def used(self) -> int:
@@ -419,7 +381,7 @@ class MemoryManager(PythonSource, NativeSource, OracleAlignment, StorageTable, M
             with no_mode():
                 self._copies.sync()  # copies in flight may hold the last reference to a storage: settle first
                 self._drain()
-                if self.away <= device_room(self.device):
+                if self.away <= devicemem.device_room(self.device):
                     self._restore()
                 else:
                     self._away_to_cpu()
@@ -461,139 +423,11 @@ class MemoryManager(PythonSource, NativeSource, OracleAlignment, StorageTable, M
         self._obs = None
         self._attached = False
 
-    def _state_tensors(self) -> list[tuple[torch.Tensor, Any]]:
-        """The model's parameters and buffers, their gradients and the optimizer's state, each with a
-        function that puts another tensor in its place."""
-        out: list[tuple[torch.Tensor, Any]] = []
-
-        def put_data(t: torch.Tensor) -> Any:
-            return lambda v: setattr(t, "data", v)
-
-        for p in self.model.parameters():
-            out.append((p, put_data(p)))
-            if p.grad is not None:
-                out.append((p.grad, put_data(p.grad)))
-        for m in self.model.modules():
-            for name, b in m._buffers.items():
-                if b is not None:
-                    out.append((b, functools.partial(m._buffers.__setitem__, name)))
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for k, v in state.items():
-                    if isinstance(v, torch.Tensor):
-                        out.append((v, functools.partial(state.__setitem__, k)))
-        return out
-
-    def _away_to_cpu(self) -> None:
-        """detach() when what is away does not fit the device: the state tensors on those storages
-        become CPU tensors read from their host copies (all checked first: nothing moves unless every
-        away storage has a tensor to put it in)."""
-        owners: dict[int, list[tuple[torch.Tensor, Any]]] = {}
-        for t, put in self._state_tensors():
-            sid = self._sid(t)
-            if sid is not None and self.st[sid].status in (HOST, DROPPED):
-                owners.setdefault(sid, []).append((t, put))
-        away = [s for s in self.st.values() if s.status in (HOST, DROPPED) and s.ref() is not None]
-        orphans = [s for s in away if s.sid not in owners]
-        if orphans:
-            raise BudgetError(
-                f"runtime: detach() cannot bring back {format_bytes(self.away)} that is off the device "
-                f"({format_bytes(device_room(self.device))} free on {self.device}), and {len(orphans)} of those "
-                f"storages ({format_bytes(sum(s.nbytes for s in orphans))}) hold no parameter, buffer, gradient or "
-                "optimizer state that could move to the CPU instead. The manager stays attached and nothing moved: "
-                "free device memory (drop tensors the program still holds) and detach() again.")
-        n = 0
-        for sid, pairs in owners.items():
-            s = self.st[sid]
-            for t, put in pairs:
-                put(self._host_copy(t, s))
-                n += 1
-        warnings.warn(
-            f"dynn-runtime: the managed state does not fit the free memory of {self.device} "
-            f"({format_bytes(self.away)} away, {format_bytes(device_room(self.device))} free), so detach() left "
-            f"{n} tensors of it on the CPU with the same values: the model is now partly on the CPU.",
-            RuntimeWarning, stacklevel=3)
-
     def __enter__(self) -> MemoryManager:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.detach()
-
-    def restore_all(self) -> None:
-        """Bring every managed storage back to the device, budget or not. Raises BudgetError, having
-        moved nothing, when they do not fit the device's free memory (a checkpoint needs no
-        restore: ``state_dict()`` under the manager streams host copies when the state does not fit)."""
-        with no_mode():
-            self._copies.sync()  # copies in flight may hold the last reference to a storage: settle first
-            self._drain()
-            room = device_room(self.device)
-            if self.cap_bytes is not None and self.cuda:
-                room = min(room, self.cap_bytes + self._outside0 + self.unmanaged_bytes - self.used)
-            if self.away > room:
-                raise BudgetError(
-                    f"runtime: restore_all() needs {format_bytes(self.away)} more on {self.device} and "
-                    f"{format_bytes(max(room, 0))} is free; nothing was moved. To save a checkpoint, call state_dict() "
-                    "under the manager (it streams host copies when the state does not fit); detach() leaves what "
-                    "does not fit on the CPU.")
-            self._restore()
-
-    def _restore(self) -> None:
-        for s in list(self.st.values()):
-            if s.status in (HOST, DROPPED, FETCHING) and s.ref() is not None:
-                self._fetch_now(s, budgeted=False)
-        self._sync()
-
-    def _state_dict_pre(self) -> None:
-        """Before ``state_dict()``: everything comes back if it fits the budget (the state dict then
-        holds the device tensors, as without the manager). If not, nothing is fetched here and
-        :meth:`_state_dict_post` streams the tensors out to host copies instead."""
-        away = sum(s.nbytes for s in self.st.values() if s.status in (HOST, DROPPED, FETCHING))
-        self._streaming = self.budget is not None and not self._measure_step and self.used + away > self.budget
-        if not self._streaming:
-            self.restore_all()
-
-    def _state_dict_post(self, sd: dict) -> None:
-        """After ``state_dict()`` when the state does not fit the budget: every managed tensor becomes a
-        CPU copy (from its host copy if it is away, else copied now), so code that reads the state dict
-        without the dispatcher (``torch.save``) never meets an empty storage, within the budget."""
-        if not self._streaming:
-            return
-        self._streaming = False
-        if not self._warned_streaming:
-            self._warned_streaming = True
-            warnings.warn("dynn-runtime: the state does not fit the budget on the device, so state_dict() holds "
-                          "CPU copies of the managed tensors (load_state_dict copies them back as usual).",
-                          RuntimeWarning, stacklevel=4)
-        with no_mode():
-            self._drain()
-            stack = [sd]
-            while stack:
-                d = stack.pop()
-                for k, v in d.items():
-                    if isinstance(v, dict):
-                        stack.append(v)
-                    elif isinstance(v, torch.Tensor) and v.device == self.device:
-                        sid = self._sid(v)
-                        if sid is not None:
-                            d[k] = self._host_copy(v, self.st[sid])
-
-    def _host_copy(self, t: torch.Tensor, s: _S) -> torch.Tensor:
-        """A CPU tensor with ``t``'s values, read from ``s``'s host copy if it is away."""
-        if s.status == FETCHING:
-            st = s.ref()
-            if st is not None:
-                self._finish_fetch(s, st)
-        if s.status == RESIDENT:
-            return t.detach().to("cpu", copy=True)
-        internal_assert(s.host is not None and s.host_valid, f"runtime: storage {s.sid} is away without a host copy")
-        if s.event is not None:
-            s.event.synchronize()
-        raw = s.host.tensor  # the storage's bytes; t is a view into them
-        out = torch.empty(0, dtype=t.dtype)
-        out.set_(raw.untyped_storage(), raw.storage_offset() // t.element_size() + t.storage_offset(),
-                 t.shape, t.stride())
-        return out.clone()
 
     def pin(self, *objs: torch.Tensor | nn.Module) -> int:
         """Keep these tensors, or every parameter and buffer of these modules, on the device for as
@@ -650,222 +484,6 @@ class MemoryManager(PythonSource, NativeSource, OracleAlignment, StorageTable, M
                     moved += self.st[sid].nbytes
         return moved
 
-    # ---- steps ------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def step(self) -> Iterator[MemoryManager]:
-        """One training iteration: positions restart, the policy plans, statistics are kept."""
-        if not self._attached:
-            raise ConfigError("runtime: call attach(model, optimizer) before step().")
-        if self._in_step:
-            raise ConfigError("runtime: step() does not nest; end the current step first.")
-        if self._passthrough:
-            t0 = time.perf_counter()
-            yield self
-            self.steps.append(StepStats(step=len(self.steps), wall_seconds=time.perf_counter() - t0, managed=False))
-            return
-        try:
-            self._begin_step()
-        except BaseException:
-            # e.g. a BudgetError making room at the start of the step: close the step it opened,
-            # so the manager is between steps and usable; the first error is the one raised
-            with contextlib.suppress(Exception):
-                self._end_step(False)
-            self._leave_step()
-            raise
-        ok = False
-        measuring, first_budget = self._measuring, self.budget
-        try:
-            yield self
-            ok = True
-        except torch.OutOfMemoryError as exc:
-            if not measuring:
-                raise
-            raise BudgetError(
-                f"runtime: a fractional budget ({self._budget_spec!r}) measures the peak in the first step, run "
-                + ("unmanaged" if first_budget is None else f"under the device's free memory ({format_bytes(first_budget)})")
-                + ", and that step ran out of device memory. Give the budget in bytes (budget='20GiB'), or leave it "
-                "out (the device's free memory less a headroom)."
-            ) from exc
-        finally:
-            try:
-                self._end_step(ok)
-            finally:
-                self._leave_step()
-
-    def _leave_step(self) -> None:
-        """Between steps, whatever happened in the step (idempotent)."""
-        self._in_step = False
-        hints._stop(self)
-        if self._obs is not None:
-            self._obs.set_in_step(False)
-            self._obs.set_phase(-1)
-            self._obs.set_budget(0)
-
-    def _first_step_budget(self) -> int | None:
-        """A fractional budget's measuring step runs under the device's free memory (what the
-        managed storages may take of it, :func:`default_budget`), so a model that does not fit the
-        device is measured too; None (unmanaged) on the CPU, where there is no device limit."""
-        if not self.cuda:
-            return None
-        with no_mode():
-            outside = max(0, torch.cuda.memory_allocated(self.device) - self.used)
-        return max(1, default_budget(self.device) - outside)
-
-    def _fold_live_peak(self) -> None:
-        """Native source, measuring step: the observer's peak of device bytes since the last fold,
-        plus what was away meanwhile (it changes only here, at decision points), is the live bytes'
-        peak over that stretch. Called before and after a decision point moves anything."""
-        obs = self._obs
-        peak, pos = obs.peak, obs.peak_position or obs.position
-        cur = self._cur
-        if peak > cur.peak_device_bytes:
-            cur.peak_device_bytes, self._peak_pos = peak, pos
-        live = max(peak + self._away_folded, obs.used + self.away)
-        if live > self._live_peak:
-            self._live_peak, self._live_pos = live, pos
-        obs.reset_peak()
-        self._away_folded = self.away
-
-    def _begin_step(self) -> None:
-        if self.cuda and torch.cuda.is_current_stream_capturing():
-            raise ConfigError(
-                "runtime: a managed step cannot be captured into a CUDA graph (torch.cuda.graph, "
-                "torch.compile(mode='reduce-overhead')): replays run without the manager, so a storage it "
-                "moved would be read empty. Capture outside mm.step(), and mm.pin() what the graph reads.")
-        self._drain()
-        obs = self._obs
-        if obs is not None:
-            obs.sweep()
-            self._native_parse(in_step=False, light=True)  # between steps: the program's work, not the step's
-        self._cur = StepStats(step=self._step_index)
-        self._measuring = self.budget is None  # a fractional budget: this step measures the peak
-        if self._measuring:
-            self.budget = self._first_step_budget()
-        self._measure_step = self.budget is None  # ... and runs unmanaged
-        self._live_peak, self._live_pos, self._away_folded = self.used + self.away, 0, self.away
-        self._peak_pos = 0
-        self.position = 0
-        self.phase = "forward"
-        self._seen_backward = False
-        self._in_optimizer = False
-        self._ops = []
-        self._frees = {}
-        self._pre = {}
-        self._hints: dict[int, list[Hint]] = {}
-        self._oracle_map = {}
-        self._in_step = True
-        self._engaged = False
-        if obs is not None:
-            obs.set_in_step(True)
-            obs.set_seen_backward(False)
-            obs.set_phase(-1)
-            measuring = self.budget is None
-            obs.set_budget(0 if measuring else self.budget)
-            obs.set_sweep_every(1 if self._measuring else 0)  # the measured peak must be exact
-            acts = type(self.policy).after_op is not Policy.after_op
-            obs.set_decide_every(self.decide_every if acts and not measuring else 0)
-        self._t_step = time.perf_counter()
-        self._pool_syncs0 = self.pool.syncs
-        if self.cap_bytes is not None:
-            torch.cuda.reset_peak_memory_stats(self.device)  # _measure_cap_headroom reads the step's peak
-        self._cur.peak_device_bytes = self.used
-        with no_mode():
-            ctx = {"history": list(self.history), "trace": self._trace, "runtime": self}
-            self.policy.begin_iteration(self._step_index, ctx)
-            for sid, s in list(self.st.items()):
-                if s.status != ABSENT:
-                    self.policy.on_alloc(sid, -1)
-            self._map_oracle_persistent()
-            if not self._measure_step and self.used > self.budget:
-                # what the program holds between steps may exceed the budget (after the measuring
-                # step, or a budget lowered by hand): get within it before the step starts
-                self.make_room(0, set(), "the start of the step")
-            self._cur.peak_device_bytes = self.used
-            if obs is not None:
-                obs.reset_peak()
-                self._decisions0 = obs.decisions
-        hints._listen(self)
-
-    def _end_step(self, ok: bool) -> None:
-        hints._stop(self)
-        obs = self._obs
-        error = None
-        if obs is not None:
-            with no_mode():
-                obs.sweep()
-                self._native_parse(in_step=True, light=not (self._engaged or self._measuring or self.record_every_op))
-            if self._measuring:
-                self._fold_live_peak()
-            obs.set_in_step(False)
-            obs.set_phase(-1)
-            obs.set_budget(0)
-            obs.set_decide_every(0)
-            obs.set_sweep_every(0)
-            if obs.peak > self._cur.peak_device_bytes:
-                self._cur.peak_device_bytes = obs.peak
-                self._peak_pos = obs.peak_position
-            self._cur.decision_points = obs.decisions - self._decisions0
-            if self.budget is not None and not self._measure_step:
-                self._cur.budget_overshoot_bytes = max(self._cur.budget_overshoot_bytes, obs.peak - self.budget)
-            error, self._pending_error = self._pending_error, None  # raised once the step is closed
-        self._in_step = False
-        self._cur.host_syncs += self.pool.syncs - self._pool_syncs0
-        with no_mode():
-            self._copies.sync()  # the step's copies complete before its storages are judged
-            self._release_collectives(wait=True)
-            self._drain()
-            # What the step made and the program still holds (the loss, outputs it keeps) goes back
-            # on the device, and stays put from now on: it is the program's now, not the step's.
-            for s in list(self.st.values()):
-                if s.kind not in _MOVABLE_ALWAYS:
-                    if s.status != RESIDENT:
-                        try:
-                            self._fetch_now(s, budgeted=True, exclude={s.sid})
-                        except BudgetError:
-                            self._fetch_now(s, budgeted=False)  # over budget (an overshoot) beats losing it
-                    s.movable = False
-            self._sync()
-            self._resolve_stalls()
-        cur = self._cur
-        cur.ops = self._obs.position if self._obs is not None else self.position
-        cur.wall_seconds = time.perf_counter() - self._t_step
-        if ok:
-            self.history.append(Iteration(index=self._step_index, ops=self._ops, frees=self._frees,
-                                          pre_allocs=self._pre, hints=self._hints))
-            del self.history[:-self.history_len]
-        self._ops = []
-        if self._measuring and not ok:
-            self.budget = None  # the next step measures again
-        elif self._measuring:
-            frac = self.budget_fraction
-            # State the step created after its peak and keeps (the optimizer's first moments) is
-            # there at every later step's peak: count it, or "1/8" would really mean less.
-            late = sum(x.nbytes for x in self.st.values()
-                       if x.born_step == self._step_index and x.born_pos > self._live_pos and x.kind in _PERSISTENT)
-            self.measured_peak = max(self._live_peak, cur.peak_device_bytes) + late
-            self.budget = max(1, int(self.measured_peak * frac))
-            cur.managed = False
-            if self._largest_op[0] > self.budget:
-                need, where = self._largest_op
-                self._budget_problem = (
-                    f"runtime: a budget of {frac:g} of the measured peak ({format_bytes(self.budget)}) is smaller "
-                    f"than what one operator needs: {where} touches {format_bytes(need)} at once. Raise the "
-                    f"budget to at least {need / max(self.measured_peak, 1):.3f} (or {format_bytes(need)}).")
-            if self.hard_cap and self.cuda:
-                self._apply_hard_cap()
-        elif self.hard_cap and self.cuda and self.cap_bytes is not None:
-            if ok:
-                self._measure_cap_headroom()
-            self._fit_to_cap()  # what the step left outside the storages (workspaces it created) counts next step
-        self._measure_step = self._measuring = False
-        self.steps.append(cur)
-        self._step_index += 1
-        if self._budget_problem:
-            msg, self._budget_problem = self._budget_problem, ""
-            raise BudgetError(msg)
-        if error is not None:
-            raise error
-
     def stats(self) -> dict[str, Any]:
         """Totals over the managed steps (a fractional budget's measuring step is in ``per_step`` only)
         and the per-step records (``torch.cuda.memory`` vocabulary)."""
@@ -904,56 +522,3 @@ class MemoryManager(PythonSource, NativeSource, OracleAlignment, StorageTable, M
         """(step, operator position, managed device bytes after it, phase) for the last
         ``TIMELINE_ENTRIES`` operators."""
         return list(self._timeline)
-
-    # ---- hooks ------------------------------------------------------------------------------
-    def _root_forward(self) -> None:
-        if not torch._C._current_autograd_node():
-            self.phase = "forward"
-            self._seen_backward = False
-            if self._obs is not None:
-                self._obs.set_seen_backward(False)
-                self._raise_pending()  # a decision point's error surfaces at the next forward
-
-    def _opt_pre(self, *args: Any) -> None:
-        self._in_optimizer = True
-        if self._obs is not None:
-            self._obs.set_phase(2)
-        self._mark_kind_of_grads()
-
-    def _opt_post(self, *args: Any) -> None:
-        self._mark_optimizer_state()
-        self._in_optimizer = False
-        if self._obs is not None:
-            self._obs.set_phase(-1)
-
-    def _mark_kind_of_grads(self) -> None:
-        for p in self.model.parameters():
-            if p.grad is not None:
-                self._track(p.grad, "grad", fresh=False)
-
-    def _mark_optimizer_state(self) -> None:
-        if self.optimizer is None:
-            return
-        for state in self.optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    self._track(v, "opt_state", fresh=False)
-
-    # ---- workload hints (dynn_runtime.hints): to the policy, before the next operator ----------
-    def _hint_step(self) -> None:
-        self._give_hint(Hint("step"))
-
-    def _hint_use(self, tensors: list[torch.Tensor], steps: int | None) -> None:
-        sids: list[int] = []
-        for t in tensors:
-            sid = self._track(t, "input", fresh=False)
-            if sid is not None and sid not in sids:
-                sids.append(sid)
-        if sids:
-            self._give_hint(Hint("use", tuple(sids), steps))
-
-    def _give_hint(self, h: Hint) -> None:
-        self._hints.setdefault(self.position, []).append(h)
-        if type(self.policy).on_hint is not Policy.on_hint:  # a policy that reads hints
-            with no_mode():
-                self.policy.on_hint(h)

@@ -624,12 +624,12 @@ def test_restore_all_and_detach_when_the_state_does_not_fit_the_device(events, m
     detach() then leaves the state on the CPU with the same values instead of running out of memory."""
     if events == "native" and not NATIVE:
         pytest.skip("the native event source is not built")
-    from dynn_runtime.runtime import manager as manager_mod
+    from dynn_runtime.runtime import devicemem
 
     model, opt, mm, want = _offloaded_adam(events)
     away = mm.away
     assert away > 0
-    monkeypatch.setattr(manager_mod, "device_room", lambda dev: away - 1)
+    monkeypatch.setattr(devicemem, "device_room", lambda dev: away - 1)
     with pytest.raises(BudgetError, match="restore_all\\(\\) needs .* nothing was moved"):
         mm.restore_all()
     assert mm.away == away and mm.attached
@@ -646,10 +646,10 @@ def test_restore_all_and_detach_when_the_state_does_not_fit_the_device(events, m
 def test_detach_brings_everything_back_when_it_fits(events, monkeypatch):
     if events == "native" and not NATIVE:
         pytest.skip("the native event source is not built")
-    from dynn_runtime.runtime import manager as manager_mod
+    from dynn_runtime.runtime import devicemem
 
     model, opt, mm, want = _offloaded_adam(events)
-    monkeypatch.setattr(manager_mod, "device_room", lambda dev: mm.away)  # just enough
+    monkeypatch.setattr(devicemem, "device_room", lambda dev: mm.away)  # just enough
     ids = [id(p) for p in model.parameters()]
     mm.detach()
     got = [*model.parameters(), *(p.grad for p in model.parameters())]
@@ -661,7 +661,7 @@ def test_detach_brings_everything_back_when_it_fits(events, monkeypatch):
 def test_detach_that_cannot_move_something_stays_attached(monkeypatch):
     """A storage away from the device that no parameter, buffer, gradient or optimizer state holds
     cannot be put on the CPU for the program: detach() raises and nothing changes."""
-    from dynn_runtime.runtime import manager as manager_mod
+    from dynn_runtime.runtime import devicemem
 
     model, opt, mm, want = _offloaded_adam("python")
     loose = torch.randn(64, 64)
@@ -669,10 +669,10 @@ def test_detach_that_cannot_move_something_stays_attached(monkeypatch):
         kept = loose * 2  # made in the step and movable while it runs
         expected = kept.clone()
         assert mm.offload(kept) > 0
-        monkeypatch.setattr(manager_mod, "device_room", lambda dev: 0)
+        monkeypatch.setattr(devicemem, "device_room", lambda dev: 0)
         with pytest.raises(BudgetError, match="hold no parameter, buffer, gradient or optimizer state"):
             mm.detach()
     assert mm.attached
-    monkeypatch.setattr(manager_mod, "device_room", lambda dev: 1 << 62)
+    monkeypatch.setattr(devicemem, "device_room", lambda dev: 1 << 62)
     mm.detach()
     assert torch.equal(kept, expected)
