@@ -14,6 +14,10 @@ Per family (``preset``, ``steps`` steps, seed ``seed``):
   budget in bytes, on CUDA with ``hard_cap`` (``torch.cuda.set_per_process_memory_fraction``);
   infeasible when the manager or the allocator raises (reason recorded). Bit identity against the
   unlimited run is checked on the final state's digest.
+* **Beyond the device.** Where PyTorch alone runs out of device memory (``large`` presets), each
+  policy takes the fraction itself as its budget: the manager measures the peak in a first step run
+  under the device's free memory, moving storages as needed, and keeps later steps to the fraction
+  of it. There is no unlimited time or state to compare with; the report gives the measured peak.
 * **Simulator prediction.** A trace of the same workload recorded on the same device, simulated
   at the same fraction on the profile matching the device (``h100``, ``h200``, ``a100``; a CPU run
   is projected on ``h100`` and is not comparable, which the report says).
@@ -284,6 +288,8 @@ def _family_grid(cfg: RealBenchConfig, family: str, policies: list[str]) -> list
     _fresh(cfg.device)
     try:
         unl = train_unmanaged(family, **common)
+    except torch.OutOfMemoryError as exc:
+        return _beyond_the_device(cfg, family, policies, _reason(exc))
     except _failures() as exc:
         return [_row(family, cfg, "unlimited", feasible=False, reason=_reason(exc))]
     peak = max(unl.peak_bytes)
@@ -341,6 +347,33 @@ def _family_grid(cfg: RealBenchConfig, family: str, policies: list[str]) -> list
                                       "host_syncs", "event_source")}))
     if cfg.simulate:
         _add_predictions(cfg, family, rows, policies)
+    return rows
+
+
+def _beyond_the_device(cfg: RealBenchConfig, family: str, policies: list[str], why: str) -> list[dict[str, Any]]:
+    """PyTorch alone ran out of device memory: each policy trains with the fraction itself as its
+    budget. The manager measures the peak in its first step, run under the device's free memory and
+    moving storages as needed, and keeps later steps to the fraction of it (hard-capped on CUDA).
+    There is no unlimited run to compare times or bits with, so those cells stay empty."""
+    from ..runtime.train import train_managed
+
+    common = dict(steps=cfg.steps, preset=cfg.preset, seed=cfg.seed, device=cfg.device)
+    rows = [_row(family, cfg, "unlimited", feasible=False, beyond_device=True, reason=why)]
+    for policy in policies:
+        _fresh(cfg.device)
+        try:
+            r = train_managed(family, float(cfg.fraction), policy, hard_cap=cfg.hard_cap and cfg.device == "cuda",
+                              **common)
+        except _failures() as exc:
+            rows.append(_row(family, cfg, policy, feasible=False, reason=_reason(exc)))
+            continue
+        st = r.stats or {}
+        rows.append(_row(
+            family, cfg, policy, feasible=True, reason="", iter_time_s=r.median_step_seconds(),
+            peak_bytes=r.max_managed_peak(), cap_bytes=st.get("budget_bytes"),
+            measured_peak_bytes=st.get("measured_peak_bytes"), max_memory_allocated=st.get("max_memory_allocated"),
+            **{k: st.get(k) for k in ("bytes_offloaded", "bytes_fetched_on_demand", "evictions", "stall_seconds",
+                                      "budget_overshoot_bytes", "host_bytes_peak", "host_syncs", "event_source")}))
     return rows
 
 
@@ -455,6 +488,21 @@ def render_real_markdown(report: RealBenchReport) -> str:
         if not rows:
             continue
         u = rows[0]
+        if u.get("beyond_device"):
+            lines += ["", f"## {family}: PyTorch alone does not fit the device ({(u.get('reason') or '')[:120]})", "",
+                      "Each policy takes the fraction as its budget: the manager measures the peak in a first step "
+                      "run under the device's free memory, then keeps to the fraction of it.", "",
+                      "| method | trains | step time | measured peak | budget | peak | moved off / on demand | stalls |",
+                      "|---|---|---:|---:|---:|---:|---:|---:|"]
+            for r in rows[1:]:
+                if not r.get("feasible"):
+                    lines.append(f"| {r['method']} | no ({(r.get('reason') or '').split(':')[0]}) |  |  |  |  |  |  |")
+                    continue
+                lines.append(f"| {r['method']} | yes | {_ms(r.get('iter_time_s'))} | {_mib(r.get('measured_peak_bytes'))} "
+                             f"| {_mib(r.get('cap_bytes'))} | {_mib(r.get('peak_bytes'))} | "
+                             f"{_mib(r.get('bytes_offloaded'))} / {_mib(r.get('bytes_fetched_on_demand'))} | "
+                             f"{r.get('stall_seconds') or 0:.3f} s |")
+            continue
         if u.get("iter_time_s") is None:
             lines += ["", f"## {family}: the unlimited run failed: {u.get('reason', '')}"]
             continue

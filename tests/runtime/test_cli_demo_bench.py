@@ -177,3 +177,38 @@ def test_readme_memory_manager_example_runs(capsys):
     # detach() brought every parameter back (an offloaded storage is resized to zero)
     assert all(p.untyped_storage().nbytes() >= p.numel() * p.element_size() for p in wl.model.parameters())
     assert "peak_device_bytes" in capsys.readouterr().out
+
+
+def test_bench_real_trains_a_model_that_does_not_fit_alone(tmp_path, monkeypatch):
+    """Where PyTorch alone runs out of device memory, `bench --real` gives each policy the fraction as
+    its budget: the manager measures the peak in a first step run under the device's free memory.
+    Here the device is played by a PyTorch alone that raises OutOfMemoryError and a free memory of a
+    third of the model's peak."""
+    import torch
+
+    from dynn_runtime.runtime import train as train_mod
+    from dynn_runtime.runtime.train import train_managed
+
+    ref = train_managed("moe", 0.25, "lru", steps=2, preset="tiny", device="cpu").stats  # measured unmanaged
+    peak = ref["measured_peak_bytes"]
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(train_mod, "train_unmanaged", oom)
+    from dynn_runtime.runtime.manager import MemoryManager
+
+    monkeypatch.setattr(MemoryManager, "_first_step_budget", lambda self: peak // 3)
+    out_json = tmp_path / "real.json"
+    rc = main(["bench", "--real", "--device", "cpu", "--families", "moe", "--preset", "tiny", "--steps", "2",
+               "--max-scale", "0", "--policies", "lru", "--cap", "0.25", "--out", str(tmp_path), "--json",
+               str(out_json), "-q"])
+    assert rc == 0
+    rows = {r["method"]: r for r in json.loads(out_json.read_text())["results"]}
+    assert rows["unlimited"]["feasible"] is False and rows["unlimited"]["beyond_device"]
+    lru = rows["lru"]
+    assert lru["feasible"] and lru["evictions"] > 0
+    assert lru["cap_bytes"] == int(lru["measured_peak_bytes"] * 0.25)
+    assert lru["measured_peak_bytes"] == peak  # what PyTorch alone would hold, measured though it did not fit
+    md = out_json.with_suffix(".md").read_text()
+    assert "PyTorch alone does not fit the device" in md and "| lru | yes |" in md
