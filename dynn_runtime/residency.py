@@ -26,13 +26,14 @@ Invariants :class:`Residency` keeps:
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections.abc import Iterator
 from typing import Any
 
 from .errors import internal_assert
 
-__all__ = ["Status", "TRANSITIONS", "HOLDS_DEVICE", "IN_FLIGHT", "Record", "Residency"]
+__all__ = ["Status", "TRANSITIONS", "HOLDS_DEVICE", "IN_FLIGHT", "PERSISTENT_KINDS", "Record", "Residency", "next_access"]
 
 
 class Status(str, enum.Enum):
@@ -62,6 +63,19 @@ TRANSITIONS: dict[Status, frozenset[Status]] = {
 HOLDS_DEVICE = frozenset({S.RESIDENT, S.OFFLOADING, S.FETCHING})
 IN_FLIGHT = frozenset({S.OFFLOADING, S.FETCHING})
 AWAY = frozenset({S.HOST, S.DROPPED})
+#: kinds that live across iterations: their next access after the last one is the next iteration's first
+PERSISTENT_KINDS = frozenset({"param", "buffer", "opt_state"})
+
+
+def next_access(accesses: list[int] | None, position: int, kind: str, length: int) -> int | None:
+    """The first of ``accesses`` (sorted operator positions of one iteration of ``length``
+    operators) after ``position``; a persistent storage's wraps to the next iteration. None: never."""
+    if not accesses:
+        return None
+    k = bisect.bisect_right(accesses, position)
+    if k < len(accesses):
+        return accesses[k]
+    return length + accesses[0] if kind in PERSISTENT_KINDS else None
 
 
 class Record:

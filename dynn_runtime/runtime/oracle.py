@@ -10,10 +10,10 @@ State: ``_trace``, ``_trace_it``, ``_trace_acc``, ``_oracle_map``, ``_persist_ma
 
 from __future__ import annotations
 
-import bisect
 import warnings
 
 from ..errors import PolicyError
+from ..residency import next_access
 from .storages import _PERSISTENT
 
 
@@ -28,15 +28,7 @@ class OracleAlignment:
         tsid = self._oracle_map.get(sid)
         if tsid is None:
             return self.position + 1  # unknown to the trace: keep it
-        acc = self._trace_acc.get(tsid)
-        if not acc:
-            return None
-        k = bisect.bisect_right(acc, self.position)
-        if k < len(acc):
-            return acc[k]
-        if self.st[sid].kind in _PERSISTENT:
-            return len(self._trace_it.ops) + acc[0]
-        return None
+        return next_access(self._trace_acc.get(tsid), self.position, self.st[sid].kind, len(self._trace_it.ops))
 
     def _map_oracle_persistent(self) -> None:
         tr = self._trace

@@ -63,7 +63,7 @@ from typing import Any
 from ..errors import BudgetError, ConfigError, TraceError, internal_assert
 from ..policies.base import Policy, make_policy
 from ..residency import HOLDS_DEVICE as _HOLDS_DEVICE
-from ..residency import Record, Residency, Status
+from ..residency import Record, Residency, Status, next_access
 from ..trace.format import SCHEMA_VERSION, Trace
 from .hostcost import HostCost
 from .profiles import DeviceProfile, get_profile, op_time
@@ -296,15 +296,7 @@ class Simulator(Residency):
 
     def next_use(self, sid: int) -> int | None:
         """Next access after the current position; persistent storages wrap to the next iteration."""
-        acc = self.accesses.get(sid)
-        if not acc:
-            return None
-        k = bisect.bisect_right(acc, self.position)
-        if k < len(acc):
-            return acc[k]
-        if self.st[sid].kind in ("param", "buffer", "opt_state"):
-            return len(self.ops) + acc[0]
-        return None
+        return next_access(self.accesses.get(sid), self.position, self.st[sid].kind, len(self.ops))
 
     # ---- state transitions ------------------------------------------------------------------
     def _set(self, sid: int, new: Status) -> None:
