@@ -31,12 +31,16 @@
 //      operator has allocated so far), the decision handler runs and makes room for `max_made`:
 //      an operator no larger than any before it then stays within the budget; a larger one
 //      overshoots once, by at most what it exceeds the old maximum.
+//   7. Every entry knows the stream of its last access (the current stream of the managed device
+//      when an operator touched it, or when it was registered): an eviction orders its copy after
+//      that stream's work too, not only after the evicting thread's current stream.
 
 #include <ATen/ATen.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/function.h>
@@ -77,9 +81,10 @@ struct Entry {
   bool away = false;        // offloaded: must be fetched before any kernel reads it
   bool host_valid = false;  // its host copy equals the device bytes (no write since)
   bool watch = false;       // a copy is in flight: the manager must see the next access first
+  int64_t stream = 0;       // c10::Stream::id() of its last access on the managed device (invariant 7)
 
-  Entry(c10::weak_intrusive_ptr<c10::StorageImpl> w, int64_t s, int64_t n)
-      : weak(std::move(w)), sid(s), nbytes(n) {}
+  Entry(c10::weak_intrusive_ptr<c10::StorageImpl> w, int64_t s, int64_t n, int64_t st)
+      : weak(std::move(w)), sid(s), nbytes(n), stream(st) {}
 };
 
 class Observer;
@@ -185,6 +190,7 @@ class Observer {
   bool away(int64_t sid) { return entry(sid).away; }
   int64_t nbytes(int64_t sid) { return entry(sid).nbytes; }
   int64_t last_access(int64_t sid) { return entry(sid).last_access; }
+  int64_t last_stream(int64_t sid) { return entry(sid).stream; }
   int64_t access_count(int64_t sid) { return entry(sid).count; }
   bool alive(int64_t sid) {
     auto it = by_sid_.find(sid);
@@ -308,7 +314,7 @@ class Observer {
     }
     const int64_t n = static_cast<int64_t>(impl->nbytes());
     const int64_t sid = next_sid_++;
-    auto res = table_.emplace(impl, Entry(t.storage().getWeakStorageImpl(), sid, n));
+    auto res = table_.emplace(impl, Entry(t.storage().getWeakStorageImpl(), sid, n, current_stream()));
     by_sid_.emplace(sid, impl);
     used_ += n;
     log_.push_back(kAlloc);
@@ -469,8 +475,9 @@ class Observer {
       }
     }
     const int64_t j = position_++;
-    for (int64_t sid : ctx->ins) touch(sid, j);
-    for (int64_t sid : outs) touch(sid, j);
+    const int64_t stream = current_stream();
+    for (int64_t sid : ctx->ins) touch(sid, j, stream);
+    for (int64_t sid : outs) touch(sid, j, stream);
     log_.push_back(kOp);
     log_.push_back(inf.id);
     log_.push_back(phase | (module_ << 2));
@@ -512,12 +519,21 @@ class Observer {
     }
   }
 
-  void touch(int64_t sid, int64_t j) {
+  void touch(int64_t sid, int64_t j, int64_t stream) {
     auto it = by_sid_.find(sid);
     if (it == by_sid_.end()) return;
     Entry& e = table_.at(it->second);
     e.last_access = j;
+    e.stream = stream;
     ++e.count;
+  }
+
+  // The managed device's current stream on this thread (0 where the device type has no streams
+  // registered: the CPU build's CUDA).
+  int64_t current_stream() const {
+    if (device_type_ == c10::DeviceType::CPU || !c10::impl::hasDeviceGuardImpl(device_type_)) return 0;
+    const auto* guard = c10::impl::getDeviceGuardImpl(device_type_);
+    return guard->getStream(c10::Device(device_type_, static_cast<c10::DeviceIndex>(device_index_))).id();
   }
 
   c10::DeviceType device_type_;
@@ -590,6 +606,7 @@ PYBIND11_MODULE(_C, m) {
       .def("away", &Observer::away)
       .def("nbytes", &Observer::nbytes)
       .def("last_access", &Observer::last_access)
+      .def("last_stream", &Observer::last_stream)
       .def("access_count", &Observer::access_count)
       .def("alive", &Observer::alive)
       .def("sweep", &Observer::sweep)

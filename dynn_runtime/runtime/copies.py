@@ -4,8 +4,9 @@ those copies against the compute stream.
 The manager speaks only this interface (``MemoryManager._copies``); every ordering rule of the
 module docstring of :mod:`~dynn_runtime.runtime.manager` is one call here:
 
-* ``to_host(src, dst)``: copy device bytes ``src`` into host buffer ``dst`` once the compute stream
-  has produced them; returns the copy's event.
+* ``to_host(src, dst, last_stream)``: copy device bytes ``src`` into host buffer ``dst`` once the
+  compute stream, and the stream that last used them (``last_stream``, a stream id; None or the
+  current stream's: no other), have produced them; returns the copy's event.
 * ``release(st)``: give an evicted storage's device block back (``st.resize_(0)``), *stream-ordered*:
   the block is not reused before every copy reading it has completed.
 * ``allocate(st, nbytes)``: give a storage its device block back before a fetch.
@@ -40,7 +41,7 @@ class SyncCopies:
 
     asynchronous = False
 
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor, last_stream: int | None = None) -> None:
         dst.copy_(src)
 
     def to_device(self, src: torch.Tensor, dst: torch.Tensor, after: Any) -> None:
@@ -79,12 +80,18 @@ class CudaCopies:
             self._h2d = torch.cuda.Stream(self.device)
         return self._d2h, self._h2d
 
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor, last_stream: int | None = None) -> Any:
         d2h, _ = self._streams()
+        compute = torch.cuda.current_stream(self.device)
         ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
+        ready.record(compute)
         with torch.cuda.stream(d2h):
             d2h.wait_event(ready)  # invariant 1: the bytes are produced on the compute stream first
+            if last_stream is not None and last_stream != compute.stream_id:  # ... and on the stream that last used them
+                other = torch.cuda.Stream(stream_id=last_stream, device_index=self.device.index, device_type=1)
+                also = torch.cuda.Event()
+                also.record(other)
+                d2h.wait_event(also)
             dst.copy_(src, non_blocking=self.pinned)
             ev = torch.cuda.Event()
             ev.record(d2h)
@@ -203,7 +210,7 @@ class FakeAsyncCopies:
         return [o for q in self.queues.values() for o in q if o.reads is not None and o.reads._cdata == key]
 
     # -- the interface --------------------------------------------------------------------------
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> _FakeEvent:
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor, last_stream: int | None = None) -> _FakeEvent:
         self._tick()
         st = src.untyped_storage()
         n = src.numel()

@@ -26,7 +26,8 @@ How it works (the stock-PyTorch counterpart of the paper's patched fetch hooks):
 On CUDA (invariants, each one a classic source of silent corruption):
 
 1. A device-to-host copy runs on the D2H stream after an event recorded on the compute stream at
-   eviction time (the data must be produced first). The source block is ``record_stream``-ed on the
+   eviction time, and one on the stream of the storage's last access where that is another (the
+   data must be produced first). The source block is ``record_stream``-ed on the
    D2H stream and the storage released at once: the caching allocator does not recycle the block
    before the copy stream has passed the copy, and the host does not wait.
 2. A host-to-device copy into a freshly resized storage runs on the H2D stream after an event

@@ -57,7 +57,8 @@ class Moves(Residency):
                 self._drop_host(s)
                 s.host = self.pool.alloc(s.nbytes)
             src = _u8(st, self.device)
-            s.event = self._copies.to_host(src, s.host.tensor)
+            last = obs.last_stream(s.sid) if obs is not None else s.stream
+            s.event = self._copies.to_host(src, s.host.tensor, last)
             del src
             s.host_valid = True
             if obs is not None:

@@ -198,6 +198,7 @@ class PythonSource:
         self._note_peak()
         j = self.position
         now = time.perf_counter() - self._t0
+        stream = torch._C._cuda_getCurrentStream(self.device.index)[0] if self.cuda else 0
         pol = self.policy
         t0 = time.perf_counter()
         # the mode is popped while __torch_dispatch__ runs: policy work does not re-enter it
@@ -209,6 +210,7 @@ class PythonSource:
                 continue
             s.last_access = j
             s.last_access_t = now
+            s.stream = stream
             s.count += 1
             pol.on_access(sid, j)
         phase = self._current_phase()

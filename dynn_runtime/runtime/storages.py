@@ -40,7 +40,7 @@ class _S(Record):
     """What the manager knows about one device storage, beyond what the simulator keeps too."""
 
     __slots__ = ("key", "ref", "host", "event", "name", "movable", "born_step", "fetch_event", "pf", "born_pos",
-                 "obs")
+                 "obs", "stream")
 
     def __init__(self, sid: int, key: int, ref: Any, nbytes: int, kind: str, movable: bool, step: int) -> None:
         super().__init__(sid, nbytes, kind)
@@ -55,6 +55,7 @@ class _S(Record):
         self.born_step = step
         self.born_pos = 0
         self.obs: Any = None  # the native observer, which must see the next access while a copy is in flight
+        self.stream = 0  # Python source, CUDA: the stream id of its last access (the native observer keeps its own)
 
 
 def _storage_key(st: torch.UntypedStorage) -> int:

@@ -98,3 +98,24 @@ def test_fraction_budget_on_a_model_larger_than_the_free_memory(events, monkeypa
     assert st["measured_peak_bytes"] >= max(base.peak_bytes) * 0.75  # the allocator rounds above the storages
     differ = [k for k, v in r.tensor_digests.items() if base.tensor_digests.get(k) != v]
     assert not differ and r.losses == base.losses
+
+
+@pytest.mark.parametrize("events", _sources())
+def test_an_eviction_waits_for_the_stream_that_last_wrote_the_tensor(events, monkeypatch):
+    """A tensor written on a side stream and evicted from the default stream right away: the copy
+    to the host must wait for the side stream (its last use), not only for the current stream."""
+    monkeypatch.setenv("DYNN_EVENTS", events)
+    model = torch.nn.Linear(64, 64).cuda()
+    side = torch.cuda.Stream()
+    with MemoryManager(budget=1 << 30, policy="lru", device="cuda").attach(model) as mm:
+        with mm.step():
+            y = model(torch.randn(4096, 64, device="cuda"))
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(50_000_000)  # the side stream is busy for tens of milliseconds
+                y.mul_(0).add_(7.0)  # ... then writes y
+            y.record_stream(side)
+            assert mm.offload(y) > 0  # from the default stream, which has not waited for the side one
+            torch.cuda.current_stream().wait_stream(side)
+            got = (y + 0.0).cpu()
+        assert torch.all(got == 7.0), "the host copy was taken before the side stream wrote the tensor"
