@@ -8,7 +8,12 @@ device bytes at once, stream-ordered, so no offload is ever pending here: storag
 ``resident -> host`` and come back ``host -> fetching -> resident`` (asynchronous copies) or
 ``host -> resident`` (synchronous ones).
 
-State: ``_copies``, ``async_copies``, ``pool``, ``_cur`` (the step's statistics), ``_pending_stalls``.
+Storages a collective still runs on (``c10d::`` operators: DDP's buckets) and those ``pin()``-ned
+never leave. An eviction's copy waits for the compute stream and for the stream of the storage's
+last access (the native observer's ``last_stream``; ``_S.stream`` on the Python source).
+
+State: ``_copies``, ``async_copies``, ``pool``, ``_cur`` (the step's statistics), ``_pending_stalls``,
+``_held`` and ``_collectives`` (what collectives hold), ``_pinned``.
 """
 
 from __future__ import annotations
