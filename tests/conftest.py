@@ -24,3 +24,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_native_manager_left_attached():
+    """A test that ends with a MemoryManager still attached on the native source (one per process)
+    would make every later test's manager fall back or fail: stop its observer and fail that test."""
+    yield
+    import sys
+
+    events = sys.modules.get("dynn_runtime.runtime.events")
+    if events is None or not events.QUIET:
+        return
+    for obs in list(events.QUIET):
+        obs.stop()
+        events.QUIET.remove(obs)
+    pytest.fail("the test left a MemoryManager attached on the native event source; detach() it (a finally: block)")
