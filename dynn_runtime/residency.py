@@ -123,8 +123,8 @@ class Residency:
     def set_status(self, s: Record, new: Status) -> None:
         """Move ``s`` to ``new`` (invariant 1) and keep the device-byte count and the in-flight sets."""
         old = s.status
-        internal_assert(new in TRANSITIONS[old],
-                        f"residency: illegal transition {old.value} -> {new.value} for storage {s.sid}")
+        if new not in TRANSITIONS[old]:  # (the message is built only then: this runs for every birth and death)
+            internal_assert(False, f"residency: illegal transition {old.value} -> {new.value} for storage {s.sid}")
         held_before = old in HOLDS_DEVICE
         held_after = new in HOLDS_DEVICE
         if held_after != held_before:

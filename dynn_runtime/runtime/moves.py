@@ -102,15 +102,12 @@ class Moves(Residency):
         step ends: a collective still running is waited for first)."""
         keep = []
         for works, sids in self._collectives:
-            if works is not None and not all(w.is_completed() for w in works):
-                if not wait:
-                    keep.append((works, sids))
-                    continue
-                for w in works:
-                    w.wait()
-            elif works is None and not wait:
+            done = works is not None and all(w.is_completed() for w in works)
+            if not done and not wait:
                 keep.append((works, sids))
                 continue
+            for w in works if not done and works is not None else ():
+                w.wait()
             for sid in sids:
                 n = self._held.get(sid, 0) - 1
                 if n > 0:
