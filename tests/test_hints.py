@@ -15,7 +15,7 @@ import dynn_runtime as dr
 from dynn_runtime import hints
 from dynn_runtime.errors import ConfigError, TraceError
 from dynn_runtime.hints import Hint
-from dynn_runtime.pilot import native
+from dynn_runtime.pilot import kernel as native
 from dynn_runtime.pilot.features import CAND_FEATURES, CTX_FEATURES, FeatureState
 from dynn_runtime.policies.basic import LRUPolicy
 from dynn_runtime.trace import read_trace, record
@@ -189,7 +189,7 @@ def test_the_synthetic_networks_hints_are_true(tmp_path):
     """The synthetic training networks that hint (a tree trunk of each cell, recycling, skip and
     exit stages, an image trunk whose skip blocks cannot all run) tell the truth: the pilot learns
     from them what a hint is worth."""
-    from dynn_runtime.pilot.synth import SynthNet, describe, synth_traces
+    from dynn_runtime.pilot.training.synth import SynthNet, describe, synth_traces
 
     seeds = [4, 5, 8, 24]  # conv: moe, skip, recycle, exit; tree (levels); conv: exit, skip; tree (shared)
     assert all(SynthNet(s).tell for s in seeds)
@@ -287,7 +287,7 @@ def test_a_hinted_storage_read_in_its_step_is_marked_read(backend):
 
 
 def test_without_hints_the_columns_are_zero(tree_trace):
-    from dynn_runtime.pilot.data import walk
+    from dynn_runtime.pilot.training.data import walk
 
     tr = read_trace(tree_trace)
     plain = Trace(header=tr.header, storages=tr.storages, iterations=[

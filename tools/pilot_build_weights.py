@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dynn_runtime import models
 from dynn_runtime.pilot import PilotConfig, evaluate, render_table, save_model, train, zoo_traces
-from dynn_runtime.pilot.synth import SYNTH_FAMILY, synth_traces
+from dynn_runtime.pilot.training.synth import SYNTH_FAMILY, synth_traces
 
 TRAIN = [("tiny", (1, 2, 3), 4), ("small", (1,), 3)]
 HELD_OUT = [("tiny", (10,), 3), ("small", (0,), 2), ("small", (10,), 3)]

@@ -80,9 +80,9 @@ def metrics() -> None:
 
 
 def lofo() -> None:
-    from dynn_runtime.pilot.data import Rows, build_rows, trace_family
+    from dynn_runtime.pilot.training.data import Rows, build_rows, trace_family
     from dynn_runtime.pilot.model import fit
-    from dynn_runtime.pilot.train import fit_prior
+    from dynn_runtime.pilot.training.train import fit_prior
 
     cfg = PilotConfig(epochs=6, candidates_per_decision=32)
     # the zoo minus the left-out family, plus the synthetic networks (never a left-out family);
@@ -142,7 +142,7 @@ def cost() -> None:
     us per decision, inference share of the h100 iteration, for each variant (best of 3, budget 1/2:
     feasible on every family);
     then the simulated iteration time at 1/2, 1/4, 1/8 of each variant against the oracle."""
-    from dynn_runtime.pilot.cost import decision_cost_curve, fit_decision_cost
+    from dynn_runtime.pilot.training.cost import decision_cost_curve, fit_decision_cost
     from dynn_runtime.pilot.policy import PilotPolicy
     from dynn_runtime.sim import simulate
 
@@ -287,7 +287,7 @@ def cost_large() -> None:
     whole runs keeps the estimate out of a shared CPU's load. skipnet, early_exit and tree_lstm are
     recorded at full depth (only the batch is cut)."""
     from dynn_runtime.bench import TraceCache
-    from dynn_runtime.pilot.cost import fit_decision_cost
+    from dynn_runtime.pilot.training.cost import fit_decision_cost
 
     model = load_model(default_weights_path())
     cache = TraceCache(".dynn-cache/traces")

@@ -1,4 +1,4 @@
-"""Pilot inference cost, numpy reference vs the native kernel (dynn_runtime/pilot/_native.c), in one process.
+"""Pilot inference cost, numpy reference vs the native kernel (dynn_runtime/pilot/kernel/kernel.c), in one process.
 
     python tools/pilot_native_cost.py [FAMILY ...] [--repeats N] [--variants incremental,full]
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from dynn_runtime import models
 from dynn_runtime.pilot import load_model, native, zoo_traces
-from dynn_runtime.pilot.cost import decision_cost_curve, fit_decision_cost, inference_cost
+from dynn_runtime.pilot.training.cost import decision_cost_curve, fit_decision_cost, inference_cost
 from dynn_runtime.pilot.policy import default_weights_path
 
 OUT = Path("out/pilot")

@@ -17,14 +17,14 @@ Python API: :func:`train` / :func:`evaluate` / :func:`save_model` / :func:`load_
 refit (:class:`OnlineRefit`), inference cost (:func:`inference_cost`).
 """
 
-from .cost import inference_cost
-from .data import build_rows, load_traces, walk, zoo_traces
-from .evaluate import METHODS, WINDOW_OPS, evaluate, render_table
 from .features import BUCKET_EDGES, CAND_FEATURES, COARSE_NAMES, CTX_FEATURES, FeatureState
 from .model import WEIGHTS_VERSION, PilotConfig, PilotModel, fit, load_model, save_model
-from .online import OnlineRefit, shift_experiment
 from .policy import PilotPolicy, default_weights_path
-from .train import train
+from .training.cost import inference_cost
+from .training.data import build_rows, load_traces, walk, zoo_traces
+from .training.evaluate import METHODS, WINDOW_OPS, evaluate, render_table
+from .training.online import OnlineRefit, shift_experiment
+from .training.train import train
 
 __all__ = [
     "PilotPolicy", "PilotModel", "PilotConfig", "FeatureState",

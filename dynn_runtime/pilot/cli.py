@@ -64,7 +64,7 @@ def _weights(arg: str) -> Path:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from .model import PilotConfig, save_model
-    from .train import train
+    from .training.train import train
 
     cfg = PilotConfig(seed=args.seed)
     for name in ("epochs", "group", "hidden"):
@@ -83,9 +83,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from .data import load_traces
-    from .evaluate import evaluate, render_table
     from .model import load_model
+    from .training.data import load_traces
+    from .training.evaluate import evaluate, render_table
 
     path = _weights(args.weights)
     model = load_model(path)
@@ -100,9 +100,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_cost(args: argparse.Namespace) -> int:
-    from .cost import inference_cost
-    from .data import load_traces
     from .model import load_model
+    from .training.cost import inference_cost
+    from .training.data import load_traces
 
     model = load_model(_weights(args.weights))
     backend = None if args.backend == "auto" else args.backend

@@ -93,6 +93,18 @@ import numpy as np
 
 from .._log import logger
 from ..trace.format import KINDS, PHASES
+from .layout import (
+    BUCKET_EDGES,
+    CAND_FEATURES,
+    COARSE_NAMES,
+    COARSE_OF_FINE,
+    CTX_FEATURES,
+    HINT_MAX,
+    N_COARSE,
+    N_FINE,
+    THRESH,
+    fine_bucket,
+)
 
 __all__ = [
     "CAND_FEATURES",
@@ -111,70 +123,12 @@ PERSISTENT_KINDS = frozenset({"param", "buffer", "opt_state"})
 _KIND_IDX = {k: i for i, k in enumerate(KINDS)}
 _PHASE_IDX = {p: i for i, p in enumerate(PHASES)}
 
-#: upper edges (in operators after the decision point, inclusive) of the fine buckets the model
-#: predicts; after them come "later this iteration" (past the last edge) and "not again this
-#: iteration". Octaves up to 16384 operators: a far next use is predicted to an octave too, so the
-#: policy rescores a storage about when its use could come near (rule 5 of :mod:`.policy`) instead of
-#: every 64 operators, which with one "later" bucket past 256 made the rows scored per decision
-#: point grow with the model's depth (evoformer x4: 97% of them were far storages due again).
-BUCKET_EDGES: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-N_FINE = len(BUCKET_EDGES) + 2
-#: coarse buckets (reported): with the default group of 16 operators they are next group,
-#: within 4 groups, within 16 groups, later this iteration, not again this iteration
-COARSE_NAMES = ("next group", "within 4 groups", "within 16 groups", "later", "not again")
-COARSE_OF_FINE = np.asarray([0 if e <= 16 else 1 if e <= 64 else 2 if e <= 256 else 3 for e in BUCKET_EDGES]
-                            + [3, 4], dtype=np.int64)
-N_COARSE = len(COARSE_NAMES)
-
-
-def fine_bucket(dist: np.ndarray) -> np.ndarray:
-    """Fine bucket of next-use distances (operators; ``<= 0`` or ``inf``: not again this iteration)."""
-    d = np.asarray(dist, dtype=np.float64)
-    b = np.searchsorted(np.asarray(BUCKET_EDGES, dtype=np.float64), d, side="left")
-    b = np.where(np.isfinite(d) & (d > 0), b, N_FINE - 1)
-    return b.astype(np.int64)
-
-
-#: cumulative "estimated distance <= t" indicators (sharp edges at the bucket and window boundaries)
-_THRESH: tuple[int, ...] = (8, 16, 32, 48, 64, 96, 128, 256)
-
-CAND_FEATURES: tuple[str, ...] = (
-    *(f"kind_{k}" for k in KINDS),
-    "saved", "persistent", "log_bytes",
-    "accessed_this_iter", "log_age", "log_count", "log_count_phase",
-    "acc_forward", "acc_backward", "acc_optimizer",
-    "born_this_iter", "log_since_birth",
-    *(f"born_{p}" for p in PHASES),
-    *(f"last_{p}" for p in PHASES),
-    *(f"producer_iv{i}" for i in range(6)), "has_producer",
-    *(f"consumer_iv{i}" for i in range(6)),
-    "on_stack", "log_stack_depth", "stack_top",
-    "matched", "prev_used_again", "log_prev_dist", "log_prev_count",
-    "occ_has_next", "log_occ_remaining", "log_occ_gap",
-    "age0",
-    "ext_by_order", "log_stack_span", "log_stack_est", "stack_overdue",
-    *(f"prev_le{t}" for t in _THRESH), *(f"occ_le{t}" for t in _THRESH), *(f"stack_le{t}" for t in _THRESH),
-    "mirror", "mirror_linked", "mirror_final", "log_mirror_span", "log_mirror_est",
-    *(f"mirror_le{t}" for t in _THRESH),
-    "hinted", "hint_done", "log_hint_steps", "log_hint_est",
-    *(f"hint_le{t}" for t in _THRESH),
-    "hint_read",
-)
-CTX_FEATURES: tuple[str, ...] = (
-    *(f"phase_{p}" for p in PHASES),
-    "log_in_phase", "has_history", "anchored_progress", "progress", "log_since_anchor",
-    *(f"hist_fast_iv{i}" for i in range(6)),
-    *(f"hist_slow_iv{i}" for i in range(6)),
-    "hist_slow_allocs", "log_candidates", "log_bwd_fwd_ratio", "hints",
-)
 _C = {n: i for i, n in enumerate(CAND_FEATURES)}
-_THRESH_ARR = np.asarray(_THRESH, dtype=np.float64)
+_THRESH_ARR = np.asarray(THRESH, dtype=np.float64)
 _X = {n: i for i, n in enumerate(CTX_FEATURES)}
 _BIG = 1 << 32
 #: rule 9: how many producers down a pass-through gradient is followed at once
 _PASS_DEPTH = 8
-#: rule 10: hinted step counts and distances are capped here (the kernel's log tables cover them)
-_HINT_MAX = 4095
 _IV_CACHE: dict[tuple[int, ...], np.ndarray] = {}
 _IVK_CACHE: dict[tuple[Any, ...], np.ndarray] = {}
 #: per (idiom, decays): ((iv, its address), (the histories' increment, its address)), for the kernel
@@ -193,7 +147,7 @@ class FeatureState:
 
     def __init__(self, view: Any, group: int = 16, decays: tuple[float, float] = (0.5, 0.9),
                  backend: str | None = None) -> None:
-        from . import native
+        from . import kernel as native
 
         self.view = view
         self.group = int(group)
@@ -914,8 +868,8 @@ class FeatureState:
             at = self.hint_at[idx]
             rows = np.flatnonzero(at >= 0)
             if len(rows):
-                steps = np.minimum(np.maximum(at[rows] - self._h_step, 0), _HINT_MAX)
-                est = np.minimum(np.maximum(steps * self._hint_len() - (pos + 1 - self._h_start), 0), _HINT_MAX)
+                steps = np.minimum(np.maximum(at[rows] - self._h_step, 0), HINT_MAX)
+                est = np.minimum(np.maximum(steps * self._hint_len() - (pos + 1 - self._h_start), 0), HINT_MAX)
                 X[rows, _C["hinted"]] = 1.0
                 X[rows, _C["log_hint_steps"]] = np.log1p(steps.astype(np.float32)) / 4.0
                 X[rows, _C["log_hint_est"]] = np.log1p(est) / 8.0

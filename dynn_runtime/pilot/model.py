@@ -205,7 +205,7 @@ class PilotModel:
         summation order), ``"numpy"`` (the methods above), or None: native when available and it
         takes this model's shape.
         """
-        from . import native
+        from . import kernel as native
 
         use = native.resolve(backend) == "native"
         if use and not native.kernel().supports(self):

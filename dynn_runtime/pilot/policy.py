@@ -340,7 +340,7 @@ class PilotPolicy(NextUsePolicy):
     def attach(self, view: Any) -> None:
         super().attach(view)
         model = self.model  # first use: load the weights now, not at import
-        from . import native
+        from . import kernel as native
 
         backend = native.resolve(self.backend)
         if backend == "native" and not native.kernel().supports(model):
@@ -352,7 +352,7 @@ class PilotPolicy(NextUsePolicy):
         self.backend = backend
         self._kernel = self._state._kernel
         if self._kernel is not None:
-            from .native import PolicyTable
+            from .kernel import PolicyTable
 
             self._pt = PolicyTable(_LOWER, self.quantile, self.recheck)
         self._away_out = (np.empty(256, dtype=np.int64), np.empty(256, dtype=np.float64))
@@ -366,7 +366,7 @@ class PilotPolicy(NextUsePolicy):
         self._clock0 = self._clock()
         self._spent = 0.0
         if self._online and self._refit is None:
-            from .online import OnlineRefit
+            from .training.online import OnlineRefit
 
             self._refit = OnlineRefit(model, refit_every=self._refit_every)
 

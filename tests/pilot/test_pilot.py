@@ -20,10 +20,11 @@ from dynn_runtime.pilot import (
     train,
     walk,
 )
-from dynn_runtime.pilot.data import build_rows
+from dynn_runtime.pilot.training.data import build_rows
 from dynn_runtime.pilot.model import WEIGHTS_VERSION
 from dynn_runtime.pilot.policy import PilotPolicy
 from dynn_runtime.policies import make_policy
+from dynn_runtime.policies.base import IterationContext
 from dynn_runtime.sim import simulate
 from dynn_runtime.trace.format import SCHEMA_VERSION, Iteration, Op, Storage, Trace
 
@@ -289,7 +290,7 @@ def test_policy_reads_no_future(moe_trace):
     pol.attach = lambda view: real_attach(Blind(view))
     sim.policy = pol
     real_begin = pol.begin_iteration
-    pol.begin_iteration = lambda i, ctx: real_begin(i, {"history": ctx["history"]})
+    pol.begin_iteration = lambda i, ctx: real_begin(i, IterationContext(history=ctx.history))
     r = sim.run()
     assert r.peak_bytes <= r.budget_bytes and pol.decisions > 0
 

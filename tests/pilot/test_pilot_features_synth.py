@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from dynn_runtime.pilot.features import CAND_FEATURES, FeatureState
-from dynn_runtime.pilot.synth import SynthWorkload, describe, synth_traces
+from dynn_runtime.pilot.training.synth import SynthWorkload, describe, synth_traces
 from dynn_runtime.trace.format import Iteration, Op
 
 C = {n: i for i, n in enumerate(CAND_FEATURES)}
@@ -98,9 +98,9 @@ def test_prior_ignores_synthetic_rows_when_real_ones_exist():
     # network only) must not move it, unless they are all there is
     import numpy as np
 
-    from dynn_runtime.pilot.data import Rows, build_rows, zoo_traces
-    from dynn_runtime.pilot.synth import SYNTH_FAMILY
-    from dynn_runtime.pilot.train import fit_prior
+    from dynn_runtime.pilot.training.data import Rows, build_rows, zoo_traces
+    from dynn_runtime.pilot.training.synth import SYNTH_FAMILY
+    from dynn_runtime.pilot.training.train import fit_prior
 
     [(_, tr)] = zoo_traces(["moe"], ["tiny"], [1], 4)
     real = build_rows([tr], group=16, per_decision=64, seed=0)

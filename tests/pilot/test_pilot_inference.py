@@ -206,7 +206,7 @@ def test_small_storages_are_not_scored_until_one_is_offered(trace, model, backen
     """Rule 8: while no small storage leaves, leaving them out of scoring changes nothing the
     simulator sees (same decisions, same time) and scores fewer rows; once one is offered as a
     victim, every later decision point scores them too."""
-    from dynn_runtime.pilot import native
+    from dynn_runtime.pilot import kernel as native
 
     if backend == "native" and not native.available():
         pytest.skip(f"native kernel unavailable: {native.reason()}")
@@ -225,7 +225,7 @@ def test_small_storages_are_not_scored_until_one_is_offered(trace, model, backen
 
 
 def _native_or_skip():
-    from dynn_runtime.pilot import native
+    from dynn_runtime.pilot import kernel as native
 
     if not native.available():
         pytest.skip(f"native kernel unavailable: {native.reason()}")
@@ -307,7 +307,8 @@ def test_auto_worker_decides_here_when_the_device_has_work_queued(trace, model):
 class _NoHostClock(Simulator):
     """A view without ``host_now``, as the live runtime's: the pilot's worker is a real thread."""
 
-    host_now = None
+    def host_now(self) -> None:
+        return None
 
 
 def test_worker_on_a_real_thread(trace, model):

@@ -13,9 +13,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dynn_runtime.pilot import native
-from dynn_runtime.pilot.data import walk
-from dynn_runtime.pilot.evaluate import _spearman
+from dynn_runtime.pilot import kernel as native
+from dynn_runtime.pilot.training.data import walk
+from dynn_runtime.pilot.training.evaluate import _spearman
 from dynn_runtime.pilot.features import CAND_FEATURES, FeatureState
 from dynn_runtime.trace.format import Iteration, Op, Storage, Trace
 

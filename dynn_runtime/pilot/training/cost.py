@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .._log import logger
+from ..._log import logger
 
 __all__ = ["inference_cost", "fit_decision_cost", "decision_cost_curve"]
 
@@ -34,8 +34,8 @@ def inference_cost(trace: Any, model: Any = None, budget: float = 0.25, profile:
     issue's target is stated; ``fraction_of_simulated`` against this run's own simulated time
     (stalls included), which is the clock the governor (``max_share``) holds the share under.
     """
-    from ..sim import Simulator, simulate, unmanaged_peak
-    from .policy import PilotPolicy
+    from ...sim import Simulator, simulate, unmanaged_peak
+    from ..policy import PilotPolicy
 
     ref = simulate(trace, "none", 1.0, profile)
     budget_bytes = max(1, int(unmanaged_peak(trace) * budget))
@@ -104,8 +104,8 @@ def decision_cost_curve(trace: Any, model: Any = None, sizes: tuple[int, ...] = 
     updates), best of ``repeats`` per size, at the first decision point past the middle of
     ``trace``'s last iteration; and the least-squares ``a + b * k`` over the sizes. Best-of-many on
     one decision point is robust to a shared CPU's load, where whole-run timings are not."""
-    from ..sim import Simulator, unmanaged_peak
-    from .policy import PilotPolicy
+    from ...sim import Simulator, unmanaged_peak
+    from ..policy import PilotPolicy
 
     class _Stop(Exception):
         pass

@@ -1,12 +1,12 @@
 /* Native kernel of the pilot model's inference (dynn_runtime/pilot): feature rows and the MLP.
  *
- * Plain C99, no Python or numpy headers: dynn_runtime/pilot/native.py compiles this file with the
- * system C compiler on first use and loads it with ctypes. The numpy code it replaces stays the
+ * Plain C99, no Python or numpy headers: CMake builds it at install, or dynn_runtime/pilot/kernel
+ * compiles it with the system C compiler on first use; it is loaded with ctypes. The numpy code it replaces stays the
  * reference (FeatureState.features_numpy, PilotModel.logits/probs):
  *
  *   dynn_pilot_features  FeatureState.features: the (m, NF) float32 rows and the context row, equal
  *                        bit for bit to the numpy code (every transcendental goes through tables that
- *                        native.py fills with numpy itself, so both round the same way);
+ *                        kernel/tables.py fills with numpy itself, so both round the same way);
  *   dynn_pilot_score     the MLP with the input normalisation folded in (PilotModel._folded), softmax,
  *                        the expected log distance and the low-quantile bucket of every row;
  *   dynn_pilot_decide    both for the policy's rows in one pass (no (m, NF) matrix is materialised),
@@ -27,9 +27,10 @@
  * dimension on contiguous weight rows so that the compiler vectorises them; zero inputs (one-hots,
  * indicators, ReLU zeros) are skipped. Multiply-adds are fused (fmaf) where the target has FMA.
  *
- * The structures below are filled by native.py as arrays of 8-byte words, in this field order;
- * dynn_pilot_layout reports the version and the column indices so that native.py can refuse a
- * stale build.
+ * The feature columns (F_*, X_*) and the structures Python fills (dynn_state, dynn_point, dynn_policy,
+ * dynn_model, dynn_op: arrays of 8-byte words in field order) are in pilot_kernel.h, generated from
+ * the Python feature table (dynn_runtime/pilot/layout.py, kernel/abi.py); dynn_pilot_layout reports
+ * them so that the loader refuses a library built from another header.
  */
 
 #include <math.h>
@@ -37,7 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define DYNN_PILOT_ABI 9
+#include "pilot_kernel.h"
 
 #if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
 #define MADD(a, b, c) fmaf((a), (b), (c))
@@ -45,127 +46,12 @@
 #define MADD(a, b, c) ((a) * (b) + (c))
 #endif
 
-/* ---- feature layout (dynn_runtime/pilot/features.py CAND_FEATURES / CTX_FEATURES) ------------- */
-#define NF 103
-#define NC 24
-#define N_KINDS 7
-#define N_THRESH 8
-enum {
-    F_KIND0 = 0, F_SAVED = 7, F_PERSISTENT = 8, F_LOG_BYTES = 9, F_ACCESSED = 10, F_LOG_AGE = 11,
-    F_LOG_COUNT = 12, F_LOG_COUNT_PHASE = 13, F_ACC0 = 14, F_BORN_THIS = 17, F_LOG_SINCE_BIRTH = 18,
-    F_BORN_PHASE0 = 19, F_LAST_PHASE0 = 22, F_PRODUCER0 = 25, F_HAS_PRODUCER = 31, F_CONSUMER0 = 32,
-    F_ON_STACK = 38, F_LOG_STACK_DEPTH = 39, F_STACK_TOP = 40, F_MATCHED = 41, F_PREV_USED = 42,
-    F_LOG_PREV_DIST = 43, F_LOG_PREV_COUNT = 44, F_OCC_HAS_NEXT = 45, F_LOG_OCC_REMAINING = 46,
-    F_LOG_OCC_GAP = 47, F_AGE0 = 48, F_EXT_BY_ORDER = 49, F_LOG_STACK_SPAN = 50, F_LOG_STACK_EST = 51,
-    F_STACK_OVERDUE = 52, F_PREV_LE0 = 53, F_OCC_LE0 = 61, F_STACK_LE0 = 69, F_MIRROR = 77,
-    F_MIRROR_LINKED = 78, F_MIRROR_FINAL = 79, F_LOG_MIRROR_SPAN = 80, F_LOG_MIRROR_EST = 81, F_MIRROR_LE0 = 82,
-    F_HINTED = 90, F_HINT_DONE = 91, F_LOG_HINT_STEPS = 92, F_LOG_HINT_EST = 93, F_HINT_LE0 = 94,
-    F_HINT_READ = 102
-};
-enum {
-    X_PHASE0 = 0, X_LOG_IN_PHASE = 3, X_HAS_HISTORY = 4, X_ANCHORED_PROGRESS = 5, X_PROGRESS = 6,
-    X_LOG_SINCE_ANCHOR = 7, X_HIST_FAST0 = 8, X_HIST_SLOW0 = 14, X_HIST_SLOW_ALLOCS = 20,
-    X_LOG_CANDIDATES = 21, X_LOG_BWD_FWD_RATIO = 22, X_HINTS = 23
-};
-static const int64_t THRESH[N_THRESH] = {8, 16, 32, 48, 64, 96, 128, 256};
-#define HINT_MAX 4095
-
-/* ---- the state native.py passes (FeatureState's arrays; one word per field) ------------------- */
-typedef struct {
-    const uint8_t *active;        /* bool (cap,) */
-    const int64_t *sid;
-    const int64_t *kind;
-    const float *saved;
-    const float *persistent;
-    const float *log_bytes;
-    const int64_t *born;
-    const int64_t *born_phase;
-    const int64_t *last;
-    const int64_t *last_phase;
-    const float *count;
-    const float *count_phase;
-    const int64_t *count_phase_of;
-    const float *acc_phase;       /* (cap, 3) */
-    const float *producer_iv;     /* (cap, 6) */
-    const float *has_producer;
-    const float *consumer_iv;     /* (cap, 6) */
-    const int64_t *stack_idx;
-    const int64_t *stack_pos;
-    const int64_t *announce;
-    const int64_t *prev;
-    double *pred;                 /* owned by the policy */
-    uint8_t *touched;             /* bool (cap,), owned by the policy */
-    const int64_t *prev_pos;      /* previous iteration: positions of each counterpart's accesses, */
-    const int64_t *prev_off;      /* counterpart i's at prev_pos[prev_off[i]:prev_off[i + 1]] (sorted) */
-    const float *prev_count;
-    const float *hist;            /* hist_fast (6) then hist_slow (6) */
-    const float *l8;              /* float32(log1p(n) / 8.0), the float64 path, n < ntab */
-    const float *l4;              /* log1p(float32(n)) / 4, the float32 path */
-    const float *l6;              /* log1p(float32(n)) / 6, the float32 path */
-    const float *lest;            /* float32(log1p(n * ratio) / 8.0) */
-    int64_t cap;
-    int64_t nk;                   /* len(prev_pos) */
-    int64_t ntab;                 /* entries of each table */
-    int64_t prev_len;
-    double ratio;
-    double log1p_ratio;           /* float32(log1p(ratio)), widened */
-    int64_t n_prev;               /* counterparts: len(prev_count) */
-    const int64_t *mirror_tgt;    /* per slot: the forward storage it follows (rule 9), -1: none */
-    const int64_t *mir_pos;       /* forward storage i's forward access positions: */
-    const int64_t *mir_off;       /* mir_pos[mir_off[i]:mir_off[i + 1]] (sorted) */
-    const int64_t *mir_sid;       /* forward storage i's id */
-    int64_t n_mir;
-    const int64_t *hint_at;       /* per slot: the workload step it is hinted for (rule 10); -1 none, -2 done */
-} dynn_state;
-#define STATE_WORDS 44
-
-/* one call: the FeatureState's scalars at the decision point, the slots asked for, and the
- * counterparts of pending external storages when the kernel asked for them (rem, nrem; nrem -1: not
- * given yet) */
-typedef struct {
-    int64_t pos, phase, phase_start, frontier, p_here, q, stack_counter;
-    int64_t n_live;               /* live storages (log_candidates); -1: count them here */
-    double hist_allocs;
-    const int64_t *rows;
-    int64_t m;
-    const int64_t *rem;
-    int64_t nrem;
-    int64_t mirror;               /* forward position of the node backward is running (-1: none) */
-    int64_t h_active;             /* rule 10: the iteration has workload hints */
-    int64_t h_step, h_start, h_len; /* the current step, its first operator, operators per step */
-} dynn_point;
-#define POINT_WORDS 18
-
-/* the policy's side of dynn_pilot_decide (PilotPolicy._score) */
-typedef struct {
-    const double *logreps;        /* log of the buckets' representative distances */
-    const double *lower;          /* lower end of each bucket's distances */
-    double *due;                  /* per slot */
-    int64_t *sids_out;            /* per row: storage id and prediction */
-    double *score_out;
-    double quantile, recheck;
-} dynn_policy;
-#define POLICY_WORDS 7
-
-/* the folded model (PilotModel._folded): w1 (F, H), wx (C, H), bx (H), W2 (H, H), b2, and W3 (H, KP),
- * b3 (KP) with the K outputs zero-padded to KP, a multiple of 16 columns; then the input range the
- * rows and the context are clamped to (PilotModel.bounds: lo, hi (F), lo_ctx, hi_ctx (C)) */
-typedef struct {
-    const float *w1, *wx, *bx, *w2, *b2, *w3, *b3;
-    int64_t nf, nc, h, k, kp;
-    const float *lo, *hi, *lo_ctx, *hi_ctx;
-} dynn_model;
-#define MODEL_WORDS 16
-
 /* numpy's clip: min(max(v, lo), hi) */
 static inline float clampf(float v, float lo, float hi)
 {
     v = v < lo ? lo : v;
     return v > hi ? hi : v;
 }
-
-#define MAX_H 256
-#define MAX_K 64
 
 /* ---- decision-point preparation shared by every row ------------------------------------------- */
 typedef struct {
@@ -335,35 +221,35 @@ static void feature_row(const prep_t *P, int64_t s, float *restrict x)
     const int64_t pos = D->pos;
     for (int f = 0; f < NF; f++) x[f] = 0.0f;
     int64_t kind = S->kind[s];
-    if (kind >= 0 && kind < N_KINDS) x[F_KIND0 + kind] = 1.0f;
+    if (kind >= 0 && kind < N_KINDS) x[F_KIND + kind] = 1.0f;
     x[F_SAVED] = S->saved[s];
     x[F_PERSISTENT] = S->persistent[s];
     x[F_LOG_BYTES] = S->log_bytes[s];
     const int64_t last = S->last[s];
     const int accessed = last >= 0;
-    x[F_ACCESSED] = (float)accessed;
+    x[F_ACCESSED_THIS_ITER] = (float)accessed;
     const int64_t age = accessed ? pos - last : pos + 1;
     x[F_LOG_AGE] = tab(S->l8, age, S->ntab);
     x[F_AGE0] = (float)(accessed && age == 0);
     x[F_LOG_COUNT] = tab(S->l4, ival(S->count[s]), S->ntab);
     x[F_LOG_COUNT_PHASE] = S->count_phase_of[s] == D->phase ? tab(S->l4, ival(S->count_phase[s]), S->ntab) : 0.0f;
     const float *acc = S->acc_phase + 3 * s;
-    x[F_ACC0] = acc[0];
-    x[F_ACC0 + 1] = acc[1];
-    x[F_ACC0 + 2] = acc[2];
+    x[F_ACC] = acc[0];
+    x[F_ACC + 1] = acc[1];
+    x[F_ACC + 2] = acc[2];
     const int64_t born = S->born[s];
     if (born >= 0) {
-        x[F_BORN_THIS] = 1.0f;
+        x[F_BORN_THIS_ITER] = 1.0f;
         x[F_LOG_SINCE_BIRTH] = tab(S->l8, pos - born, S->ntab);
     }
     const int64_t bp = S->born_phase[s];
-    if (bp >= 0 && bp < 3) x[F_BORN_PHASE0 + bp] = 1.0f;
+    if (bp >= 0 && bp < 3) x[F_BORN + bp] = 1.0f;
     const int64_t lp = S->last_phase[s];
-    if (lp >= 0 && lp < 3) x[F_LAST_PHASE0 + lp] = 1.0f;
+    if (lp >= 0 && lp < 3) x[F_LAST + lp] = 1.0f;
     const float *piv = S->producer_iv + 6 * s, *civ = S->consumer_iv + 6 * s;
     for (int i = 0; i < 6; i++) {
-        x[F_PRODUCER0 + i] = piv[i];
-        x[F_CONSUMER0 + i] = civ[i];
+        x[F_PRODUCER_IV + i] = piv[i];
+        x[F_CONSUMER_IV + i] = civ[i];
     }
     x[F_HAS_PRODUCER] = S->has_producer[s];
     /* stack (rule 5) */
@@ -379,7 +265,7 @@ static void feature_row(const prep_t *P, int64_t s, float *restrict x)
         const double est = (double)span * S->ratio;
         x[F_LOG_STACK_SPAN] = tab(S->l8, span, S->ntab);
         x[F_LOG_STACK_EST] = tab(S->lest, span, S->ntab);
-        for (int t = 0; t < N_THRESH; t++) x[F_STACK_LE0 + t] = (float)(est <= (double)THRESH[t]);
+        for (int t = 0; t < N_THRESH; t++) x[F_STACK_LE + t] = (float)(est <= (double)THRESH[t]);
     }
     /* backward mirrors forward (rule 9): the latest forward access below the mirror */
     if (D->phase == 1 && D->mirror >= 0) {
@@ -395,7 +281,7 @@ static void feature_row(const prep_t *P, int64_t s, float *restrict x)
                 x[F_MIRROR_FINAL] = (float)(k == 1);
                 x[F_LOG_MIRROR_SPAN] = tab(S->l8, span, S->ntab);
                 x[F_LOG_MIRROR_EST] = tab(S->lest, span, S->ntab);
-                for (int i = 0; i < N_THRESH; i++) x[F_MIRROR_LE0 + i] = (float)(est <= (double)THRESH[i]);
+                for (int i = 0; i < N_THRESH; i++) x[F_MIRROR_LE + i] = (float)(est <= (double)THRESH[i]);
             }
         }
     }
@@ -410,7 +296,7 @@ static void feature_row(const prep_t *P, int64_t s, float *restrict x)
             x[F_HINTED] = 1.0f;
             x[F_LOG_HINT_STEPS] = tab(S->l4, steps, S->ntab);
             x[F_LOG_HINT_EST] = tab(S->l8, est, S->ntab);
-            for (int t = 0; t < N_THRESH; t++) x[F_HINT_LE0 + t] = (float)(est <= THRESH[t]);
+            for (int t = 0; t < N_THRESH; t++) x[F_HINT_LE + t] = (float)(est <= THRESH[t]);
             x[F_HINT_READ] = (float)(steps == 0 && last >= D->h_start);
         } else if (at == -2) {
             x[F_HINT_DONE] = 1.0f;
@@ -442,9 +328,9 @@ static void feature_row(const prep_t *P, int64_t s, float *restrict x)
         const int64_t k = upper_bound(seg, n_seg, qm);
         if (k < n_seg) {
             const int64_t dist = seg[k] - qm;
-            x[F_PREV_USED] = 1.0f;
+            x[F_PREV_USED_AGAIN] = 1.0f;
             x[F_LOG_PREV_DIST] = tab(S->l8, dist, S->ntab);
-            for (int t = 0; t < N_THRESH; t++) x[F_PREV_LE0 + t] = (float)(dist <= THRESH[t]);
+            for (int t = 0; t < N_THRESH; t++) x[F_PREV_LE + t] = (float)(dist <= THRESH[t]);
         }
         x[F_LOG_PREV_COUNT] = tab(S->l4, ival(S->prev_count[pi]), S->ntab);
         /* occurrence-anchored: after its k-th access the counterpart was next used gap operators later */
@@ -455,7 +341,7 @@ static void feature_row(const prep_t *P, int64_t s, float *restrict x)
             x[F_OCC_HAS_NEXT] = 1.0f;
             x[F_LOG_OCC_GAP] = tab(S->l8, gap, S->ntab);
             x[F_LOG_OCC_REMAINING] = tab(S->l8, rest, S->ntab);
-            for (int t = 0; t < N_THRESH; t++) x[F_OCC_LE0 + t] = (float)(rest <= THRESH[t]);
+            for (int t = 0; t < N_THRESH; t++) x[F_OCC_LE + t] = (float)(rest <= THRESH[t]);
         }
     }
 }
@@ -466,7 +352,7 @@ static void context_row(const prep_t *P, float *restrict c)
     const dynn_point *D = P->D;
     const int64_t pos = D->pos;
     for (int i = 0; i < NC; i++) c[i] = 0.0f;
-    c[X_PHASE0 + D->phase] = 1.0f;
+    c[X_PHASE + D->phase] = 1.0f;
     c[X_LOG_IN_PHASE] = tab(S->l8, pos - D->phase_start, S->ntab);
     if (S->prev_len) {
         const double n = (double)S->prev_len;
@@ -477,8 +363,8 @@ static void context_row(const prep_t *P, float *restrict c)
         c[X_LOG_SINCE_ANCHOR] = tab(S->l8, D->q >= 0 ? pos - D->p_here : pos + 1, S->ntab);
     }
     for (int i = 0; i < 6; i++) {
-        c[X_HIST_FAST0 + i] = S->hist[i];
-        c[X_HIST_SLOW0 + i] = S->hist[6 + i];
+        c[X_HIST_FAST_IV + i] = S->hist[i];
+        c[X_HIST_SLOW_IV + i] = S->hist[6 + i];
     }
     const double ha = D->hist_allocs;
     c[X_HIST_SLOW_ALLOCS] = (float)((8.0 < ha ? 8.0 : ha) / 4.0);
@@ -523,7 +409,6 @@ int64_t dynn_pilot_gather(const dynn_state *S, const dynn_point *D, float *X, fl
 /* Every layer runs over the output dimension in blocks of 16 floats (one 512-bit or two 256-bit
  * vectors) whose accumulators stay in registers across the loop over inputs: each inner loop has a
  * constant trip count of 16 on contiguous weights, which the compiler unrolls and vectorises. */
-#define LANES 16
 
 /* c = ctx @ wx + bx: the context's share of the first layer, once per decision point */
 static void context_term(const dynn_model *M, const float *ctx, float *restrict c)
@@ -750,7 +635,7 @@ static inline double settle(const float *x, double eld, int64_t kq, int64_t am, 
                             double recheck, const double *lower, double *due)
 {
     double score = exp(eld) + position;
-    if (am == K - 1 && x[F_KIND0] == 0.0f && x[F_KIND0 + 1] == 0.0f && x[F_KIND0 + 2] == 0.0f)
+    if (am == K - 1 && x[F_KIND] == 0.0f && x[F_KIND + 1] == 0.0f && x[F_KIND + 2] == 0.0f)
         score = INFINITY;
     const double d = position + recheck * lower[kq];
     *due = score < d ? score : d;
@@ -835,28 +720,6 @@ int64_t dynn_pilot_select(const dynn_state *S, const double *due, int64_t positi
     *n_rows = n;
     return n_live;
 }
-
-/* one operator for dynn_pilot_op: what FeatureState.op has looked up in Python (slots, the previous
- * iteration's counterparts of the allocations), the stack's scalars in and out, and room for the
- * results: per access the replayed next use (position + gap; -1: none), and the accesses that need
- * FeatureState._match_external first (their replay is left to Python, after the match) */
-typedef struct {
-    int64_t position, phase;
-    const float *iv;              /* the operator's idiom vector / 3 (6) */
-    const float *ivk;             /* iv twice, times (1 - decay): the histories' increment (12) */
-    const float *decay;           /* the histories' decays (12) */
-    float *hist;                  /* the histories, updated in place (12) */
-    const int64_t *alloc_slots;   /* its allocations' slots */
-    const int64_t *alloc_prev;    /* their counterparts (prev): >= -1 set it, -2 leave it */
-    int64_t n_alloc;
-    const int64_t *acc_slots;     /* the storages it read or wrote, in FeatureState.op's order; -1: unknown */
-    int64_t n_acc;
-    int64_t frontier, stack_counter;
-    int64_t *replay;              /* out, per access */
-    int64_t *match;               /* out: indices into acc_slots */
-    int64_t n_match;              /* out */
-} dynn_op;
-#define OP_WORDS 16
 
 /* FeatureState.op after the alignment lookups: the same writes in the same order. The state's
  * arrays are written through its table (the table points at writable numpy arrays). */
@@ -1125,22 +988,10 @@ int64_t dynn_pilot_merge(const dynn_state *S, dynn_heap *h, const double *score,
     return na;
 }
 
-/* version, struct sizes and the column indices, for native.py's check against features.py */
+/* version, struct sizes and the column indices (abi.layout()), for the loader's check */
 int64_t dynn_pilot_layout(int64_t *out, int64_t n)
 {
-    const int64_t v[] = {
-        DYNN_PILOT_ABI, STATE_WORDS, POINT_WORDS, MODEL_WORDS, POLICY_WORDS, OP_WORDS, MAX_H, MAX_K, NF, NC, N_KINDS, N_THRESH,
-        THRESH[0], THRESH[1], THRESH[2], THRESH[3], THRESH[4], THRESH[5], THRESH[6], THRESH[7],
-        F_KIND0, F_SAVED, F_PERSISTENT, F_LOG_BYTES, F_ACCESSED, F_LOG_AGE, F_LOG_COUNT, F_LOG_COUNT_PHASE,
-        F_ACC0, F_BORN_THIS, F_LOG_SINCE_BIRTH, F_BORN_PHASE0, F_LAST_PHASE0, F_PRODUCER0, F_HAS_PRODUCER,
-        F_CONSUMER0, F_ON_STACK, F_LOG_STACK_DEPTH, F_STACK_TOP, F_MATCHED, F_PREV_USED, F_LOG_PREV_DIST,
-        F_LOG_PREV_COUNT, F_OCC_HAS_NEXT, F_LOG_OCC_REMAINING, F_LOG_OCC_GAP, F_AGE0, F_EXT_BY_ORDER,
-        F_LOG_STACK_SPAN, F_LOG_STACK_EST, F_STACK_OVERDUE, F_PREV_LE0, F_OCC_LE0, F_STACK_LE0,
-        F_MIRROR, F_MIRROR_LINKED, F_MIRROR_FINAL, F_LOG_MIRROR_SPAN, F_LOG_MIRROR_EST, F_MIRROR_LE0,
-        F_HINTED, F_HINT_DONE, F_LOG_HINT_STEPS, F_LOG_HINT_EST, F_HINT_LE0, F_HINT_READ, HINT_MAX,
-        X_PHASE0, X_LOG_IN_PHASE, X_HAS_HISTORY, X_ANCHORED_PROGRESS, X_PROGRESS, X_LOG_SINCE_ANCHOR,
-        X_HIST_FAST0, X_HIST_SLOW0, X_HIST_SLOW_ALLOCS, X_LOG_CANDIDATES, X_LOG_BWD_FWD_RATIO, X_HINTS,
-    };
+    const int64_t v[] = DYNN_PILOT_LAYOUT;
     const int64_t len = (int64_t)(sizeof(v) / sizeof(v[0]));
     for (int64_t i = 0; i < n && i < len; i++) out[i] = v[i];
     return len;

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from ..features import COARSE_OF_FINE, fine_bucket
+from ..model import PilotModel, fit
 from .data import _access_index, _next_after, walk
 from .evaluate import WINDOW_OPS
-from .features import COARSE_OF_FINE, fine_bucket
-from .model import PilotModel, fit
 
 __all__ = ["OnlineRefit", "shift_experiment", "ShiftResult"]
 

@@ -1,4 +1,4 @@
-"""The pilot's native inference kernel (dynn_runtime/pilot/_native.c) against the numpy reference.
+"""The pilot's native inference kernel (dynn_runtime/pilot/kernel/kernel.c) against the numpy reference.
 
 Feature rows and context rows must be equal bit for bit at every decision point of real zoo traces
 (full and subset rows, forward and backward, pending external storages); probabilities agree to
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from dynn_runtime.errors import PilotError
-from dynn_runtime.pilot import PilotModel, native
+from dynn_runtime.pilot import PilotModel
+from dynn_runtime.pilot import kernel as native
 from dynn_runtime.pilot.features import CAND_FEATURES, N_FINE, FeatureState
 from dynn_runtime.pilot.model import _log_bucket_reps
 from dynn_runtime.pilot.policy import PilotPolicy
@@ -125,9 +126,9 @@ def test_per_operator_update_equals_python_at_every_operator(kernel, traces, mod
             super().attach(view)
             self.ref = FeatureState(view, group=self._state.group, backend="numpy")
 
-        def begin_iteration(self, index, context=None):
+        def begin_iteration(self, index, context):
             super().begin_iteration(index, context)
-            self.ref.begin_iteration(index, (context or {}).get("history") or [])
+            self.ref.begin_iteration(index, context.history)
 
         def on_alloc(self, sid, position):
             super().on_alloc(sid, position)
@@ -290,7 +291,7 @@ def test_scores_agree_with_numpy(kernel, traces, model):
 
 def test_kernel_clamps_inputs_like_numpy(kernel, traces, model):
     """Rows and context beyond the training range: the kernel clamps them as PilotModel.logits does."""
-    from dynn_runtime.pilot.data import walk
+    from dynn_runtime.pilot.training.data import walk
 
     d = next(d for d in walk(next(iter(traces.values())), 1, group=model.config.group) if len(d.sids) > 8)
     model = model.copy()  # with a range, as fit() records it: these rows' own
@@ -333,7 +334,7 @@ def test_simulated_runs_match_numpy(kernel, traces):
 def test_explicit_rows_and_cost_report(kernel, traces, model):
     """decision_cost_curve scores given rows (repeated slots included) through the same kernel, and
     the cost records say which backend ran."""
-    from dynn_runtime.pilot.cost import decision_cost_curve, fit_decision_cost, inference_cost
+    from dynn_runtime.pilot.training.cost import decision_cost_curve, fit_decision_cost, inference_cost
 
     tr = traces["varlen"]
     curves = {b: decision_cost_curve(tr, model=model, sizes=(8, 64), repeats=2, backend=b) for b in ("numpy", "native")}
@@ -377,8 +378,8 @@ def test_the_kernel_built_at_install_is_used_only_for_its_own_source(kernel, fre
     if native._installed() is None:
         pytest.skip("the package was installed without building the pilot's kernel")
     assert native.available() and "built at install" in native.reason()
-    (tmp_path / "_native.c").write_bytes(native.SOURCE.read_bytes() + b"\n")
-    fresh_native.setattr(native, "SOURCE", tmp_path / "_native.c")  # a source edited since install
+    (tmp_path / "kernel.c").write_bytes(native.SOURCE.read_bytes() + b"\n")
+    fresh_native.setattr(native, "SOURCE", tmp_path / "kernel.c")  # a source edited since install
     assert native._installed() is None
 
 
@@ -557,3 +558,37 @@ def test_native_eviction_heap_pops_what_heapq_pops(kernel):
     assert popped > 500
     clone = pickle.loads(pickle.dumps(heap))
     assert len(clone) == len(heap) and sorted(clone.entries()) == sorted(heap.entries())
+
+
+def test_the_checked_in_header_is_what_the_feature_table_generates():
+    """pilot_kernel.h is generated from the one feature table (layout.py) and the ABI table (abi.py):
+    a feature added there and not regenerated fails here."""
+    from dynn_runtime.pilot import layout
+    from dynn_runtime.pilot.kernel import abi
+
+    assert abi.write_header(check=True), "run `python -m dynn_runtime.pilot.kernel.abi`"
+    text = abi.HEADER.read_text()
+    assert f"#define NF {len(layout.CAND_FEATURES)}" in text and f"#define NC {len(layout.CTX_FEATURES)}" in text
+    col = 0
+    for group, cols in layout.CAND_TABLE:
+        assert f"    F_{group.upper()} = {col}," in text
+        col += len(cols)
+    assert f"#define STATE_WORDS {abi.STATE.words}" in text
+
+
+def test_a_header_edited_since_install_is_not_the_installed_kernel(kernel, fresh_native, tmp_path):
+    fresh_native.delenv("DYNN_PILOT_INSTALLED")
+    if native._installed() is None:
+        pytest.skip("the package was installed without building the pilot's kernel")
+    (tmp_path / "pilot_kernel.h").write_bytes(native.HEADER.read_bytes() + b"\n")
+    fresh_native.setattr(native, "HEADER", tmp_path / "pilot_kernel.h")
+    assert native._installed() is None
+
+
+def test_the_ctypes_structures_match_the_abi_table():
+    import ctypes
+
+    from dynn_runtime.pilot.kernel import abi
+
+    for s in abi.STRUCTS:
+        assert ctypes.sizeof(s.ctypes()) == 8 * s.words

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from ..policies.nextuse import ReplayPolicy
-from ..trace.format import Trace, read_trace
-from .features import CAND_FEATURES, CTX_FEATURES, FeatureState, fine_bucket
+from ...policies.nextuse import ReplayPolicy
+from ...trace.format import Trace, read_trace
+from ..features import CAND_FEATURES, CTX_FEATURES, FeatureState, fine_bucket
 
 __all__ = ["Decision", "walk", "Rows", "build_rows", "zoo_traces", "trace_family", "load_traces"]
 
@@ -264,7 +264,7 @@ def load_traces(paths: Iterable[str | Path]) -> list[Trace]:
 def zoo_traces(families: Sequence[str], presets: Sequence[str], seeds: Sequence[int], steps: int,
                cache_dir: str | Path = ".dynn-cache/traces") -> list[tuple[str, Trace]]:
     """Record (or reuse from the trace cache) one trace per family x preset x seed."""
-    from ..trace import TraceCache
+    from ...trace import TraceCache
 
     cache = TraceCache(cache_dir)
     out = []

@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from ..trace.format import Trace
+from ...trace.format import Trace
+from ..features import BUCKET_EDGES, COARSE_OF_FINE, fine_bucket
+from ..model import PilotModel
 from .data import trace_family, walk
-from .features import BUCKET_EDGES, COARSE_OF_FINE, fine_bucket
-from .model import PilotModel
 
 __all__ = ["METHODS", "FamilyMetrics", "evaluate", "render_table", "WINDOW_OPS"]
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import hints
+from ... import hints
 
 __all__ = ["SynthNet", "SynthWorkload", "synth_traces", "SYNTH_FAMILY"]
 
@@ -366,7 +366,7 @@ def describe(seed: int) -> dict[str, Any]:
 
 def synth_traces(seeds: Iterable[int], steps: int = 3, cache_dir: str | Path = ".dynn-cache/traces") -> list[Any]:
     """Record (or reuse) one synthetic trace per seed; returns the loaded traces."""
-    from ..trace import SCHEMA_VERSION, read_trace, record
+    from ...trace import SCHEMA_VERSION, read_trace, record
 
     out = []
     for seed in seeds:

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from .._version import __version__
-from ..errors import PilotError
-from ..trace.format import Trace
+from ..._version import __version__
+from ...errors import PilotError
+from ...trace.format import Trace
+from ..features import CAND_FEATURES, CTX_FEATURES, N_FINE
+from ..model import PilotConfig, PilotModel, fit
 from .data import Rows, build_rows, load_traces, trace_family
-from .features import CAND_FEATURES, CTX_FEATURES, N_FINE
-from .model import PilotConfig, PilotModel, fit
 
 __all__ = ["train", "fit_prior", "git_commit"]
 
@@ -29,8 +29,8 @@ def fit_prior(rows: Rows) -> np.ndarray:
     """The provisional-prediction table (phase x storage class): median log next-use distance of
     storages right after an access, from training rows whose age is 0 (see :mod:`.policy`); rows of
     the synthetic networks are left out when rows of real workloads are there."""
-    from .features import BUCKET_EDGES
-    from .model import bucket_reps
+    from ..features import BUCKET_EDGES
+    from ..model import bucket_reps
     from .synth import SYNTH_FAMILY
 
     c = {n: i for i, n in enumerate(CAND_FEATURES)}
