@@ -51,6 +51,7 @@ from pilot_build_weights import (  # noqa: E402
     synthetic,
     training_traces,
 )
+from pilot_lab import LabPilot  # noqa: E402
 
 OUT = Path("out/pilot")
 FAMS = list(models.FAMILIES)
@@ -80,8 +81,8 @@ def metrics() -> None:
 
 
 def lofo() -> None:
-    from dynn_runtime.pilot.training.data import Rows, build_rows, trace_family
     from dynn_runtime.pilot.model import fit
+    from dynn_runtime.pilot.training.data import Rows, build_rows, trace_family
     from dynn_runtime.pilot.training.train import fit_prior
 
     cfg = PilotConfig(epochs=6, candidates_per_decision=32)
@@ -143,7 +144,6 @@ def cost() -> None:
     feasible on every family);
     then the simulated iteration time at 1/2, 1/4, 1/8 of each variant against the oracle."""
     from dynn_runtime.pilot.training.cost import decision_cost_curve, fit_decision_cost
-    from dynn_runtime.pilot.policy import PilotPolicy
     from dynn_runtime.sim import simulate
 
     model = load_model(default_weights_path())
@@ -155,7 +155,7 @@ def cost() -> None:
         print(f"{fam:<11} one decision point, best of 100: " + ", ".join(
             f"{p['candidates_mean']} rows {p['per_decision_us']:.0f} us" for p in c["points"]), flush=True)
         for name, opts in VARIANTS.items():
-            r = inference_cost(tr, model=model, budget=0.5, repeats=3, **opts)
+            r = inference_cost(tr, model=model, budget=0.5, repeats=3, policy=LabPilot, **opts)
             r["variant"] = name
             rows.append(r)
             print(f"{fam:<11} {name:<11} {r['decisions']:>4} decisions ({r['deferred']} deferred) "
@@ -170,7 +170,7 @@ def cost() -> None:
             o = simulate(tr, "oracle", b)
             rec["oracle"] = o.iter_time_s / base if o.feasible else None
             for name, opts in VARIANTS.items():
-                pol = PilotPolicy(model=model, **opts)
+                pol = LabPilot(model=model, **opts)
                 res = simulate(tr, pol, b)
                 rec[name] = res.iter_time_s / base if res.feasible else None
                 rec[name + "_rows"] = pol.candidates / max(pol.decisions, 1)
@@ -335,13 +335,12 @@ def governed_large() -> None:
     and both with the prior-only provisional of rule 9's predecessor), decision points kept, and the
     inference share of the unmanaged `large` iteration."""
     from dynn_runtime.bench import TraceCache
-    from dynn_runtime.pilot.policy import PilotPolicy
     from dynn_runtime.sim import Simulator, simulate, unmanaged_peak
 
     a, b = _micro_fit()
     model = load_model(default_weights_path())
 
-    class Charged(PilotPolicy):
+    class Charged(LabPilot):
         ratio = 1.0
 
         def on_op(self, position, op):
@@ -441,14 +440,13 @@ def host() -> None:
     and charged likewise, for scale. Reports the host seconds over the unmanaged iteration (serial)
     and the iteration time it adds on the host timeline (exposed), at 1/2, 1/4, 1/8."""
     from dynn_runtime.bench import TraceCache
-    from dynn_runtime.pilot.policy import PilotPolicy
     from dynn_runtime.policies import POLICIES
     from dynn_runtime.sim import get_profile, simulate
 
     a, b = _micro_fit()
     model = load_model(default_weights_path())
     h100 = get_profile("h100")
-    TimedPilot, TimedReplay = _timed(PilotPolicy), _timed(POLICIES["replay"])
+    TimedPilot, TimedReplay = _timed(LabPilot), _timed(POLICIES["replay"])
 
     def per_op(tr, prof, make, repeats):
         best = None
@@ -477,10 +475,10 @@ def host() -> None:
         for frac in BUDGETS:
             rec = {"preset": preset, "family": fam, "budget": frac, "ops": base.ops, "unmanaged_s": t_base,
                    "per_op_us": {"pilot": 1e6 * c_pilot, "replay": 1e6 * c_replay}, "fit": [a, b]}
-            plain = simulate(tr, PilotPolicy(model=model), frac, prof)
+            plain = simulate(tr, LabPilot(model=model), frac, prof)
             rec["pilot"] = plain.iter_time_s / t_base if plain.feasible else None
             for name, cost_ in (("inference", (a, b, 0.0)), ("all", (a, b, c_pilot))):
-                pol = PilotPolicy(model=model, host_cost=cost_, worker=False)
+                pol = LabPilot(model=model, host_cost=cost_, worker=False)
                 r = simulate(tr, pol, frac, prof, host_timeline=True)
                 rec["pilot_" + name] = r.iter_time_s / t_base if r.feasible else None
                 rec["serial_" + name] = r.policy_host_s / t_base
@@ -490,14 +488,14 @@ def host() -> None:
             # the device up (auto)
             for name, worker, cost_ in (("worker", True, (a, b, 0.0)), ("worker_all", True, (a, b, c_pilot)),
                                         ("auto", "auto", (a, b, 0.0)), ("auto_all", "auto", (a, b, c_pilot))):
-                pol = PilotPolicy(model=model, host_cost=cost_, worker=worker)
+                pol = LabPilot(model=model, host_cost=cost_, worker=worker)
                 r = simulate(tr, pol, frac, prof, host_timeline=True)
                 rec["pilot_" + name] = r.iter_time_s / t_base if r.feasible else None
                 rec["serial_" + name] = r.policy_host_s / t_base
                 rec["exposed_" + name] = (r.iter_time_s - plain.iter_time_s) / t_base if r.feasible else None
                 rec["wait_" + name] = pol.wait_s / t_base
                 rec["handoffs_" + name] = [pol.handoffs, pol.decisions]
-            wk = simulate(tr, PilotPolicy(model=model, worker=True), frac, prof)
+            wk = simulate(tr, LabPilot(model=model, worker=True), frac, prof)
             rec["pilot_worker_untimed"] = wk.iter_time_s / t_base if wk.feasible else None
             rp = simulate(tr, "replay", frac, prof)
             rph = simulate(tr, _charged(POLICIES["replay"], c_replay)(), frac, prof, host_timeline=True)

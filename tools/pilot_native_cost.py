@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 from dynn_runtime import models
-from dynn_runtime.pilot import load_model, native, zoo_traces
-from dynn_runtime.pilot.training.cost import decision_cost_curve, fit_decision_cost, inference_cost
+from dynn_runtime.pilot import kernel as native
+from dynn_runtime.pilot import load_model, zoo_traces
 from dynn_runtime.pilot.policy import default_weights_path
+from dynn_runtime.pilot.training.cost import decision_cost_curve, fit_decision_cost, inference_cost
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pilot_lab import LabPilot  # noqa: E402
 
 OUT = Path("out/pilot")
 BACKENDS = ("numpy", "native")
@@ -56,7 +61,8 @@ def main() -> None:
             for _ in range(args.repeats):
                 for b in BACKENDS:
                     t0 = time.perf_counter()
-                    r = inference_cost(tr, model=model, budget=0.5, repeats=1, backend=b, **VARIANTS[variant])
+                    r = inference_cost(tr, model=model, budget=0.5, repeats=1, backend=b, policy=LabPilot,
+                                       **VARIANTS[variant])
                     r["wall_s"] = time.perf_counter() - t0
                     if b not in best or r["inference_s"] < best[b]["inference_s"]:
                         best[b] = r

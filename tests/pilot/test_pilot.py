@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zipfile
 
 import numpy as np
 import pytest
+from pilot_lab import LabPilot
 
 from dynn_runtime.errors import PilotError, PolicyError
 from dynn_runtime.pilot import (
@@ -20,9 +22,8 @@ from dynn_runtime.pilot import (
     train,
     walk,
 )
-from dynn_runtime.pilot.training.data import build_rows
 from dynn_runtime.pilot.model import WEIGHTS_VERSION
-from dynn_runtime.pilot.policy import PilotPolicy
+from dynn_runtime.pilot.training.data import build_rows
 from dynn_runtime.policies import make_policy
 from dynn_runtime.policies.base import IterationContext
 from dynn_runtime.sim import simulate
@@ -349,13 +350,13 @@ def test_between_decision_points_accessed_storages_take_the_replayed_next_use(mo
 
     seen = {"replay": 0, "prior": 0}
 
-    class Probe(PilotPolicy):
+    class Probe(LabPilot):
         def on_op(self, position, op):
             super().on_op(position, op)
             if self._last_decision == position:
                 return
             for sid, v in self._state.replayed.items():
-                if self.provisional == "replay":
+                if self.replay_provisional:
                     assert self.predict(sid) == v
                     seen["replay"] += 1
                 elif self.predict(sid) != v:
@@ -365,4 +366,20 @@ def test_between_decision_points_accessed_storages_take_the_replayed_next_use(mo
         Simulator(moe_trace, Probe(provisional=mode), int(0.5 * unmanaged_peak(moe_trace))).run()
     assert seen["replay"] > 100 and seen["prior"] > 100
     with pytest.raises(PolicyError, match="provisional"):
-        PilotPolicy(provisional="oracle")
+        LabPilot(provisional="oracle")
+
+
+def test_options_are_a_keyword_only_config_and_experiment_switches_are_not_shipped():
+    from dynn_runtime.pilot.policy import PilotPolicy, PilotPolicyConfig
+
+    cfg = PilotPolicyConfig(max_share=0.5, host_cost=[1e-6, 0, 0])
+    assert cfg.host_cost == (1e-6, 0.0, 0.0)
+    pol = PilotPolicy(cfg, recheck=0.5)
+    assert pol.config.max_share == 0.5 and pol.recheck == 0.5 and pol.host_cost == (1e-6, 0.0, 0.0)
+    assert make_policy("pilot", max_share=0.5).config == dataclasses.replace(cfg, host_cost=None)
+    with pytest.raises(TypeError):
+        PilotPolicyConfig(0.5)  # keyword-only
+    for switch in ({"worker": True}, {"incremental": False}, {"provisional": "prior"}, {"timer": None},
+                   {"worker_cost": (0, 0)}, {"handoff_cost": (0, 0)}):
+        with pytest.raises(PolicyError, match="pilot_lab"):
+            make_policy("pilot", **switch) if "worker" not in switch else PilotPolicy(**switch)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pilot_lab import LabPilot
 
 from dynn_runtime.errors import PolicyError
 from dynn_runtime.pilot import PilotModel
@@ -33,7 +34,7 @@ def test_features_of_a_subset_are_the_full_rows(trace, model):
     the full path computes for those storages."""
     checked = []
 
-    class Check(PilotPolicy):
+    class Check(LabPilot):
         def on_op(self, position, op):
             super().on_op(position, op)
             if self._last_decision != position:
@@ -58,15 +59,15 @@ def test_features_of_a_subset_are_the_full_rows(trace, model):
 
 def test_incremental_with_everything_due_is_the_full_path(trace, model):
     budget = 0.25
-    full = simulate(trace, PilotPolicy(model=model, incremental=False), budget).as_dict()
-    pol = PilotPolicy(model=model, incremental=True, recheck=0.0)
+    full = simulate(trace, LabPilot(model=model, incremental=False), budget).as_dict()
+    pol = LabPilot(model=model, incremental=True, recheck=0.0)
     same = simulate(trace, pol, budget).as_dict()
     assert same == full
     far = model.copy()  # most mass on "later": a storage not touched is due again only ~90 operators on
     far.arrays["b3"][-2] += 6.0
     inc = PilotPolicy(model=far)
     r = simulate(trace, inc, budget)
-    pol = PilotPolicy(model=far, incremental=False)
+    pol = LabPilot(model=far, incremental=False)
     simulate(trace, pol, budget)
     assert r.feasible and r.peak_bytes <= r.budget_bytes
     assert inc.decisions == pol.decisions and inc.candidates < pol.candidates  # fewer rows scored
@@ -98,7 +99,7 @@ def test_a_far_prediction_is_rescored_less_often_than_a_near_one(trace, model):
 
 def test_shipped_weights_incremental_stays_close_to_full(trace):
     try:
-        full_pol = PilotPolicy(incremental=False)
+        full_pol = LabPilot(incremental=False)
         full = simulate(trace, full_pol, 0.25)
     except Exception as exc:  # weights being retrained for another feature set
         pytest.skip(f"shipped weights unusable here: {exc}")
@@ -137,7 +138,7 @@ def test_governor_bounds_the_share_on_a_synthetic_clock(trace, model):
             return self.t
 
     share = 0.02
-    gov = PilotPolicy(model=model, max_share=share, timer=Tick())
+    gov = LabPilot(model=model, max_share=share, timer=Tick())
     sim = Simulator(trace, gov, int(unmanaged_peak(trace) * 0.25))
     res = sim.run()
     assert res.feasible and res.peak_bytes <= res.budget_bytes
@@ -237,7 +238,7 @@ def test_a_worker_that_costs_nothing_takes_the_same_decisions(trace, model):
     _native_or_skip()
     for budget in (0.5, 0.25):
         sync = PilotPolicy(model=model)
-        work = PilotPolicy(model=model, worker=True, worker_cost=(0.0, 0.0), host_cost=(0.0, 0.0, 0.0),
+        work = LabPilot(model=model, worker=True, worker_cost=(0.0, 0.0), host_cost=(0.0, 0.0, 0.0),
                            handoff_cost=(0.0, 0.0))
         a, b = simulate(trace, sync, budget), simulate(trace, work, budget)
         assert a.as_dict() == b.as_dict()
@@ -250,23 +251,23 @@ def test_worker_results_arrive_later_and_skip_what_moved(trace, model):
     scored), a decision point that finds the previous one still in flight waits for it (charged as
     host time), and a result still in flight when the iteration ends is dropped."""
     _native_or_skip()
-    slow = PilotPolicy(model=model, worker=True, worker_cost=(50e-6, 1e-6), host_cost=(1e-6, 0.0, 0.0),
+    slow = LabPilot(model=model, worker=True, worker_cost=(50e-6, 1e-6), host_cost=(1e-6, 0.0, 0.0),
                        handoff_cost=(1e-6, 0.0))
     r = simulate(trace, slow, 0.5, host_timeline=True)
     assert r.feasible
     assert 0 < slow.merged < slow.candidates
     assert slow.wait_s > 0 and slow.host_seconds == pytest.approx(slow.decisions * 1e-6 + slow.wait_s)
     # measured host time (no host_cost): the modelled worker still lands at the same operators
-    runs = [simulate(trace, PilotPolicy(model=model, worker=True), 0.25).as_dict() for _ in range(2)]
+    runs = [simulate(trace, LabPilot(model=model, worker=True), 0.25).as_dict() for _ in range(2)]
     assert runs[0] == runs[1]
-    never = PilotPolicy(model=model, worker=True, worker_cost=(10.0, 0.0), host_cost=(0.0, 0.0, 0.0))
+    never = LabPilot(model=model, worker=True, worker_cost=(10.0, 0.0), host_cost=(0.0, 0.0, 0.0))
     simulate(trace, never, 0.5)
     assert never.wait_s >= 10.0 and never.merged > 0  # each decision point waited for the previous one
     with pytest.raises(PolicyError, match="worker_cost"):
-        PilotPolicy(model=model, worker=True, worker_cost=(1e-6,))
+        LabPilot(model=model, worker=True, worker_cost=(1e-6,))
 
 
-class _Placed(PilotPolicy):
+class _Placed(LabPilot):
     """Records, per decision point with rows, whether it was full and whether it was handed off."""
 
     def _hand_off(self, m, full):
@@ -315,7 +316,7 @@ def test_worker_on_a_real_thread(trace, model):
     """Where the view keeps no host clock (the live runtime) the network runs on a thread; results
     merge when the thread is done and the run completes with them."""
     _native_or_skip()
-    pol = PilotPolicy(model=model, worker=True)
+    pol = LabPilot(model=model, worker=True)
     r = _NoHostClock(trace, pol, int(0.5 * unmanaged_peak(trace))).run()
     assert r.feasible and pol._pool is not None
     assert pol.merged > 0 and pol.decisions > 0

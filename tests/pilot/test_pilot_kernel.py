@@ -13,6 +13,7 @@ import stat
 
 import numpy as np
 import pytest
+from pilot_lab import LabPilot
 
 from dynn_runtime.errors import PilotError
 from dynn_runtime.pilot import PilotModel
@@ -77,7 +78,7 @@ def test_feature_rows_equal_numpy_on_zoo_traces(kernel, traces, model):
     seen = {"points": 0, "rows": 0, "backward": 0, "stack": 0, "ext_by_order": 0, "history": 0}
     where = [""]
 
-    class Check(PilotPolicy):
+    class Check(LabPilot):
         def on_op(self, position, op):
             super().on_op(position, op)
             if self._last_decision != position:
@@ -260,7 +261,7 @@ def test_scores_agree_with_numpy(kernel, traces, model):
     except Exception:  # weights being retrained for another feature set
         pass
     n = 0
-    class Grab(PilotPolicy):
+    class Grab(LabPilot):
         def on_op(self, position, op):
             super().on_op(position, op)
             if self._last_decision == position and len(self._state.active_slots()):

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from dynn_runtime.pilot import kernel as native
+from dynn_runtime.pilot.features import CAND_FEATURES, FeatureState
 from dynn_runtime.pilot.training.data import walk
 from dynn_runtime.pilot.training.evaluate import _spearman
-from dynn_runtime.pilot.features import CAND_FEATURES, FeatureState
 from dynn_runtime.trace.format import Iteration, Op, Storage, Trace
 
 C = {n: i for i, n in enumerate(CAND_FEATURES)}

@@ -396,14 +396,16 @@ def test_pilot_worker_in_the_live_runtime():
     """Rule 11 on a real thread under the live manager: the same numbers as unmanaged training, the
     worker's results merged. Rule 12 (the default, ``worker="auto"``) on a CPU device: the operators
     run on this thread, the manager reports no device slack, every decision is taken here."""
-    from dynn_runtime.pilot import native
-    from dynn_runtime.pilot.policy import PilotPolicy
+    from dynn_runtime.pilot import kernel as native
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from pilot_lab import LabPilot  # worker=True (always hand off) is an experiment switch
 
     assert dr.MemoryManager(1 << 20, device="cpu").device_slack() is None
     _, _, peak = _baseline("moe")
     budget = int(peak * SMALLEST["moe"])
     for worker in ((True, "auto") if native.available() else ("auto",)):
-        pol = PilotPolicy(worker=worker)
+        pol = LabPilot(worker=worker)
         losses, state, stats = _train("moe", pol, budget)
         _assert_same("moe", losses, state)
         assert stats["evictions"] > 0 and pol.decisions > 0

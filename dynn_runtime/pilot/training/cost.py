@@ -5,10 +5,11 @@ a budget that makes it engage, and reports the wall time spent in feature buildi
 per decision point, per iteration, and as a share of the iteration time the simulator projects on
 the device profile (the live runtime runs the pilot on the CPU, overlapped with GPU work); and,
 apart, the per-operator bookkeeping (feature-state update after every operator). ``options`` go to
-:class:`~dynn_runtime.pilot.policy.PilotPolicy` (``incremental=False`` for full rescoring,
-``max_share=0.02`` for the cost governor), so the variants are measured the same way.
+the policy (``policy``: :class:`~dynn_runtime.pilot.policy.PilotPolicy` or a subclass, such as
+tools/pilot_lab.py's with ``incremental=False`` for full rescoring; ``max_share=0.02`` for the cost
+governor), so the variants are measured the same way.
 
-``backend`` picks the inference path (``"native"``: the C kernel of :mod:`.native`; ``"numpy"``: the
+``backend`` picks the inference path (``"native"``: the C kernel, :mod:`dynn_runtime.pilot.kernel`; ``"numpy"``: the
 reference; None: native when available) and every record says which one ran, so both can be
 measured in one process; :func:`fit_decision_cost` fits one backend at a time.
 """
@@ -27,7 +28,7 @@ __all__ = ["inference_cost", "fit_decision_cost", "decision_cost_curve"]
 
 def inference_cost(trace: Any, model: Any = None, budget: float = 0.25, profile: str = "h100",
                    repeats: int = 3, group: int | None = None, backend: str | None = None,
-                   **options: Any) -> dict[str, Any]:
+                   policy: type | None = None, **options: Any) -> dict[str, Any]:
     """Per-decision and per-iteration pilot cost on ``trace``'s last iteration (best of ``repeats``).
 
     ``fraction_of_iteration`` is against the unmanaged iteration time (no memory limit), as the
@@ -41,7 +42,7 @@ def inference_cost(trace: Any, model: Any = None, budget: float = 0.25, profile:
     budget_bytes = max(1, int(unmanaged_peak(trace) * budget))
     best: dict[str, Any] | None = None
     for _ in range(repeats):
-        pol = PilotPolicy(model=model, group=group, backend=backend, **options)
+        pol = (policy or PilotPolicy)(model=model, group=group, backend=backend, **options)
         sim = Simulator(trace, pol, budget_bytes, profile)
         t0 = time.perf_counter()
         res = sim.run()
@@ -113,12 +114,13 @@ def decision_cost_curve(trace: Any, model: Any = None, sizes: tuple[int, ...] = 
     half = len(trace.iterations[-1].ops) // 2
 
     class _Capture(PilotPolicy):
+        incremental = False  # every live storage is a row at the captured decision point
         def on_op(self, position: int, op: Any) -> None:
             super().on_op(position, op)
             if position >= half and self._last_decision == position:
                 raise _Stop
 
-    pol = _Capture(model=model, incremental=False, backend=backend)
+    pol = _Capture(model=model, backend=backend)
     try:
         Simulator(trace, pol, max(1, int(unmanaged_peak(trace) * budget)), profile).run()
     except _Stop:
