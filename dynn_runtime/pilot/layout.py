@@ -21,7 +21,7 @@ import numpy as np
 from ..trace.format import KINDS, PHASES
 
 __all__ = [
-    "CAND_TABLE", "CTX_TABLE", "CAND_FEATURES", "CTX_FEATURES", "THRESH", "HINT_MAX", "IV_WIDTH",
+    "CAND_TABLE", "CTX_TABLE", "CAND_FEATURES", "CTX_FEATURES", "THRESH", "HINT_MAX", "IV_WIDTH", "KEY_BASE",
     "BUCKET_EDGES", "N_FINE", "COARSE_NAMES", "COARSE_OF_FINE", "N_COARSE", "fine_bucket",
 ]
 
@@ -30,6 +30,9 @@ __all__ = [
 THRESH: tuple[int, ...] = (8, 16, 32, 48, 64, 96, 128, 256)
 #: hinted step counts and distances are capped here, so that the kernel's log tables cover them
 HINT_MAX = 4095
+#: the previous iteration's positions are keyed ``index * KEY_BASE + position`` (one sort orders
+#: them by storage, then position)
+KEY_BASE = 1 << 32
 #: components of an operator's idiom vector (producer, consumer and history features)
 IV_WIDTH = 6
 

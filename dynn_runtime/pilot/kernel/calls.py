@@ -232,7 +232,7 @@ class NativeKernel:
 
     def gather(self, st: Any, rows_addr: int, m: int, n_live: int, X_addr: int, ctx_addr: int, sids_addr: int,
                slots_addr: int) -> None:
-        """Rule 11's hand-off (``dynn_pilot_gather``): the feature rows of ``m`` slots (at
+        """The worker hand-off's gather (``dynn_pilot_gather``): the feature rows of ``m`` slots (at
         ``rows_addr``) into ``X``, ``ctx``, ``sids`` (preallocated, at those addresses; ``features``
         without the allocations) under ``n_live`` live storages, the slots into ``slots``, and their
         touched flags cleared."""
@@ -263,7 +263,7 @@ class NativeKernel:
               slots_addr: int, m: int, due: np.ndarray, away: np.ndarray, out: tuple[np.ndarray, np.ndarray]
               ) -> tuple[int, int]:
         """A decision point's ``m`` rows (scores, sids, slots at those addresses) into ``heap``
-        (``dynn_pilot_merge``); ``due_in_addr`` not None: results back from the worker (rule 11), so
+        (``dynn_pilot_merge``); ``due_in_addr`` not None: results back from the worker, so
         rows whose storage moved on are left out and the others' ``pred`` and ``due`` are written.
         The rows whose byte in ``away`` is set go to ``out`` (sids, scores; room for ``m``). Returns
         (rows merged, away rows)."""

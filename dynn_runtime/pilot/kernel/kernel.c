@@ -17,7 +17,7 @@
  *   dynn_pilot_alloc     FeatureState.alloc's writes for one storage;
  *   dynn_pilot_op        FeatureState.op's per-operator update of the arrays (the idiom histories, the
  *                        producer and consumer idioms, counts, the saved-activation stack, the replayed
- *                        next uses of rule 8), equal to the Python code it stands in for;
+ *                        next uses), equal to the Python code it stands in for;
  *   dynn_pilot_finish    the network and the policy's arithmetic for gathered rows, on a worker thread;
  *   dynn_heap_*          the policy's eviction heap (heapq's pop order over the same entries, stale
  *                        entries skipped here), and dynn_pilot_merge: a decision point's rows into it.
@@ -114,7 +114,7 @@ static int64_t prepare(prep_t *P, const dynn_state *S, const dynn_point *D)
     }
     P->front = D->phase == 0 ? D->pos : (D->frontier >= 0 ? D->frontier : D->phase_start);
     P->qm = D->q >= 0 ? D->q + (D->pos - D->p_here) : D->pos;
-    /* rule 6 ahead of time: externals not accessed yet, ranked by announcement */
+    /* external storages not accessed yet, ranked by announcement */
     if (S->prev_len) {
         for (int64_t i = 0; i < m; i++) {
             if (pending_slot(S, idx[i])) {
@@ -142,7 +142,7 @@ static int64_t prepare(prep_t *P, const dynn_state *S, const dynn_point *D)
         P->rem = rem;
         P->nrem = nrem;
     }
-    /* rule 5: stack depth among every live storage on the stack, not only the rows asked for */
+    /* the saved-activation stack: depth among every live storage on the stack, not only the rows asked for */
     for (int64_t i = 0; i < m; i++) {
         int64_t s = idx[i];
         if (S->stack_idx[s] >= 0 && S->acc_phase[3 * s + 1] == 0.0f) {
@@ -252,7 +252,7 @@ static void feature_row(const prep_t *P, int64_t s, float *restrict x)
         x[F_CONSUMER_IV + i] = civ[i];
     }
     x[F_HAS_PRODUCER] = S->has_producer[s];
-    /* stack (rule 5) */
+    /* the saved-activation stack */
     const int64_t st = S->stack_idx[s];
     if (st >= 0 && acc[1] == 0.0f) {
         const int64_t depth = st < P->n_gt ? P->gt[st] : 0;
@@ -267,7 +267,7 @@ static void feature_row(const prep_t *P, int64_t s, float *restrict x)
         x[F_LOG_STACK_EST] = tab(S->lest, span, S->ntab);
         for (int t = 0; t < N_THRESH; t++) x[F_STACK_LE + t] = (float)(est <= (double)THRESH[t]);
     }
-    /* backward mirrors forward (rule 9): the latest forward access below the mirror */
+    /* backward mirrors forward: the latest forward access below the mirror */
     if (D->phase == 1 && D->mirror >= 0) {
         const int64_t t = S->mirror_tgt[s];
         if (t >= 0 && t < S->n_mir) {
@@ -285,7 +285,7 @@ static void feature_row(const prep_t *P, int64_t s, float *restrict x)
             }
         }
     }
-    /* workload hints (rule 10) */
+    /* workload hints */
     if (D->h_active) {
         const int64_t at = S->hint_at[s];
         if (at >= 0) {
@@ -302,11 +302,11 @@ static void feature_row(const prep_t *P, int64_t s, float *restrict x)
             x[F_HINT_DONE] = 1.0f;
         }
     }
-    /* anchored replay (rule 4) */
+    /* anchored replay */
     int64_t pi = S->prev[s];
     x[F_MATCHED] = (float)(pi >= 0);
     if (pi < 0 && P->pend_any && born < 0 && S->count[s] == 0.0f) {
-        /* rule 6 ahead of time: the counterpart it gets if externals are accessed in announcement order */
+        /* an external storage before its first access: the counterpart it gets if externals are accessed in announcement order */
         int64_t key[2] = {S->announce[s], s};
         int64_t lo = 0, hi = P->n_pa;
         while (lo < hi) {
@@ -390,7 +390,7 @@ int64_t dynn_pilot_features(const dynn_state *S, const dynn_point *D, float *X, 
     return 0;
 }
 
-/* Rule 11's hand-off on the issuing thread: dynn_pilot_features for the slots D->rows, those slots
+/* The worker hand-off on the issuing thread: dynn_pilot_features for the slots D->rows, those slots
  * copied to slots (the worker's results are merged by them), and their touched flags cleared (a
  * storage touched again before the results come back keeps its newer provisional prediction). */
 int64_t dynn_pilot_gather(const dynn_state *S, const dynn_point *D, float *X, float *ctx, int64_t *sids,
@@ -629,8 +629,8 @@ int64_t dynn_pilot_score(const dynn_model *M, const float *X, int64_t m, const f
 }
 
 /* a row's predicted next-use position (exp(expected log distance) after the decision point; +inf for
- * "not again" unless a parameter, buffer or optimizer state: rule 1) and when it is due again
- * (min(prediction, position + recheck * lower[quantile bucket]): rule 5) */
+ * "not again" unless a parameter, buffer or optimizer state: the next iteration needs those) and when
+ * it is due again (min(prediction, position + recheck * lower[quantile bucket]): incremental rescoring) */
 static inline double settle(const float *x, double eld, int64_t kq, int64_t am, int64_t K, double position,
                             double recheck, const double *lower, double *due)
 {
@@ -642,7 +642,7 @@ static inline double settle(const float *x, double eld, int64_t kq, int64_t am, 
     return score;
 }
 
-/* The worker's half of a decision point (PilotPolicy rule 11): the network and settle() for m
+/* The worker's half of a decision point (pilot/scheduling.py): the network and settle() for m
  * feature rows X gathered on the issuing thread, to score and due (per row). Reads only its
  * arguments and writes only its outputs, so it runs while the issuing thread goes on (ctypes
  * releases the GIL for it). Returns 0, or -3 (model shape). */
@@ -956,7 +956,7 @@ int64_t dynn_heap_dump(const dynn_heap *h, double *keys, int64_t *sids, int64_t 
 /* A decision point's results into the policy's structures (PilotPolicy._update): every row's entry
  * (-score, sid, slot) on the heap, and the rows whose away[slot] is set (evicted by the policy, not
  * seen back) to away_sids / away_scores for the prefetch heap. filter (results that come back from
- * the worker, rule 11): a row whose slot no longer holds its storage, or was touched since the rows
+ * the worker): a row whose slot no longer holds its storage, or was touched since the rows
  * were chosen, is left out (its provisional prediction is newer), the others' pred and due are
  * written here. Returns the number of away rows, or -2 (out of memory). */
 int64_t dynn_pilot_merge(const dynn_state *S, dynn_heap *h, const double *score, const double *due_in,
