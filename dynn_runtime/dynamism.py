@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .memory import LiveBytes
-from .workload import make_optimizer, to_device
+from .workload import make_optimizer, to_device, train_step
 
 __all__ = ["OpSignature", "step_signatures", "DynamismReport", "dynamism_report"]
 
@@ -53,10 +53,7 @@ def step_signatures(wl: Any, steps: int, seed: int = 0, device: str = "cpu") -> 
     for step in range(steps):
         batch = to_device(wl.make_batch(step), device)
         with LiveBytes(device) as mem, OpSignature() as sig:
-            loss = wl.loss(model, batch)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss = train_step(wl, model, opt, batch)
         facts = wl.step_facts() if callable(getattr(wl, "step_facts", None)) else {}
         out.append(StepRecord(float(loss.detach()), sig.ops, mem.peak_bytes, facts))
     return out

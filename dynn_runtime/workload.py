@@ -43,6 +43,7 @@ and then ``dynn train my_workload.py:build --preset tiny``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -50,6 +51,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -65,6 +67,7 @@ __all__ = [
     "make_optimizer",
     "TrainResult",
     "train",
+    "train_step",
     "resolve_device",
     "add_workload_args",
     "parse_overrides",
@@ -229,9 +232,9 @@ def train(
         with LiveBytes(dev) as mem:
             if step_context is not None:
                 with step_context():
-                    loss = _one_step(wl, model, opt, batch)
+                    loss = float(train_step(wl, model, opt, batch).detach())
             else:
-                loss = _one_step(wl, model, opt, batch)
+                loss = float(train_step(wl, model, opt, batch).detach())
         res.step_seconds.append(time.perf_counter() - t0)
         if not math.isfinite(loss):
             raise WorkloadError(
@@ -246,18 +249,45 @@ def train(
     return res
 
 
-def _one_step(wl: Any, model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> float:
-    loss = wl.loss(model, batch)
+def train_step(wl: Any, model: nn.Module, opt: torch.optim.Optimizer, batch: Any,
+               phase: Callable[[str], AbstractContextManager[Any]] | None = None,
+               after_backward: Callable[[], None] | None = None,
+               after_optimizer: Callable[[], None] | None = None) -> torch.Tensor:
+    """One training step, the only one in dynn-runtime: ``wl.loss``, ``backward()``, ``opt.step()``,
+    ``opt.zero_grad(set_to_none=True)``; returns the loss tensor (its graph already freed by
+    backward). Detaching it (``aten::detach``) and reading its value are the caller's, each where its
+    loop always did, so each tool's operator stream stays what it was.
+
+    The recorder, the live manager, the reference loop and the benchmarks all train through it, so
+    they issue the same ATen operators in the same order: the live oracle replays a recorded trace
+    position by position and depends on that. ``phase(name)`` (a context-manager factory) wraps
+    ``"forward"``, ``"backward"`` and ``"optimizer"``; ``after_backward`` runs between backward and the
+    optimizer step, outside any phase; ``after_optimizer`` inside the optimizer phase, after
+    ``opt.step()`` and before ``zero_grad`` (the recorder marks gradients and optimizer state there).
+    """
+    ctx = phase or _no_phase
+    with ctx("forward"):
+        loss = wl.loss(model, batch)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise WorkloadError(
             f"train: the workload's loss() must return a scalar tensor, got {type(loss).__name__}"
             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             + "."
         )
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return float(loss.detach())
+    with ctx("backward"):
+        loss.backward()
+    if after_backward is not None:
+        after_backward()
+    with ctx("optimizer"):
+        opt.step()
+        if after_optimizer is not None:
+            after_optimizer()
+        opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def _no_phase(name: str) -> AbstractContextManager[Any]:
+    return contextlib.nullcontext()
 
 
 def env_flag(name: str) -> bool:

@@ -7,7 +7,8 @@ import logging
 import sys
 import time
 
-from ..errors import ConfigError
+from ..budget import Budget
+from ..errors import BudgetError, ConfigError
 
 _DESCRIPTION = """Benchmark the memory policies in the simulator.
 
@@ -36,21 +37,11 @@ charges in dynn_runtime/sim/host_cost.json."""
 
 
 def _budgets(text: str) -> list[float]:
-    out = []
-    for item in text.replace(" ", "").split(","):
-        if not item:
-            continue
-        try:
-            if "/" in item:
-                num, den = item.split("/", 1)
-                out.append(float(num) / float(den))
-            else:
-                out.append(float(item))
-        except (ValueError, ZeroDivisionError):
-            raise argparse.ArgumentTypeError(
-                f"bench: --budgets expects comma-separated fractions like 1,0.5,0.25 or 1,1/2,1/4; got {item!r}"
-            ) from None
-    return out
+    try:
+        return [Budget.parse_fraction(item, "bench") for item in text.replace(" ", "").split(",") if item]
+    except BudgetError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} --budgets takes comma-separated fractions like 1,0.5,0.25 "
+                                         "or 1,1/2,1/4.") from None
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from .._log import logger
-from ..errors import ConfigError, PolicyError
+from ..budget import Budget
+from ..errors import BudgetError, ConfigError, PolicyError
 from ..trace.cache import TraceCache  # re-exported: it moved to trace/
 
 __all__ = [
@@ -155,9 +156,13 @@ class BenchConfig:
             raise ConfigError(f"bench: unknown device profile {self.device_profile!r}; "
                               f"choices: {', '.join(PROFILES)}.")
         for b in self.budgets or ():
-            if not (isinstance(b, (int, float)) and math.isfinite(b) and 0 < b <= 1):
-                raise ConfigError(f"bench: a budget is a fraction of the unmanaged peak in (0, 1], got {b!r}; "
-                                  "e.g. --budgets 1,0.5,0.25.")
+            if isinstance(b, str):
+                raise ConfigError(f"bench: BenchConfig.budgets holds fractions as numbers, got {b!r}; "
+                                  "e.g. budgets=[1, 0.5, 0.25].")
+            try:
+                Budget.parse_fraction(b, "bench")
+            except BudgetError as exc:  # a configuration error here: the grid is checked before it runs
+                raise ConfigError(str(exc)) from None
         if self.budgets is not None and not self.budgets:
             raise ConfigError("bench: expected at least one budget fraction, got none; e.g. --budgets 1,0.5.")
         for name in ("preset", "max_size_preset"):

@@ -269,10 +269,9 @@ def _micro(cfg: OverheadConfig, source: str, policy: str, bar: Any) -> dict[str,
 # ---- 2 and 3: the workloads ------------------------------------------------------------------------
 
 def _one_step(wl: Any, model: Any, opt: Any, batch: Any) -> None:
-    loss = wl.loss(model, batch)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    from ..workload import train_step
+
+    train_step(wl, model, opt, batch)
 
 
 def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dict[str, Any]]:

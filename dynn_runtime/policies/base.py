@@ -14,8 +14,9 @@ time it is; the policy sees that through a :class:`MemoryView` and answers three
    future; the mechanism verifies it).
 
 Plus notifications (``on_access``, ``on_alloc``, ``on_free``, ``on_op``, ``on_hint``) for policies that keep
-their own statistics or features, and ``begin_iteration`` where a policy that plans (replay,
-oracle) does so. ``on_op(position, op)`` comes after every operator ran, before ``after_op``,
+their own statistics or features, and ``begin_iteration(index, context)`` where a policy that plans (replay,
+oracle, checkpoint) does so from an :class:`IterationContext` (the iterations before, the trace, and this
+iteration's operators where the mechanism knows them ahead). ``on_op(position, op)`` comes after every operator ran, before ``after_op``,
 with the operator's :class:`~dynn_runtime.trace.format.Op` record (name, idiom vector, phase,
 module, the storages it read, wrote and allocated): the simulator passes the trace's record, the
 live runtime the one it builds as the operator runs, so a policy that learns from the operator
@@ -27,7 +28,9 @@ trace's hint records, the live runtime as the workload calls :func:`~dynn_runtim
 Policies register by name with :func:`register` and declare what they need (``requires``): a
 trace of earlier iterations (``history``), knowledge of the future (``future``: only the oracle),
 a trained pilot model (``pilot``), or a GPU (``gpu``). :func:`make_policy` checks those against
-what the caller can provide and says what is missing. A policy that lives outside this package
+what the caller can provide and says what is missing. What a mechanism must do differently for a
+policy is declared on its class too (``recomputes``, ``moves_nothing``, ``sync_copies``,
+``page_bytes``, ``reads_modules``, ``reads_saved``): mechanisms read those, never a policy's name. A policy that lives outside this package
 (the pilot) is named with :func:`register_lazy`: its module is imported on the first lookup of its
 name, so this interface never imports its plug-ins.
 """
@@ -35,14 +38,17 @@ name, so this interface never imports its plug-ins.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from ..errors import PolicyError, internal_assert
 
-__all__ = ["Action", "MemoryView", "Policy", "PolicyRegistry", "SmallStorages", "register", "register_lazy",
-           "make_policy", "POLICIES", "policy_names"]
+if TYPE_CHECKING:
+    from ..trace.format import Iteration, Trace
+
+__all__ = ["Action", "IterationContext", "MemoryView", "Policy", "PolicyRegistry", "SmallStorages", "register",
+           "register_lazy", "make_policy", "POLICIES", "policy_names", "policy_class"]
 
 CAPABILITIES = frozenset({"history", "future", "pilot", "gpu"})
 
@@ -55,27 +61,122 @@ class Action:
     sid: int
 
 
+@dataclass(frozen=True)
+class IterationContext:
+    """What the mechanism knows when an iteration starts (:meth:`Policy.begin_iteration`).
+
+    The live runtime knows the iterations it has recorded (``history``, empty unless it records
+    every operator) and, for the oracle, a recorded ``trace``; the simulator replaying a trace knows
+    all three fields.
+    """
+
+    #: the iterations before this one, oldest first (each an :class:`~dynn_runtime.trace.format.Iteration`)
+    history: Sequence[Iteration] = ()
+    #: the trace those iterations belong to (its storage table), or None
+    trace: Trace | None = None
+    #: this iteration, operators included, where it is known before it runs (the simulator replaying
+    #: a trace); None live, where the operators are seen only as they run
+    iteration: Iteration | None = None
+
+
+#: the context of an iteration nothing is known about (the live runtime before its first step)
+NO_CONTEXT = IterationContext()
+
+
+@runtime_checkable
 class MemoryView(Protocol):
-    """What a policy may read about the mechanism's state. Positions are operator indices."""
+    """What a policy may read about the mechanism's state: every method a policy calls is listed here,
+    and every mechanism's view (the simulator's :class:`~dynn_runtime.sim.engine.Simulator`, the live
+    :class:`~dynn_runtime.runtime.manager.MemoryManager`) implements all of them.
+
+    Positions are operator indices within the iteration; ``position`` is -1 before the first
+    operator. ``phase`` is ``"forward"``, ``"backward"`` or ``"optimizer"``. Storages are named by
+    their storage id (``sid``). A method whose answer needs knowledge a mechanism does not have says
+    so by its documented neutral answer (None, False, infinity), never by being absent.
+    """
 
     position: int
     phase: str
 
-    def nbytes(self, sid: int) -> int: ...
-    def kind(self, sid: int) -> str: ...
-    def saved(self, sid: int) -> bool: ...
-    def status(self, sid: int) -> str: ...
-    def resident(self) -> Iterable[int]: ...
-    def offloaded(self) -> Iterable[int]: ...
-    def last_access(self, sid: int) -> int: ...
-    def access_count(self, sid: int) -> int: ...
-    def free_bytes(self) -> int: ...
-    def recomputable(self, sid: int) -> bool: ...
-    def recompute_cost(self, sid: int) -> float: ...
-    def next_use(self, sid: int) -> int | None: ...
+    def nbytes(self, sid: int) -> int:
+        """Device bytes ``sid`` takes when resident."""
+        ...
+
+    def kind(self, sid: int) -> str:
+        """``param``, ``buffer``, ``grad``, ``opt_state``, ``input``, ``activation`` or ``temp``."""
+        ...
+
+    def saved(self, sid: int) -> bool:
+        """Autograd saved ``sid`` for the backward pass."""
+        ...
+
+    def status(self, sid: int) -> str:
+        """A :class:`~dynn_runtime.residency.Status` value (``"resident"``, ``"host"``, ...)."""
+        ...
+
+    def resident(self) -> Iterable[int]:
+        """The storages resident now (not in flight)."""
+        ...
+
+    def offloaded(self) -> Iterable[int]:
+        """The storages away from the device (on the host, or dropped for recompute)."""
+        ...
+
+    def last_access(self, sid: int) -> int:
+        """Position of the last operator that read or wrote ``sid`` (-1: none yet)."""
+        ...
+
+    def last_access_time(self, sid: int) -> float:
+        """:meth:`now` when ``sid`` was last accessed (0.0: never)."""
+        ...
+
+    def access_count(self, sid: int) -> int:
+        """Operators that accessed ``sid`` so far."""
+        ...
+
+    def free_bytes(self) -> int:
+        """Budget minus the device bytes held (in-flight copies included)."""
+        ...
+
+    def forward_done(self, sid: int) -> bool:
+        """In the forward pass, and the forward pass will not read ``sid`` again (only autograd still
+        holds it); False outside the forward pass."""
+        ...
+
+    def producer_of(self, sid: int) -> int | None:
+        """Position of the operator that allocated ``sid`` this iteration; None where unknown (live)."""
+        ...
+
+    def recomputable(self, sid: int) -> bool:
+        """``sid`` may be dropped and rebuilt by re-running its producer; False where the mechanism
+        cannot rematerialise (live)."""
+        ...
+
+    def recompute_cost(self, sid: int) -> float:
+        """Seconds to rebuild ``sid`` (its producer plus every dropped ancestor); infinity where it
+        cannot be rebuilt."""
+        ...
+
+    def next_use(self, sid: int) -> int | None:
+        """Position of the next access after the current one (a persistent storage's wraps to the
+        next iteration), read from the future; None: never again, or the future is unknown (only
+        policies that require ``future`` read it)."""
+        ...
+
     def now(self) -> float:
         """Device-time clock in seconds: simulated time in the simulator, wall time in the live runtime
         (the pilot's cost governor spaces its decision points by it)."""
+        ...
+
+    def host_now(self) -> float | None:
+        """The modelled clock of the thread that issues the operators, in seconds; None where the host
+        is real (the live runtime): work a policy puts on another thread then takes real time, and a
+        policy with a worker thread runs one instead of modelling it."""
+        ...
+
+    def device_slack(self) -> float | None:
+        """Seconds of issued work the device has still to run before it would wait for the host; None
+        where that is not known (no host timeline in the simulator, a CPU device live)."""
         ...
 
 
@@ -93,6 +194,12 @@ class Policy:
     reads_saved: ClassVar[bool] = False
     #: page-granular demand migration (UVM); None for tensor-granular policies
     page_bytes: ClassVar[int | None] = None
+    #: what this policy rebuilds instead of copying: ``"operators"`` (any dropped storage's producer,
+    #: recursively: the simulator only, since live ATen kernels are not all bit-reproducible) or
+    #: ``"blocks"`` (a repeated block's forward: live, ``torch.utils.checkpoint`` around each block)
+    recomputes: ClassVar[Literal["operators", "blocks"] | None] = None
+    #: never moves anything (PyTorch alone): the mechanism need not engage it even over budget
+    moves_nothing: ClassVar[bool] = False
     description: ClassVar[str] = ""
     #: host (CPU) seconds this policy has spent deciding so far, cumulative. The simulator's host
     #: timeline (rule 8 of :mod:`dynn_runtime.sim.engine`) puts it on the clock that issues the
@@ -109,7 +216,7 @@ class Policy:
         """Called once by the mechanism before the first iteration."""
         self.view = view
 
-    def begin_iteration(self, index: int, context: dict | None = None) -> None:
+    def begin_iteration(self, index: int, context: IterationContext = NO_CONTEXT) -> None:
         """An iteration starts; ``context`` carries what the mechanism knows (history, trace)."""
 
     # -- decisions ---------------------------------------------------------------------------
@@ -121,6 +228,11 @@ class Policy:
 
     def evict_mode(self, sid: int) -> Literal["offload", "drop", "discard"]:
         return "offload"
+
+    def recompute_group(self, sid: int) -> list[int] | None:
+        """Positions to re-run, in order, to rebuild the dropped ``sid`` (a whole block, for
+        checkpointing); None: its producer alone."""
+        return None
 
     # -- notifications -----------------------------------------------------------------------
     def on_access(self, sid: int, position: int) -> None:
@@ -169,15 +281,14 @@ class SmallStorages:
         """Bytes under which a storage allocated now is small (0: none is)."""
         return self.fraction * self._peak
 
-    def begin_iteration(self, context: dict | None) -> None:
+    def begin_iteration(self, context: IterationContext) -> None:
         """Seed the running maximum with the previous iteration's footprint when this policy has
         counted nothing yet and the context has it (``history`` and a ``trace`` with the storage
         table: the simulator, which replays one iteration with a fresh policy)."""
         if self._peak:
             return  # counted as it ran (a live policy): no walk over a growing trace every iteration
-        history = (context or {}).get("history") or []
-        trace = (context or {}).get("trace")
-        if history and getattr(trace, "storages", None):
+        history, trace = context.history, context.trace
+        if history and trace is not None and trace.storages:
             self._peak = history[-1].footprint_peak(trace)
 
     def alloc(self, sid: int, nbytes: int) -> bool:
@@ -272,6 +383,14 @@ def register_lazy(name: str, module: str) -> None:
 
 def policy_names() -> list[str]:
     return list(POLICIES)
+
+
+def policy_class(policy: str | Policy) -> type[Policy] | None:
+    """The class of a registered policy name (importing a lazy one), or of a policy instance; None
+    for an unknown name (:func:`make_policy` says which names exist)."""
+    if isinstance(policy, Policy):
+        return type(policy)
+    return POLICIES.get(policy)
 
 
 def make_policy(name: str | Policy, provides: Iterable[str] = ("history", "future", "pilot"),

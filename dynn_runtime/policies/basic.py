@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import ClassVar
 
-from .base import Action, Policy, SmallStorages, register
+from .base import NO_CONTEXT, Action, IterationContext, Policy, SmallStorages, register
 
 
 @register
@@ -15,6 +15,7 @@ class NonePolicy(Policy):
 
     name = "none"
     description = "PyTorch alone: everything resident"
+    moves_nothing = True
 
 
 @register
@@ -31,7 +32,7 @@ class LRUPolicy(Policy):
         self._order: OrderedDict[int, None] = OrderedDict()
         self._small = SmallStorages(self.small_fraction)
 
-    def begin_iteration(self, index: int, context: dict | None = None) -> None:
+    def begin_iteration(self, index: int, context: IterationContext = NO_CONTEXT) -> None:
         if self.small_fraction:
             self._small.begin_iteration(context)
 

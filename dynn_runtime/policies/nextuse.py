@@ -18,7 +18,7 @@ import bisect
 import heapq
 from collections.abc import Iterator
 
-from .base import Action, Policy, SmallStorages, register
+from .base import NO_CONTEXT, Action, IterationContext, Policy, SmallStorages, register
 
 _INF = float("inf")
 
@@ -53,7 +53,7 @@ class NextUsePolicy(Policy):
         nu = self.predict(sid)
         return _INF if nu is None else float(nu)
 
-    def begin_iteration(self, index: int, context: dict | None = None) -> None:
+    def begin_iteration(self, index: int, context: IterationContext = NO_CONTEXT) -> None:
         if self.small_fraction:
             self._small.begin_iteration(context)
 
@@ -206,7 +206,7 @@ class ReplayPolicy(NextUsePolicy):
     requires = frozenset({"history"})
     description = "plan from the previous iteration's trace (AppObMem)"
 
-    def begin_iteration(self, index: int, context: dict | None = None) -> None:
+    def begin_iteration(self, index: int, context: IterationContext = NO_CONTEXT) -> None:
         # The plan is matched as storages appear (on_alloc), never by looking at this iteration's
         # operators ahead of time: the live runtime does not know them either.
         super().begin_iteration(index, context)
@@ -215,10 +215,9 @@ class ReplayPolicy(NextUsePolicy):
         self._prev_slot: dict[tuple[int, int], int] = {}
         self._slots: dict[int, int] = {}
         self._n_prev = 0
-        history = (context or {}).get("history") or []
-        if not history:
+        if not context.history:
             return
-        prev = history[-1]
+        prev = context.history[-1]
         for j, op in enumerate(prev.ops):
             for sid in set(op.inputs) | set(op.outputs) | set(op.writes):
                 self._prev_acc.setdefault(sid, []).append(j)

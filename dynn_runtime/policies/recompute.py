@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterator
 from typing import Literal
 
-from .base import Action, Policy, register
+from .base import NO_CONTEXT, Action, IterationContext, Policy, register
 
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
@@ -33,30 +33,39 @@ class CheckpointPolicy(Policy):
     """
 
     name = "checkpoint"
+    recomputes = "blocks"
     reads_modules = True
     reads_saved = True
     description = "recompute activations per block (torch.utils.checkpoint)"
 
-    def begin_iteration(self, index: int, context: dict | None = None) -> None:
-        sim = (context or {}).get("sim")
+    def begin_iteration(self, index: int, context: IterationContext = NO_CONTEXT) -> None:
+        # The plan needs this iteration's operators ahead of time (the simulator); live, the
+        # mechanism wraps the blocks in torch.utils.checkpoint instead (``recomputes = "blocks"``).
         self._block_ops: dict[str, list[int]] = {}
         self._drop_at: dict[int, list[int]] = {}
         self._sid_block: dict[int, str] = {}
-        if sim is None:
+        it = context.iteration
+        if it is None:
             return
+        ops = it.ops
+        view = self.view
+        forward_uses: dict[int, list[int]] = {}  # each storage's forward accesses, in order
         block_of_op = []
-        for j, op in enumerate(sim.ops):
+        for j, op in enumerate(ops):
+            if op.phase == "forward":
+                for sid in set(op.inputs) | set(op.outputs) | set(op.writes):
+                    forward_uses.setdefault(sid, []).append(j)
             b = block_of(op.module) if op.phase == "forward" and op.module else ""
             block_of_op.append(b)
             if b:
                 self._block_ops.setdefault(b, []).append(j)
         for b, positions in self._block_ops.items():
             for j in positions:
-                for sid in sim.ops[j].allocs:
+                for sid in ops[j].allocs:
                     self._sid_block[sid] = b
-                    if not sim.saved(sid):
+                    if not view.saved(sid):
                         continue
-                    fwd = [k for k in sim.accesses.get(sid, ()) if sim.ops[k].phase == "forward"]
+                    fwd = forward_uses.get(sid, ())
                     if fwd and all(block_of_op[k] == b for k in fwd):
                         self._drop_at.setdefault(fwd[-1], []).append(sid)
 
@@ -67,7 +76,7 @@ class CheckpointPolicy(Policy):
         view = self.view
         return [Action("evict", sid) for sid in self._drop_at.get(position, ()) if view.status(sid) == "resident"]
 
-    def recompute_group(self, sid: int) -> list[int]:
+    def recompute_group(self, sid: int) -> list[int] | None:
         b = self._sid_block.get(sid)
         return list(self._block_ops[b]) if b else [self.view.producer_of(sid)]
 
@@ -86,6 +95,7 @@ class DTRPolicy(Policy):
     """
 
     name = "dtr"
+    recomputes = "operators"
     description = "rematerialization with h = c/(m*s) including evicted neighbourhood cost"
     sample_above = 256
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import BudgetError, ConfigError
-from ..memory import parse_size
+from ..budget import Budget as MemoryBudget
 from .devicemem import device_baseline
 from .events import no_mode
 
@@ -31,38 +30,13 @@ class Budget:
 
     @staticmethod
     def _parse_budget(budget: int | str | float) -> int | None:
-        if isinstance(budget, bool):
-            raise BudgetError("runtime: the budget must be bytes, a size string like '6GiB', or a fraction in (0, 1].")
-        if isinstance(budget, float):
-            if not 0 < budget <= 1:
-                raise BudgetError(f"runtime: a fractional budget must be in (0, 1], got {budget}; pass bytes or a "
-                                  "size string ('6GiB') for an absolute budget.")
-            return None  # measured in the first step
-        if isinstance(budget, str) and "/" in budget:
-            num, _, den = budget.partition("/")
-            try:
-                frac = float(num) / float(den)
-            except (ValueError, ZeroDivisionError):
-                raise BudgetError(f"runtime: cannot read the budget {budget!r}; expected e.g. '1/8', '6GiB', 0.25.") from None
-            return Budget._parse_budget(frac)
-        try:
-            b = parse_size(budget)
-        except ConfigError as exc:
-            raise BudgetError(f"runtime: cannot read the budget {budget!r} ({exc}); expected bytes, a size string "
-                              "like '6GiB', or a fraction in (0, 1].") from None
-        if b <= 0:
-            raise BudgetError(f"runtime: the budget must be positive, got {budget!r}.")
-        return b
+        """Bytes, or None for a fraction of the peak (measured in the first step)."""
+        return MemoryBudget.parse(budget, "runtime").bytes
 
     @property
     def budget_fraction(self) -> float | None:
         spec = self._budget_spec
-        if isinstance(spec, float):
-            return spec
-        if isinstance(spec, str) and "/" in spec:
-            num, _, den = spec.partition("/")
-            return float(num) / float(den)
-        return None
+        return None if spec is None else MemoryBudget.parse(spec, "runtime").fraction
 
     def _list_limit(self) -> int | None:
         """The most bytes one list operator (``_foreach_*``, fused optimizers) may touch in one call:

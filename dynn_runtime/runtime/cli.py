@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..memory import format_bytes
+from ..policies.base import policy_class
 
 __all__ = ["add_budget_args", "run_train"]
 
@@ -53,7 +54,8 @@ def run_train(args: argparse.Namespace, overrides: dict) -> int:
     from .train import accounting_run, compare_unmanaged, deterministic, parse_budget, train_managed
 
     budget = parse_budget(args.budget)
-    if args.policy == "oracle":
+    cls = policy_class(args.policy)
+    if cls is not None and "future" in cls.requires:
         print(f"recording a trace of the same {args.steps} step(s) for the oracle ...", flush=True)
     common = dict(steps=args.steps, preset=args.preset, seed=args.seed, device=args.device, overrides=overrides)
     t0 = time.perf_counter()

@@ -59,7 +59,7 @@ from torch import nn
 from ..errors import ConfigError, PolicyError, internal_assert
 from ..hints import Hint
 from ..memory import parse_size
-from ..policies.base import Policy, make_policy
+from ..policies.base import NO_CONTEXT, Policy, make_policy
 from ..residency import Status
 from ..trace.format import Iteration, Op, Trace, read_trace
 from ..trace.modules import ModuleTracker
@@ -160,10 +160,10 @@ class MemoryManager(Steps, StateTransfer, PythonSource, NativeSource, OracleAlig
                     "seed and steps)."
                 ) from None
             raise
-        if self.policy.name == "dtr":
+        if self.policy.recomputes == "operators":
             raise PolicyError(
-                "runtime: dtr is available in the simulator only. Rematerialising arbitrary ATen operators live "
-                "would have to keep every evicted tensor's producer inputs alive and re-run kernels whose results "
+                f"runtime: {self.policy.name} is available in the simulator only. Rematerialising arbitrary ATen "
+                "operators live would have to keep every evicted tensor's producer inputs alive and re-run kernels whose results "
                 "are not bit-reproducible on CUDA (atomics), so it could not promise the same numbers. Use "
                 "policy='checkpoint' (torch.utils.checkpoint per block) or an offloading policy (lru, pilot).")
         self.cuda = self.device.type == "cuda"
@@ -324,7 +324,7 @@ class MemoryManager(Steps, StateTransfer, PythonSource, NativeSource, OracleAlig
         self._handles.append(model.register_state_dict_pre_hook(lambda *a, **k: self._state_dict_pre()))
         self._handles.append(model.register_state_dict_post_hook(
             lambda module, sd, prefix, meta: self._state_dict_post(sd) if not prefix else None))
-        if self.policy.name == "checkpoint":
+        if self.policy.recomputes == "blocks":
             # Live, the checkpoint policy is torch.utils.checkpoint itself around every repeated
             # block: the blocks keep nothing for backward and re-run their forward when it needs it.
             self._checkpointed = _checkpoint_blocks(model)
@@ -347,7 +347,7 @@ class MemoryManager(Steps, StateTransfer, PythonSource, NativeSource, OracleAlig
         self.policy.attach(self)
         # operators between attach and the first step may need room too: the policy starts with
         # an empty plan (no history) until the first step begins
-        self.policy.begin_iteration(-1, {"history": [], "trace": None, "runtime": self})
+        self.policy.begin_iteration(-1, NO_CONTEXT)
         if self._obs is not None:
             if self._modules is not None:
                 self._modules.on_module = self._obs.set_module

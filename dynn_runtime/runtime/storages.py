@@ -231,6 +231,10 @@ class StorageTable:
     def now(self) -> float:
         return time.perf_counter() - self._t0
 
+    def host_now(self) -> None:
+        """None: the host is real here (a policy's worker thread takes real time; nothing is modelled)."""
+        return None
+
     def device_slack(self) -> float | None:
         """Roughly how many seconds of issued work the GPU has still to run (the pilot's rule 12
         decides on this thread when that hides the decision), or None on a CPU device, where the

@@ -33,7 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import BudgetError, ConfigError, WorkloadError
+from ..budget import Budget, is_plain_number
+from ..errors import ConfigError, WorkloadError
+from ..policies.base import policy_class
+from ..workload import train_step
 
 __all__ = [
     "RunResult",
@@ -146,43 +149,29 @@ def deterministic() -> Iterator[None]:
 
 
 def parse_budget(text: str | int | float) -> int | str | float:
-    """A command-line budget as the manager takes it.
+    """A command-line budget as the manager takes it, checked by :meth:`~dynn_runtime.budget.Budget.parse`.
 
-    ``"1/8"`` stays a string (the manager reads fractions); a plain number at most 1 is a fraction of
-    the unmanaged peak (``"0.125"``, ``"1"``); a larger plain number is bytes; anything else
-    (``"6GiB"``) goes to the manager as a size string, which says what it cannot read.
+    A bare number is what it means there (at most 1: a fraction of the unmanaged peak, ``"0.125"``,
+    ``"1"``; above 1: bytes); a fraction ``"1/8"`` or a size ``"6GiB"`` stays as written (the run's
+    result records the budget as it was given).
 
     >>> parse_budget("1/8"), parse_budget("0.25"), parse_budget("1"), parse_budget("4096"), parse_budget("6GiB")
     ('1/8', 0.25, 1.0, 4096, '6GiB')
     """
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
+    budget = Budget.parse(text, "runtime")
+    if isinstance(text, str) and not is_plain_number(text.strip()):
+        return text.strip()
+    if isinstance(text, (int, float)):
         return text
-    s = str(text).strip()
-    if "/" in s:
-        return s
-    try:
-        value = float(s)
-    except ValueError:
-        return s
-    if not math.isfinite(value) or value <= 0:
-        raise BudgetError(f"runtime: the budget must be a fraction in (0, 1] (e.g. 1/8 or 0.125), bytes, or a "
-                          f"size like 6GiB; got {text!r}.")
-    return value if value <= 1 else int(value)
+    return budget.fraction if budget.fraction is not None else budget.bytes
 
 
 # ---- the step, as the recorder runs it ---------------------------------------------------------
 
 def _step(wl: Any, model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
-    """One iteration; returns the detached loss (its value is read outside the step, as the recorder does)."""
-    loss = wl.loss(model, batch)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise WorkloadError(
-            f"train: the workload's loss() must return a scalar tensor, got {type(loss).__name__}"
-            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "") + ".")
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.detach()
+    """One iteration (:func:`~dynn_runtime.workload.train_step`); returns the detached loss, detached
+    inside the step as the recorder does (its value is read outside the step)."""
+    return train_step(wl, model, opt, batch).detach()
 
 
 def _setup(workload: str | Any, preset: str, seed: int, device: torch.device,
@@ -284,16 +273,18 @@ def train_managed(
         raise WorkloadError(f"train: steps must be at least 1, got {steps}.")
     dev = _device(device)
     budget = parse_budget(budget) if isinstance(budget, str) else budget
+    cls = policy_class(policy)
+    reads_future = cls is not None and "future" in cls.requires  # the oracle: it replays a recorded trace
     with contextlib.ExitStack() as stack:
         trace_path = str(trace) if trace is not None else None
-        if policy == "oracle" and trace is None:
+        if reads_future and trace is None:
             trace_path = stack.enter_context(_recorded_trace(workload, steps, preset, seed, dev, overrides))
         mm = MemoryManager(budget, policy=policy, device=dev, host_budget=host_budget, async_copies=async_copies,
                            hard_cap=hard_cap, trace=trace_path, record_every_op=record_every_op)
         wl, model, opt = _setup(workload, preset, seed, dev, overrides)
         res = RunResult(workload=_name(workload), spec=_spec(workload), preset=preset, seed=seed, steps=steps,
                         device=str(dev), policy=mm.policy.name, budget=budget, overrides=dict(overrides or {}),
-                        trace_path=trace_path if policy == "oracle" and trace is not None else None)
+                        trace_path=trace_path if reads_future and trace is not None else None)
         from ..workload import to_device
 
         mm.attach(model, opt)

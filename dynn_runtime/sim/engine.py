@@ -60,8 +60,9 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..budget import Budget
 from ..errors import BudgetError, ConfigError, TraceError, internal_assert
-from ..policies.base import Policy, make_policy
+from ..policies.base import IterationContext, Policy, make_policy
 from ..residency import HOLDS_DEVICE as _HOLDS_DEVICE
 from ..residency import Record, Residency, Status, next_access
 from ..trace.format import SCHEMA_VERSION, Trace
@@ -168,8 +169,9 @@ class Simulator(Residency):
         idx = iteration if iteration >= 0 else n + iteration
         if not 0 <= idx < n:
             raise ConfigError(f"sim: iteration {iteration} is out of range; the trace has {n} iteration(s).")
-        if budget_bytes is not None and budget_bytes <= 0:
-            raise BudgetError(f"sim: the budget must be a positive number of bytes, got {budget_bytes}.")
+        if budget_bytes is not None and Budget.parse(budget_bytes, "sim").bytes is None:
+            raise BudgetError(f"sim: Simulator takes the budget in bytes, got {budget_bytes!r}; simulate() also "
+                              "takes a fraction of the unmanaged peak.")
         self.trace = trace
         self.profile = get_profile(profile)
         self.policy = make_policy(policy, provides=SIM_PROVIDES, **(policy_options or {}))
@@ -429,8 +431,7 @@ class Simulator(Residency):
         self._recompute(sid, exclude, depth)
 
     def _recompute(self, sid: int, exclude: set[int], depth: int) -> None:
-        group = getattr(self.policy, "recompute_group", None)
-        positions = group(sid) if callable(group) else [self.producer[sid]]
+        positions = self.policy.recompute_group(sid) or [self.producer[sid]]
         key = (positions[0], positions[-1], len(positions))
         if key in self._rebuilding:  # this group is mid-rebuild further up: re-run just the producer
             positions = [self.producer[sid]]
@@ -505,7 +506,7 @@ class Simulator(Residency):
         self.prefetch_hits = self.prefetch_misses = self.prefetch_late = 0
         compute = sum(self.op_time)
         peak_none = self._unmanaged_peak()
-        managed = peak_none > self.budget and self.policy.name != "none"
+        managed = peak_none > self.budget and not self.policy.moves_nothing
         policy = self.policy if managed else make_policy("none")
         if not managed:  # page rounding belongs to the policy that is not in force
             for sid, b in self.true_nbytes.items():
@@ -513,7 +514,8 @@ class Simulator(Residency):
         saved_policy, self.policy = self.policy, policy
         try:
             policy.attach(self)
-            policy.begin_iteration(self.it.index, {"history": self.history, "trace": self.trace, "sim": self})
+            policy.begin_iteration(self.it.index, IterationContext(history=self.history, trace=self.trace,
+                                                                   iteration=self.it))
             reason = ""
             feasible = True
             try:
@@ -628,7 +630,7 @@ class Simulator(Residency):
 def simulate(
     trace: Trace,
     policy: str | Policy,
-    budget: int | float,
+    budget: int | float | str | Budget,
     profile: str | DeviceProfile = "h100",
     iteration: int = -1,
     policy_options: dict | None = None,
@@ -637,16 +639,13 @@ def simulate(
 ) -> SimResult:
     """Simulate ``policy`` on one iteration of ``trace``.
 
-    ``budget`` is bytes (int) or a fraction in (0, 1] of the iteration's unmanaged peak (float).
+    ``budget`` is bytes (int), a fraction in (0, 1] of the iteration's unmanaged peak (float), or
+    any spelling :meth:`~dynn_runtime.budget.Budget.parse` reads (``"6GiB"``, ``"1/4"``).
     ``host_timeline``: put the policy's host time on a host clock that issues the operators (rule 8);
     a number is the host's dispatch seconds per operator (default: the profile's per-operator floor).
     ``host_cost``: the live manager's own host cost per operator and per decision point (rule 9;
     :func:`~dynn_runtime.sim.hostcost.host_cost_for` gives the calibrated one); turns the timeline on.
     """
-    if isinstance(budget, float):
-        if not 0 < budget <= 1:
-            raise BudgetError(f"sim: a fractional budget must be in (0, 1], got {budget}.")
-        budget = max(1, int(unmanaged_peak(trace, iteration) * budget))
-    elif isinstance(budget, int) and budget <= 0:
-        raise BudgetError(f"sim: the budget must be a positive number of bytes, got {budget}.")
+    spec = Budget.parse(budget, "sim")
+    budget = spec.bytes if spec.bytes is not None else spec.resolve(unmanaged_peak(trace, iteration))
     return Simulator(trace, policy, budget, profile, iteration, policy_options, host_timeline, host_cost).run()

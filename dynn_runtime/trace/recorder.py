@@ -34,7 +34,7 @@ from torch.utils.flop_counter import flop_registry
 from .. import hints
 from .._version import __version__
 from ..errors import TraceError
-from ..workload import load_workload, make_optimizer, to_device, workload_name
+from ..workload import load_workload, make_optimizer, to_device, train_step, workload_name
 from .format import MAGIC, SCHEMA_VERSION, TraceWriter
 from .modules import ModuleTracker
 
@@ -158,6 +158,19 @@ class TraceRecorder(TorchDispatchMode):
         sid = self._sid_of(t, kind)
         if sid is not None:
             self.records.append({"t": "K", "s": sid, "k": kind})
+
+    def mark_grads(self, model: nn.Module) -> None:
+        """Mark every parameter's gradient ``grad`` (after backward)."""
+        for p in model.parameters():
+            if p.grad is not None:
+                self.mark_kind(p.grad, "grad")
+
+    def mark_optimizer_state(self, opt: torch.optim.Optimizer) -> None:
+        """Mark every tensor of the optimizer's state ``opt_state`` (after its step)."""
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    self.mark_kind(v, "opt_state")
 
     # ---- interning --------------------------------------------------------------------------
     def _opdef(self, func: Any) -> int:
@@ -361,22 +374,10 @@ def record(
             t0 = time.perf_counter()
             rec.begin_iteration(step)
             try:
-                with rec.phase("forward"):
-                    loss = wl.loss(model, batch)
-                with rec.phase("backward"):
-                    loss.backward()
-                for p in model.parameters():
-                    if p.grad is not None:
-                        rec.mark_kind(p.grad, "grad")
-                with rec.phase("optimizer"):
-                    opt.step()
-                    for state in opt.state.values():
-                        for v in state.values():
-                            if isinstance(v, torch.Tensor):
-                                rec.mark_kind(v, "opt_state")
-                    opt.zero_grad(set_to_none=True)
-                loss_value = loss.detach()
-                del loss, batch
+                loss_value = train_step(wl, model, opt, batch, phase=rec.phase,
+                                        after_backward=lambda: rec.mark_grads(model),
+                                        after_optimizer=lambda: rec.mark_optimizer_state(opt)).detach()
+                del batch  # freed inside the iteration, as the program's own loop would
             finally:
                 facts = wl.step_facts() if callable(getattr(wl, "step_facts", None)) else {}
                 w.write_many(rec.end_iteration(_jsonable(facts)))
@@ -433,20 +434,10 @@ def measure_overhead(workload: str, preset: str = "small", steps: int = 3, seed:
             for step in range(steps + 1):  # step 0 warms up (optimizer state, allocator)
                 batch = wl.make_batch(step)
                 t0 = time.perf_counter()
-                loss = wl.loss(model, batch)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                train_step(wl, model, opt, batch)
                 t1 = time.perf_counter()
                 rec.begin_iteration(step)
-                with rec.phase("forward"):
-                    loss = wl.loss(model, batch)
-                with rec.phase("backward"):
-                    loss.backward()
-                with rec.phase("optimizer"):
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                del loss
+                train_step(wl, model, opt, batch, phase=rec.phase)
                 w.write_many(rec.end_iteration())
                 t2 = time.perf_counter()
                 if step:

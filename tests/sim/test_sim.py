@@ -268,7 +268,7 @@ def test_small_storages_leave_only_when_nothing_larger_can(base):
 
 
 def test_small_storages_classed_by_footprint_and_not_while_away():
-    from dynn_runtime.policies.base import SmallStorages
+    from dynn_runtime.policies.base import IterationContext, SmallStorages
 
     s = SmallStorages(0.1)
     assert not s.alloc(1, 50)  # footprint 0 when it came: large
@@ -282,9 +282,9 @@ def test_small_storages_classed_by_footprint_and_not_while_away():
     assert not s.small(1)
     fresh = SmallStorages(0.1)  # seeded from the previous iteration (the simulator's context)
     tr = small_big_trace(False)
-    fresh.begin_iteration({"history": tr.iterations[:1], "trace": tr})
+    fresh.begin_iteration(IterationContext(history=tr.iterations[:1], trace=tr))
     assert fresh.threshold == pytest.approx(201.0) and fresh.alloc(7, 200) and not fresh.alloc(8, 202)
-    s.begin_iteration({"history": tr.iterations[:1], "trace": tr})  # has counted its own: no walk
+    s.begin_iteration(IterationContext(history=tr.iterations[:1], trace=tr))  # has counted its own: no walk
     assert s.threshold == pytest.approx(105.1)
 
 
