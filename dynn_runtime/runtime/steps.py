@@ -27,7 +27,7 @@ from .. import hints
 from ..errors import BudgetError, ConfigError
 from ..hints import Hint
 from ..memory import format_bytes
-from ..policies.base import Policy
+from ..policies.base import IterationContext, Policy
 from ..residency import Status
 from ..trace.format import Iteration
 from .devicemem import default_budget
@@ -194,7 +194,7 @@ class Steps:
             torch.cuda.reset_peak_memory_stats(self.device)  # _measure_cap_headroom reads the step's peak
         self._cur.peak_device_bytes = self.used
         with no_mode():
-            ctx = {"history": list(self.history), "trace": self._trace, "runtime": self}
+            ctx = IterationContext(history=list(self.history), trace=self._trace)
             self.policy.begin_iteration(self._step_index, ctx)
             for sid, s in list(self.st.items()):
                 if s.status != ABSENT:
