@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ...policies.base import IterationContext
 from ...policies.nextuse import ReplayPolicy
 from ...trace.format import Trace, read_trace
 from ..features import CAND_FEATURES, CTX_FEATURES, FeatureState, fine_bucket
@@ -126,7 +127,7 @@ def walk(trace: Trace, iteration: int, group: int = 16, baselines: bool = True,
     if baselines:
         replay = ReplayPolicy()
         replay.attach(view)
-        replay.begin_iteration(it.index, {"history": history})
+        replay.begin_iteration(it.index, IterationContext(history=history))
     cur_idx, cur_keys = _access_index(it.ops)
     prev_last: dict[int, int] = {}
     prev_count: dict[int, int] = {}
