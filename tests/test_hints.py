@@ -301,3 +301,30 @@ def test_without_hints_the_columns_are_zero(tree_trace):
         np.testing.assert_array_equal(d.X[:, others], dp.X[:, others])
         n_hinted += int(d.X[:, C["hinted"]].sum())
     assert n_hinted > 0
+
+
+@pytest.mark.parametrize("events", ["python", "native"])
+def test_the_live_runtime_listens_only_for_a_policy_that_reads_hints(events):
+    """A hint costs a storage lookup per tensor: a manager whose policy has no ``on_hint`` (lru)
+    does not listen, one whose policy has (or that records every operator) does."""
+    from dynn_runtime.runtime import events as ev
+    from dynn_runtime.workload import load_workload, make_optimizer
+
+    if events == "native" and ev.native_module() is None:
+        pytest.skip("the native event source is not built")
+    wl = load_workload("tree_lstm", preset="tiny", seed=0)
+    model = wl.model
+    opt = make_optimizer(wl, model.parameters())
+    for policy, record, listens in (("lru", False, False), (_Collect(), False, True), ("lru", True, True)):
+        mm = dr.MemoryManager(1 << 40, policy=policy, device="cpu", events=events,
+                              record_every_op=record).attach(model, opt)
+        try:
+            with mm.step():
+                assert hints.listening() is listens
+                wl.loss(model, wl.make_batch(0)).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        finally:
+            mm.detach()
+        assert not hints.listening()
+        assert bool(mm.history[-1].hints) is listens

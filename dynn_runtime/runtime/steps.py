@@ -208,7 +208,10 @@ class Steps:
             if obs is not None:
                 obs.reset_peak()
                 self._decisions0 = obs.decisions
-        hints._listen(self)
+        # A hint costs the workload a storage lookup per tensor here; only a policy that reads hints
+        # (overrides ``on_hint``) or a complete ``history`` (``record_every_op``) is worth that.
+        if self.record_every_op or type(self.policy).on_hint is not Policy.on_hint:
+            hints._listen(self)
 
     def _end_step(self, ok: bool) -> None:
         hints._stop(self)
@@ -337,7 +340,7 @@ class Steps:
 
     def _give_hint(self, h: Hint) -> None:
         self._hints.setdefault(self.position, []).append(h)
-        if type(self.policy).on_hint is not Policy.on_hint:  # a policy that reads hints
+        if type(self.policy).on_hint is not Policy.on_hint:
             with no_mode():
                 self.policy.on_hint(h)
 
