@@ -16,8 +16,7 @@ workload's own *steps* (a tree level, a layer, a recycling pass: whatever its lo
 What listens: the trace recorder writes hints into the trace (records ``T`` and ``U``, schema 3),
 the simulator replays them from it, and the live :class:`~dynn_runtime.runtime.MemoryManager` hands
 them to its policy as they come; every policy receives them through
-:meth:`~dynn_runtime.policies.Policy.on_hint`. The pilot model turns them into features (rule 10 of
-:mod:`dynn_runtime.pilot.features`), one input among others: a hint changes no computation, and a
+:meth:`~dynn_runtime.policies.Policy.on_hint`. The pilot model turns them into features (:mod:`dynn_runtime.pilot.features`), one input among others: a hint changes no computation, and a
 wrong one only costs prediction accuracy. Hints hold for the phase they were given in (the forward
 pass, in practice: backward is mirrored from forward by the pilot itself). With nothing listening a
 hint costs one function call.

@@ -24,7 +24,7 @@ and torch.utils.checkpoint per repeated block; the largest size each trains unde
 against PyTorch alone; and the simulator's prediction from a trace recorded on the same device.
 --device cpu runs it with a logical budget (exercises the code; the figures need a GPU).
 
-The simulated grid charges the live manager's own host cost (the simulator's rule 9: seconds per
+The simulated grid charges the live manager's own host cost (the simulator's host cost: seconds per
 operator, per decision point and per storage moved, measured by --overhead) to every policy that runs in the manager;
 --host-cost none turns it off, a number sets it. The results file says which was used.
 
@@ -76,7 +76,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", default=".dynn-cache/traces", help="trace cache (default .dynn-cache/traces)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--host-cost", default="calibrated", metavar="calibrated|none|S[,S[,S]]",
-                   help="the live manager's host cost charged in the simulated grid (rule 9): the shipped "
+                   help="the live manager's host cost charged in the simulated grid (the simulator's host cost): the shipped "
                         "calibration (default), none, or seconds per operator[,per decision point[,per "
                         "storage moved]]")
     p.add_argument("--host-source", default="auto", choices=("auto", "python", "native"),

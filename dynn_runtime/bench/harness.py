@@ -17,7 +17,7 @@ Two experiments, one report:
   knob).
 
 Every policy that runs in the live manager is charged the manager's own host cost (the simulator's
-rule 9, :mod:`dynn_runtime.sim.hostcost`): by default the shipped calibration, ``host_cost="none"``
+host cost, :mod:`dynn_runtime.sim.hostcost`): by default the shipped calibration, ``host_cost="none"``
 for none, or seconds per operator (and per decision point). ``none`` (PyTorch alone, the reference
 of every overhead) and the policies that stand for other mechanisms are never charged.
 
@@ -109,7 +109,7 @@ class BenchConfig:
     cache_dir: str = ".dynn-cache/traces"
     """Where recorded traces are cached (relative to the current directory)."""
     host_cost: str = "calibrated"
-    """The live manager's host cost charged (rule 9): ``calibrated`` (the shipped calibration),
+    """The live manager's host cost charged (the simulator's host cost): ``calibrated`` (the shipped calibration),
     ``none``, or seconds per operator with optional seconds per decision point (``"40e-6,25e-6"``)."""
     host_source: str = "auto"
     """Which event source's calibration: ``python``, ``native``, or ``auto`` (native where measured)."""
@@ -287,7 +287,7 @@ def strict_json(x: Any) -> Any:
 
 
 class _Charges:
-    """Per policy, the host cost (rule 9) and policy options a simulation of ``cfg`` charges."""
+    """Per policy, the host cost (the simulator's host cost) and policy options a simulation of ``cfg`` charges."""
 
     def __init__(self, cfg: BenchConfig) -> None:
         from ..sim.hostcost import load_calibration, parse_host_cost
@@ -492,7 +492,7 @@ def render_markdown(report: BenchReport) -> str:
         "Iteration time over the unlimited-memory time (`none` at budget 1), simulated; budgets are fractions "
         "of the peak under `none`. `OOM`: the policy cannot run the iteration within the budget.",
         "",
-        f"Manager host cost charged (rule 9): {_host_cost_line(report.meta.get('host_cost'))}.",
+        f"Manager host cost charged: {_host_cost_line(report.meta.get('host_cost'))}.",
     ]
     by_key = {(r["family"], r["policy"], r["budget_fraction"]): r for r in report.results}
     for family in cfg.families:

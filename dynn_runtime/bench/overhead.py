@@ -17,7 +17,7 @@ Three measurements, each interleaving managed and unmanaged runs in one process 
 3. **The pilot.** Per family: its decision points per step, seconds per decision point (its own
    inference, and the manager's ``policy_seconds`` over them) and its share of the step.
 
-From these, the calibration of the simulator's rule 9 per event source (``--write-calibration``
+From these, the calibration of the simulator's host cost per event source (``--write-calibration``
 writes it into :data:`~dynn_runtime.sim.hostcost.CALIBRATION_PATH`): ``per_op_s`` is the median
 over the zoo families of (managed - unmanaged) / operators with ``lru`` above the peak;
 ``per_move_s`` the sum over the families of (step at half the peak - step above the peak on the
@@ -168,7 +168,7 @@ def available_sources() -> list[str]:
 
 
 def _counting(policy: str) -> Any:
-    """``policy`` with its decision points counted (rule 9's definition): ``victims()`` calls, and
+    """``policy`` with its decision points counted (as the simulator's host cost counts them): ``victims()`` calls, and
     ``after_op()`` calls that return actions."""
     from ..policies import POLICIES
 
@@ -400,7 +400,7 @@ def run_overhead(cfg: OverheadConfig, progress: bool = True) -> OverheadReport:
     return report
 
 
-# ---- the calibration of the simulator's rule 9 ------------------------------------------------------
+# ---- the calibration of the simulator's host cost ------------------------------------------------------
 
 def _fit_pilot(recs: list[dict[str, Any]], lru: dict[str, dict[str, Any]]) -> list[float]:
     """The pilot's ``host_cost`` (seconds per decision point, per row scored, per operator):
@@ -456,7 +456,7 @@ def calibration_from(report: OverheadReport) -> dict[str, Any]:
             "per_op_s_micro": {m["policy"]: m["overhead_us_per_op"] * 1e-6 for m in micro},
             "per_op_s_by_family": {w: v for w, v in zip(above, per_op)},
             "half_extra_s_decision_points_moves_by_family": paired,
-            # the pilot's per-operator term goes to its per_op_s (charged even where rule 7 runs none);
+            # the pilot's per-operator term goes to its per_op_s (charged even where the simulator runs none below the peak);
             # its host_cost model keeps the inference at its decision points
             "policy_per_op_s": {"pilot": pilot_fit[2]} if pilot else {},
             "policy_options": {"pilot": {"host_cost": [pilot_fit[0], pilot_fit[1], 0.0]}} if pilot else {},
@@ -494,7 +494,7 @@ def write_calibration(report: OverheadReport, path: str | Path | None = None) ->
                           "run `dynn bench --overhead` with the zoo families.")
     data["sources"].update(report.calibration)
     data["note"] = ("Host seconds of the live MemoryManager over PyTorch alone, measured by `dynn bench --overhead "
-                    "--write-calibration`; read by dynn_runtime.sim.hostcost (the simulator's rule 9).")
+                    "--write-calibration`; read by dynn_runtime.sim.hostcost (the simulator's host cost).")
     p.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
     return p
 
@@ -553,7 +553,7 @@ def render_overhead_markdown(report: OverheadReport) -> str:
                              f"{p['inference_us_per_decision']:.1f} | {p['policy_us_per_decision']:.1f} | "
                              f"{p['share_of_step'] * 100:.1f}% | {p['inference_share_of_step'] * 100:.1f}% |")
     if report.calibration:
-        lines += ["", "## Calibration of the simulator's rule 9 (dynn_runtime/sim/host_cost.json)", "",
+        lines += ["", "## Calibration of the simulator's host cost (dynn_runtime/sim/host_cost.json)", "",
                   "| source | per operator us | per decision point us | per move us | "
                   "pilot host_cost (us/decision, us/row, us/op) |", "|---|---:|---:|---:|---|"]
         for source, c in report.calibration.items():

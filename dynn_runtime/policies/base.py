@@ -202,7 +202,7 @@ class Policy:
     moves_nothing: ClassVar[bool] = False
     description: ClassVar[str] = ""
     #: host (CPU) seconds this policy has spent deciding so far, cumulative. The simulator's host
-    #: timeline (rule 8 of :mod:`dynn_runtime.sim.engine`) puts it on the clock that issues the
+    #: timeline (:mod:`dynn_runtime.sim.engine`) puts it on the clock that issues the
     #: operators; a policy that does not account for itself reports 0.
     host_seconds: float = 0.0
 

@@ -1,136 +1,81 @@
 """Trace-driven simulation of a memory policy on a device under a memory budget.
 
-Rules the engine keeps (numbered so tests and docs can point at them):
+Invariants the engine keeps (tests and docs/simulator.md name them in bold):
 
-1. Every storage is in one :class:`~dynn_runtime.residency.Status`; transitions go through
-   :meth:`~dynn_runtime.residency.Residency.set_status` (the state machine the live runtime uses too),
-   which rejects any transition not in :data:`~dynn_runtime.residency.TRANSITIONS`.
-2. Device bytes held = RESIDENT + OFFLOADING (the device copy lives until the copy ends) +
-   FETCHING (space is reserved when the copy starts). It never exceeds the budget: when room is
-   needed the engine asks the policy for victims (:meth:`~dynn_runtime.residency.Residency.make_room`,
-   the live runtime's loop), and if they are not enough it reports out-of-memory for that operator
-   instead of going over.
-3. Before an operator runs, everything it reads or writes is resident: an in-flight prefetch is
-   waited for (stall), an offloaded storage is fetched on demand (stall, a prefetch miss), a
-   dropped one is recomputed (its producer re-run, recursively; charged as recompute time).
-4. Copies run on two copy engines, one per direction, each serial, overlapping compute and each
-   other (``sync_copies`` policies put them on the compute stream instead, as
-   ``torch.autograd.graph.save_on_cpu`` and unified-memory faults do).
-5. An eviction of a storage whose host copy is still valid (fetched and not written since) costs
-   no copy; a policy that sees the future (the oracle) may *discard* a storage that is never read
-   again, also without a copy (the engine checks the future before it honours that).
-6. A storage can be dropped for recompute only if it is an activation or temporary produced in
-   this iteration, outside the optimizer step, and not written in place since.
-7. The manager engages only when the iteration does not fit: if the unmanaged peak is within the
-   budget, every policy behaves like ``none`` (nothing moves, nothing is recomputed).
-8. Host timeline (``host_timeline=True``; off by default). Eager PyTorch issues operators from one
-   host thread ahead of the device; a policy's decisions run on that thread. The host clock advances
-   by the dispatch time per operator (the profile's floor, capped by an operator's own time where
-   that is shorter; or the number given as ``host_timeline``, the host's whatever the kernel) and by the policy's own host time
-   (:attr:`Policy.host_seconds`, read before each operator); an operator starts on the device no
-   earlier than the host issues it (the gap is ``host_wait_s``). A host synchronisation (an
-   operator in ``HOST_SYNC_OPS`` outside the optimizer step: ``.item()``, ``nonzero``; torch.optim's
-   step counters live on the host, so the optimizer's ``.item()`` calls do not wait) brings the host
-   to the device's clock. With a policy that spends no host time the host never leads the device
-   (each operator's time includes the floor), so the iteration time is the same as without the
-   timeline; a policy's cost is then on the critical path only where the host is the bottleneck
-   (operators at the floor, right after a synchronisation). Not modelled: the launch queue's depth
-   limit, and the host time of copies and recomputation.
-9. The manager's own host cost (``host_cost=``, a :class:`~dynn_runtime.sim.hostcost.HostCost`;
-   none by default; it turns rule 8's timeline on). The live manager runs on the issuing thread:
-   before each operator is issued the host clock advances by ``per_op_s`` (the event path, nothing
-   moving), by ``per_decision_s`` for each decision point since the previous operator (a
-   ``victims()`` call, memory short, or an ``after_op()`` that returned actions:
-   :attr:`SimResult.decision_points`) and by ``per_move_s`` for each storage moved since (evicted,
-   prefetched, fetched on demand: :attr:`SimResult.moves`). It is charged whether or not the
-   manager engages (rule 7: at a budget above the peak the live manager still sees every
-   operator). With zero figures the run is rule 8's exactly; when the host is the bottleneck
-   (operators at the floor) the iteration grows by ``ops * per_op_s``.
+- **State machine.** Every storage is in one :class:`~dynn_runtime.residency.Status`; transitions go
+  through :meth:`~dynn_runtime.residency.Residency.set_status` (the state machine the live runtime
+  uses too), which rejects any transition not in :data:`~dynn_runtime.residency.TRANSITIONS`.
+- **Budget.** Device bytes held = RESIDENT + OFFLOADING (the device copy lives until the copy ends)
+  + FETCHING (space is reserved when the copy starts), and never exceed the budget: when room is
+  needed the engine asks the policy for victims (:meth:`~dynn_runtime.residency.Residency.make_room`,
+  the live runtime's loop); if they are not enough the operator is out of memory, never over.
+- **Operands resident.** Before an operator runs, everything it reads or writes is resident: an
+  in-flight prefetch is waited for (stall), an offloaded storage is fetched on demand (stall, a
+  prefetch miss), a dropped one is recomputed (its producer re-run, recursively; recompute time).
+- **Copy engines.** Copies run on two copy engines, one per direction, each serial, overlapping
+  compute and each other; ``sync_copies`` policies put them on the compute stream instead, as
+  ``torch.autograd.graph.save_on_cpu`` and unified-memory faults do.
+- **Clean copies.** Evicting a storage whose host copy is still valid (fetched and not written
+  since) costs no copy; a policy that sees the future (the oracle) may *discard* a storage that is
+  never read again, also without a copy, and the engine checks the future before it honours that.
+- **Recomputable.** A storage can be dropped for recompute only if it is an activation or temporary
+  produced in this iteration, outside the optimizer step, and not written in place since.
+- **Engagement.** The manager engages only when the iteration does not fit: if the unmanaged peak
+  is within the budget, every policy behaves like ``none`` (nothing moves, nothing is recomputed),
+  as the live manager does.
+- **Host timeline** (``host_timeline=True``; off by default). Eager PyTorch issues operators from one
+  host thread ahead of the device, and a policy decides on that thread. The host clock advances by
+  the dispatch time per operator (the profile's floor, capped by an operator's own time where that
+  is shorter; or the number given as ``host_timeline``, the host's whatever the kernel) and by the
+  policy's own host time (:attr:`Policy.host_seconds`, read before each operator); an operator
+  starts on the device no earlier than the host issues it (the gap is ``host_wait_s``). A host
+  synchronisation (an operator in ``HOST_SYNC_OPS`` outside the optimizer step, whose step counters
+  live on the host) brings the host to the device's clock. A policy that spends no host time never
+  lets the host lead the device (each operator's time includes the floor), so its iteration time
+  is the same as without the timeline. Not modelled: the launch queue's depth limit, and the host
+  time of copies and recomputation.
+- **Host cost** (``host_cost=``, a :class:`~dynn_runtime.sim.hostcost.HostCost`; none by default;
+  it turns the host timeline on). The live manager runs on the issuing thread: before each operator
+  is issued the host clock advances by ``per_op_s`` (the event path, nothing moving), by
+  ``per_decision_s`` for each decision point since the previous operator (a ``victims()`` call, or
+  an ``after_op()`` that returned actions: :attr:`SimResult.decision_points`) and by ``per_move_s``
+  for each storage moved since (evicted, prefetched, fetched on demand: :attr:`SimResult.moves`).
+  It is charged whether or not the manager engages, because the live manager sees every operator
+  either way. With zero figures the run is the host timeline's exactly.
 
 Time: ``compute`` is the sum of operator times (measured on the profile's GPU, or the roofline of
 :func:`~dynn_runtime.sim.profiles.op_time` for traces recorded elsewhere); the iteration time is the
-compute stream's clock at the end: compute + stalls + recompute (+ host waits under rules 8 and 9).
+compute stream's clock at the end: compute + stalls + recompute (+ host waits on the host timeline).
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..budget import Budget
 from ..errors import BudgetError, ConfigError, TraceError, internal_assert
 from ..policies.base import IterationContext, Policy, make_policy
 from ..residency import HOLDS_DEVICE as _HOLDS_DEVICE
-from ..residency import Record, Residency, Status, next_access
+from ..residency import Residency, Status
 from ..trace.format import SCHEMA_VERSION, Trace
 from .hostcost import HostCost
-from .profiles import DeviceProfile, get_profile, op_time
+from .profiles import DeviceProfile, get_profile
+from .result import SimResult
+from .view import IterationView, _St
 
 __all__ = ["Status", "SimResult", "Simulator", "simulate", "unmanaged_peak"]
 
 
 S = Status
-_RECOMPUTABLE_KINDS = frozenset({"activation", "temp"})
 #: what the simulator offers a policy: the recorded past, the future (replaying a trace), and the
 #: operator stream a pilot model learns from (the pilot policy itself checks that its weights exist)
 SIM_PROVIDES = ("history", "future", "pilot")
-#: operators whose result the host reads (rule 8): the host waits for the device there
+#: operators whose result the host reads (the host timeline): the host waits for the device there
 HOST_SYNC_OPS = frozenset({"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::bincount",
                            "aten::masked_select", "aten::unique", "aten::_unique2", "aten::is_nonzero",
                            "aten::equal", "aten::repeat_interleave"})
-
-
-@dataclass
-class SimResult:
-    """Outcome of simulating one iteration."""
-
-    policy: str
-    budget_bytes: int
-    profile: str
-    feasible: bool
-    reason: str
-    iter_time_s: float
-    compute_time_s: float
-    stall_time_s: float
-    recompute_time_s: float
-    bytes_offloaded: int
-    bytes_fetched: int
-    peak_bytes: int
-    unmanaged_peak_bytes: int
-    decisions: int
-    evictions: int
-    recomputed_ops: int
-    prefetch_hits: int
-    prefetch_misses: int
-    ops: int
-    managed: bool
-    #: rule 8 (``host_timeline``): device time spent waiting for the host to issue an operator
-    host_wait_s: float = 0.0
-    #: rule 8: the policy's own host seconds over the iteration (its :attr:`Policy.host_seconds`)
-    policy_host_s: float = 0.0
-    #: rule 9: policy consultations that moved memory (``victims()`` calls, ``after_op()`` with actions)
-    decision_points: int = 0
-    #: rule 9: storages moved (evictions, prefetches issued, demand fetches)
-    moves: int = 0
-    #: rule 9: the manager's host seconds charged (:meth:`HostCost.charge` of the counts above)
-    host_cost_s: float = 0.0
-    #: rule 9: where the charge's figures come from (``python``, ``native``, ``model``); empty: none charged
-    host_cost_source: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class _St(Record):
-    __slots__ = ("ready_at", "chain_temp")
-
-    def __init__(self, sid: int, nbytes: int, kind: str, saved: bool) -> None:
-        super().__init__(sid, nbytes, kind, saved)
-        self.ready_at = 0.0  # when the copy in flight lands
-        self.chain_temp = False  # rebuilt only to recompute a dropped descendant
 
 
 class _OOM(Exception):
@@ -142,7 +87,7 @@ def unmanaged_peak(trace: Trace, iteration: int = -1) -> int:
     return Simulator(trace, "none", budget_bytes=None, iteration=iteration).run().peak_bytes
 
 
-class Simulator(Residency):
+class Simulator(IterationView, Residency):
     """Replays one iteration of ``trace`` against ``policy`` under ``budget_bytes`` on ``profile``."""
 
     #: a rematerialization chain longer than this is reported infeasible (DTR's failure mode)
@@ -183,11 +128,11 @@ class Simulator(Residency):
         self.phase = "forward"
         if host_cost is not None and not isinstance(host_cost, HostCost):
             raise ConfigError(f"sim: host_cost takes a HostCost (dynn_runtime.sim.hostcost) or None, got {host_cost!r}.")
-        #: rule 9: the manager's own host cost (None: not charged)
+        #: host cost: the manager's own host cost (None: not charged)
         self.host_cost = host_cost
-        #: rule 8: a host clock issues the operators; dispatch seconds per operator (None: the profile's floor)
+        #: host timeline: a host clock issues the operators; dispatch seconds per operator (None: the profile's floor)
         self.host_timeline = host_timeline is not False or host_cost is not None
-        self.h = self.t = 0.0  # rule 8: the host's clock (host_now); the device's (set again by run)
+        self.h = self.t = 0.0  # host timeline: the host's clock (host_now); the device's (set again by run)
         self.dispatch_s: float | None = None
         if not isinstance(host_timeline, bool):
             d = float(host_timeline) if isinstance(host_timeline, (int, float)) else math.nan
@@ -196,109 +141,6 @@ class Simulator(Residency):
                                   f"operator (>= 0), got {host_timeline!r}.")
             self.dispatch_s = d
         self._prepare()
-
-    # ---- static analysis of the iteration ---------------------------------------------------
-    def _prepare(self) -> None:
-        tr, it = self.trace, self.it
-        page = self.policy.page_bytes
-        self.st: dict[int, _St] = {}
-        self.true_nbytes: dict[int, int] = {}
-        for s in tr.storages.values():
-            b = s.nbytes if not page else max(page, math.ceil(s.nbytes / page) * page)
-            self.st[s.sid] = _St(s.sid, b, s.kind, s.saved)
-            self.true_nbytes[s.sid] = s.nbytes
-        self.accesses: dict[int, list[int]] = {}
-        self.producer: dict[int, int] = {}
-        self.first_write: dict[int, int] = {}
-        measured = self._measured_durations()
-        self.op_time: list[float] = []
-        for j, op in enumerate(self.ops):
-            for sid in set(op.inputs) | set(op.outputs) | set(op.writes):
-                self.accesses.setdefault(sid, []).append(j)
-            for sid in op.allocs:
-                self.producer[sid] = j
-            for sid in op.writes:
-                if sid not in op.allocs:
-                    self.first_write.setdefault(sid, j)
-            if measured:
-                self.op_time.append(max(op.duration_s, self.profile.op_overhead_s * 0.2))
-            else:
-                dt = tr.storages[op.outputs[0]].dtype if op.outputs else "float32"
-                self.op_time.append(op_time(op.flops, op.nbytes, dt, self.profile))
-        self.forward_last_use: dict[int, int] = {}
-        bwd = it.phase_starts.get("backward", len(self.ops))
-        for sid, acc in self.accesses.items():
-            k = bisect.bisect_left(acc, bwd)
-            if k:
-                self.forward_last_use[sid] = acc[k - 1]
-        # storages alive when the iteration starts (parameters, optimizer state, the batch)
-        self.initial: list[int] = it.live_at_start(tr)
-        self.frees = it.frees
-        self.hints = it.hints
-
-    def _measured_durations(self) -> bool:
-        h = self.trace.header
-        dev = str(h.get("device", ""))
-        return dev.startswith("cuda") and self.profile.name in str(h.get("device_name", "")).lower()
-
-    # ---- MemoryView (what policies read; the rest is Residency's) --------------------------
-    def now(self) -> float:
-        return self.t
-
-    def host_now(self) -> float:
-        """The clock of the thread that issues the operators (rule 8), in seconds: the host
-        timeline's, or without one the device's (the host is taken to keep pace). A policy with work
-        on another host thread (the pilot's worker, its rule 11) reads it to know what has finished."""
-        return self.h if self.host_timeline else self.t
-
-    def device_slack(self) -> float | None:
-        """Seconds of issued work the device has still to run before it would wait for the host
-        (rule 8: the device's clock ahead of the host's), or None without a host timeline (the
-        host's time is not modelled). The pilot (its rule 12) decides on the issuing thread when
-        that hides the decision."""
-        return max(0.0, self.t - self.h) if self.host_timeline else None
-
-    def forward_done(self, sid: int) -> bool:
-        """The forward pass will not touch ``sid`` again (its Python references are gone)."""
-        return self.phase == "forward" and self.forward_last_use.get(sid, -1) <= self.position
-
-    def module_of(self, position: int) -> str:
-        return self.ops[position].module
-
-    def phase_of(self, position: int) -> str:
-        return self.ops[position].phase
-
-    def producer_of(self, sid: int) -> int | None:
-        return self.producer.get(sid)
-
-    def recomputable(self, sid: int) -> bool:
-        s = self.st[sid]
-        j = self.producer.get(sid)
-        if j is None or s.kind not in _RECOMPUTABLE_KINDS or self.ops[j].phase == "optimizer":
-            return False
-        w = self.first_write.get(sid)
-        return w is None or w > self.position
-
-    def recompute_cost(self, sid: int) -> float:
-        """Time to rematerialize ``sid``: its producer plus every dropped or freed ancestor (DTR's e*)."""
-        seen: set[int] = set()
-        total = 0.0
-        stack = [sid]
-        while stack:
-            x = stack.pop()
-            j = self.producer.get(x)
-            if j is None or j in seen:
-                continue
-            seen.add(j)
-            total += self.op_time[j]
-            for inp in self.ops[j].inputs:
-                if self.st[inp].status in (S.DROPPED, S.ABSENT) and inp in self.producer:
-                    stack.append(inp)
-        return total
-
-    def next_use(self, sid: int) -> int | None:
-        """Next access after the current position; persistent storages wrap to the next iteration."""
-        return next_access(self.accesses.get(sid), self.position, self.st[sid].kind, len(self.ops))
 
     # ---- state transitions ------------------------------------------------------------------
     def _set(self, sid: int, new: Status) -> None:
@@ -361,7 +203,7 @@ class Simulator(Residency):
                 return False
             self._set(sid, S.DROPPED)
         elif s.host_valid:
-            self._set(sid, S.HOST)  # rule 5: clean copy on the host already
+            self._set(sid, S.HOST)  # clean copies: clean copy on the host already
         else:
             s.ready_at = self._copy_d2h(s.nbytes)
             self.bytes_offloaded += s.nbytes
@@ -566,10 +408,10 @@ class Simulator(Residency):
             self.st[sid].host_valid = self.st[sid].kind in ("param", "buffer")
             pol.on_alloc(sid, -1)
         host = self.host_timeline
-        h = seen = self.h = 0.0  # rule 8: the host's clock, and the policy's host seconds already on it
+        h = seen = self.h = 0.0  # host timeline: the host's clock, and the policy's host seconds already on it
         floor = self.profile.op_overhead_s if self.dispatch_s is None else self.dispatch_s
         hc = self.host_cost
-        dp_seen = mv_seen = 0  # rule 9: decision points and moves already on the host clock
+        dp_seen = mv_seen = 0  # host cost: decision points and moves already on the host clock
         for j, op in enumerate(self.ops):
             self.position = j
             self.phase = op.phase
@@ -589,7 +431,7 @@ class Simulator(Residency):
                 spent = pol.host_seconds
                 h += spent - seen
                 seen = spent
-                if hc is not None:  # rule 9: the manager's work before this operator is issued
+                if hc is not None:  # host cost: the manager's work before this operator is issued
                     charge = hc.charge(1, self.decision_points - dp_seen, self.moves - mv_seen)
                     dp_seen, mv_seen = self.decision_points, self.moves
                     h += charge
@@ -641,9 +483,9 @@ def simulate(
 
     ``budget`` is bytes (int), a fraction in (0, 1] of the iteration's unmanaged peak (float), or
     any spelling :meth:`~dynn_runtime.budget.Budget.parse` reads (``"6GiB"``, ``"1/4"``).
-    ``host_timeline``: put the policy's host time on a host clock that issues the operators (rule 8);
+    ``host_timeline``: put the policy's host time on a host clock that issues the operators (the host timeline);
     a number is the host's dispatch seconds per operator (default: the profile's per-operator floor).
-    ``host_cost``: the live manager's own host cost per operator and per decision point (rule 9;
+    ``host_cost``: the live manager's own host cost per operator and per decision point (the host cost;
     :func:`~dynn_runtime.sim.hostcost.host_cost_for` gives the calibrated one); turns the timeline on.
     """
     spec = Budget.parse(budget, "sim")

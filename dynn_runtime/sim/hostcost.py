@@ -1,4 +1,4 @@
-"""What the live memory manager costs on the host, as the simulator charges it (rule 8 of the engine).
+"""What the live memory manager costs on the host, as the simulator charges it (the engine's host timeline).
 
 The live runtime (:class:`~dynn_runtime.runtime.manager.MemoryManager`) runs on the thread that issues
 the operators. Two numbers describe what it adds there over PyTorch alone:
@@ -17,7 +17,7 @@ The simulator counts decision points and moves the same way (:attr:`SimResult.de
 
 A policy whose notifications cost more than ``lru``'s (the pilot's feature state, every operator)
 has that added to its ``per_op_s`` (``policy_per_op_s`` in the file): the live manager runs it even
-when nothing needs to move, so it is charged even where the simulator's rule 7 runs ``none``. Its
+when nothing needs to move, so it is charged even where the simulator runs ``none`` (below the peak, the manager does not engage). Its
 work at its own decision points (the pilot's inference) is the policy's
 :attr:`Policy.host_seconds`, charged by its ``host_cost`` model (:func:`policy_options_for`) where
 the policy runs.

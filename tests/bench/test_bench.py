@@ -85,7 +85,7 @@ def test_max_size(run):
     for r in ms:
         for k in ("family", "policy", "knob", "scale", "ratio_vs_none"):
             assert k in r
-        # a policy charged the manager's host cost (rule 9) may pass no scale within the overhead limit
+        # a policy charged the manager's host cost (the simulator's host cost) may pass no scale within the overhead limit
         assert r["scale"] in ((1, 2) if r["policy"] == "none" else (0, 1, 2)) and r["capacity_bytes"] > 0
         assert r["knob"] == "batch"
     assert all(r["ratio_vs_none"] == 1.0 for r in ms if r["policy"] == "none")
@@ -257,7 +257,7 @@ def test_accounting_invariants(run):
             assert r["iter_time_s"] == pytest.approx(r["compute_time_s"] + r["stall_time_s"] + r["recompute_time_s"]
                                                      + r["host_wait_s"])
             assert r["iter_time_s"] >= r["compute_time_s"] - 1e-12
-        if r["budget_fraction"] == 1.0:  # nothing moves; the manager's host cost is charged (rule 9)
+        if r["budget_fraction"] == 1.0:  # nothing moves; the manager's host cost is charged (the simulator's host cost)
             assert r["feasible"] and not r["managed"] and r["overhead"] >= 1.0 - 1e-12
             assert r["overhead"] == pytest.approx(1.0) if not r["host_cost_source"] else r["overhead"] > 1.0
 
@@ -271,7 +271,7 @@ def test_the_grid_charges_the_manager_host_cost_and_says_so(run, tmp_path):
     hc = report.meta["host_cost"]
     assert hc["mode"] == "calibrated" and hc["policies"]["none"] is None
     assert hc["policies"]["lru"]["per_op_s"] > 0 and hc["measured"]
-    assert "Manager host cost charged (rule 9): calibrated" in paths["markdown"].read_text()
+    assert "Manager host cost charged: calibrated" in paths["markdown"].read_text()
     cache = tmp / "cache"
     off = run_bench(_cfg(tmp, host_cost="none", max_scale=0), progress=False)
     model = run_bench(_cfg(tmp, host_cost="1e-5", max_scale=0), progress=False)

@@ -1,4 +1,4 @@
-"""Rule 9: the live manager's host cost on the simulator's host clock, and its calibration file."""
+"""The simulator's host cost: the live manager's host cost on the simulator's host clock, and its calibration file."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_per_op_charge_grows_a_host_bound_iteration_by_ops_times_per_op():
                                                                                  source="model"))
         assert r.iter_time_s == pytest.approx(base.iter_time_s + n * per_op)
         assert r.host_cost_s == pytest.approx(n * per_op) and r.host_wait_s == pytest.approx(n * per_op)
-        # rule 7: nothing moves, yet the manager sees every operator and is charged
+        # below the peak nothing moves, yet the manager sees every operator and is charged
         assert not r.managed and r.decision_points == 0
 
 
@@ -132,7 +132,7 @@ def test_calibration_errors_name_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="native"):
         host_cost_for("lru", source="native", calibration=only_python)
     assert host_cost_for("lru", calibration=only_python).source == "python"
-    # a policy's own per-operator work is added to its per_op_s (charged even where rule 7 runs none)
+    # a policy's own per-operator work is added to its per_op_s (charged even where the simulator runs none below the peak)
     only_python["sources"]["python"]["policy_per_op_s"] = {"pilot": 2e-5}
     assert host_cost_for("pilot", calibration=only_python).per_op_s == pytest.approx(3e-5)
     assert host_cost_for("lru", calibration=only_python).per_op_s == pytest.approx(1e-5)

@@ -45,7 +45,7 @@ def test_none_fits_and_ooms():
 
 
 class _Charging(POLICIES["oracle"]):
-    """The oracle, charging ``per_op`` host seconds after every operator (rule 8's input)."""
+    """The oracle, charging ``per_op`` host seconds after every operator (the host timeline's input)."""
 
     def __init__(self, per_op: float) -> None:
         super().__init__()
