@@ -17,15 +17,8 @@ upward to find the largest model each policy trains within a fixed device capaci
 True
 """
 
-from .harness import (
-    BenchConfig,
-    BenchReport,
-    TraceCache,
-    render_markdown,
-    run_bench,
-    scaled_overrides,
-    write_outputs,
-)
+from .harness import BenchConfig, BenchReport, TraceCache, run_bench, scaled_overrides
+from .report import render_markdown, write_outputs
 
 __all__ = [
     "BenchConfig",

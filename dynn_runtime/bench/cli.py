@@ -103,7 +103,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_real(args: argparse.Namespace) -> int:
-    from .real import RealBenchConfig, render_real_markdown, run_real_bench, write_real_outputs
+    from .real import RealBenchConfig, run_real_bench
+    from .real_report import render_real_markdown, write_real_outputs
 
     if args.cap is not None and len(args.cap) != 1:
         raise ConfigError(f"bench: --cap takes one fraction, e.g. 1/8; got {len(args.cap)}.")
@@ -159,7 +160,8 @@ def _cmd_overhead(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .harness import BenchConfig, render_markdown, run_bench, write_outputs
+    from .harness import BenchConfig, run_bench
+    from .report import render_markdown, write_outputs
 
     if args.real:
         return _cmd_real(args)
