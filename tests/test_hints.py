@@ -315,9 +315,9 @@ def test_the_live_runtime_listens_only_for_a_policy_that_reads_hints(events):
     wl = load_workload("tree_lstm", preset="tiny", seed=0)
     model = wl.model
     opt = make_optimizer(wl, model.parameters())
-    for policy, record, listens in (("lru", False, False), (_Collect(), False, True), ("lru", True, True)):
+    for policy, every_op, listens in (("lru", False, False), (_Collect(), False, True), ("lru", True, True)):
         mm = dr.MemoryManager(1 << 40, policy=policy, device="cpu", events=events,
-                              record_every_op=record).attach(model, opt)
+                              record_every_op=every_op).attach(model, opt)
         try:
             with mm.step():
                 assert hints.listening() is listens
