@@ -257,11 +257,9 @@ class SmallStorages:
 
     A copy costs a fixed latency (``copy_latency_s``, ~10 us: launch, event, allocator) plus its
     bytes over the link, so moving a storage of a few KiB costs the latency and frees nothing that
-    matters; the zoo's storages under 1e-4 of the footprint are 55-85% of the storages but under 2%
-    of the bytes. Victim policies offer them only after every larger candidate (a second tier, in
-    the policy's own order), so they leave only when nothing larger can. Measured on the small zoo
-    traces (docs/simulator.md): oracle on moe at 1/8 2.08x -> 1.60x, on evoformer at 1/2 1.41x ->
-    1.12x. The footprint is the running maximum (seeded from the previous iteration where the
+    matters. Victim policies offer them only after every larger candidate (a second tier, in the
+    policy's own order), so they leave only when nothing larger can (the effect on the small grid:
+    docs/benchmarks.md, "Small storages"). The footprint is the running maximum (seeded from the previous iteration where the
     context carries it: :meth:`begin_iteration`), so nothing depends on the budget. A storage is
     classed when it is allocated (or announced) and again at every access, never while it is away:
     one evicted as a large one is not taken for a small one until it is back.

@@ -26,10 +26,9 @@ _INF = float("inf")
 class NextUsePolicy(Policy):
     """Belady eviction and Belady-consistent prefetch over predicted next uses."""
 
-    #: how far ahead (in operators) prefetch looks. "As early as memory allows" (None) was measured
-    #: to thrash: prefetches fill the memory that the allocations before their use need, and every
-    #: allocation then evicts again. 32 operators was the best of 8/32/128 measured on the zoo
-    #: (e.g. oracle on moe small at 1/8: 2.08x vs lru 2.84x on the h100 profile).
+    #: how far ahead (in operators) prefetch looks; None: as early as memory allows. A bound keeps
+    #: prefetches out of the memory the allocations before their use need, or every allocation
+    #: evicts again (the values compared: docs/benchmarks.md, "Prefetch lookahead").
     lookahead: int | None = 32
     #: at most this many moves per decision point (keeps one decision cheap)
     max_actions: int = 64
@@ -136,16 +135,13 @@ class NextUsePolicy(Policy):
     def after_op(self, position: int) -> list[Action]:
         """Prefetch soonest-needed first, into free memory only, up to ``lookahead`` operators ahead.
 
-        Evicting a resident storage to make room for a prefetch (Belady-consistent swapping) was
-        tried and measured worse: the victim's offload holds its device memory until the copy
-        lands, so the prefetch rarely fits in time and the eviction is wasted bandwidth.
+        Never evicts to make room for a prefetch: the victim's offload holds its device memory until
+        the copy lands, so the prefetch would rarely fit in time and the eviction would waste
+        bandwidth.
 
-        A storage whose offload copy is still in flight keeps its entry (it used to be dropped as
-        stale, so that storage came back only on demand unless something pushed it again). The
-        simulator learns that a copy has landed lazily, when it needs room; telling the policy
-        before every ``after_op`` instead was measured (small zoo traces, 1/2-1/8) to free memory
-        for prefetches earlier and to lose time (oracle skipnet 1/4: 1.87x -> 1.92x, replay
-        early_exit 1/2: 1.69x -> 2.10x): the allocations that follow need that memory.
+        A storage whose offload copy is still in flight keeps its entry, so it is prefetched once it
+        has landed instead of coming back only on demand. The mechanism reports landed copies
+        lazily (when it needs room), which leaves the memory to the allocations that follow.
         """
         off = self._off
         if not off or (self.lookahead is not None and off[0][0] - position > self.lookahead):

@@ -103,9 +103,8 @@ class DTRPolicy(Policy):
         return "drop"
 
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
-        # Scored once per pressure event, then taken cheapest first. The prototype re-scores after
-        # every single eviction; within one event that changes the order little and made the
-        # simulation quadratic (2.9 s for one tree_lstm small iteration; well under 1 s this way).
+        # Scored once per pressure event, then taken cheapest first: re-scoring after every
+        # eviction (as the prototype does) makes the simulation quadratic in the candidates.
         view = self.view
         cands = [sid for sid in view.resident()
                  if sid not in exclude and view.nbytes(sid) > 0 and view.recomputable(sid)]
