@@ -54,9 +54,6 @@ __all__ = [
 
 DEFAULT_BUDGETS: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125, 0.0625)
 QUICK_BUDGETS: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125)
-#: what the simulator can offer a policy: the recorded past, the future (replaying a trace), and the
-#: operator stream the pilot model learns from (``sim.engine.SIM_PROVIDES``)
-_SIM_PROVIDES = ("history", "future", "pilot")
 
 
 @dataclass(kw_only=True)
@@ -144,8 +141,9 @@ class BenchConfig:
         for p in self.policies:
             try:
                 from ..policies import make_policy
+                from ..sim.engine import SIM_PROVIDES
 
-                make_policy(p, provides=_SIM_PROVIDES)
+                make_policy(p, provides=SIM_PROVIDES)
             except PolicyError as exc:
                 raise ConfigError(f"bench: policy {p!r} cannot run in the simulator ({exc}). "
                                   "Leave it out of --policies.") from None
@@ -201,12 +199,13 @@ class BenchConfig:
 def available_policies() -> tuple[list[str], dict[str, str]]:
     """Registered policies the simulator can run, and the others with the reason they cannot."""
     from ..policies import POLICIES, make_policy
+    from ..sim.engine import SIM_PROVIDES
 
     ok: list[str] = []
     skipped: dict[str, str] = {}
     for name in POLICIES:
         try:
-            make_policy(name, provides=_SIM_PROVIDES)
+            make_policy(name, provides=SIM_PROVIDES)
         except PolicyError as exc:
             skipped[name] = str(exc)
         else:
