@@ -244,6 +244,8 @@ class MemoryManager(Steps, StateTransfer, PythonSource, NativeSource, OracleAlig
         self._frees: dict[int, list[int]] = {}
         self._pre: dict[int, list[int]] = {}
         self._hints: dict[int, list[Hint]] = {}
+        #: id of an optimizer state tensor -> (weak reference to it, its storage id): labelled already
+        self._opt_marked: dict[int, tuple[Any, int]] = {}
         self._meta_cache: dict[Any, int | None] = {}
         self._idiom_cache: dict[str, tuple[int, ...]] = {}
         self._handles: list[Any] = []
@@ -289,6 +291,7 @@ class MemoryManager(Steps, StateTransfer, PythonSource, NativeSource, OracleAlig
             self.model, self.optimizer = model, optimizer
             return self
         self.model, self.optimizer = model, optimizer
+        self._opt_marked = {}  # storage ids restart with each attach's observer
         from .events import native_module, resolve
 
         self.event_source, self.event_reason = resolve(self._events_requested)

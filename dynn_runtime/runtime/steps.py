@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -319,12 +320,25 @@ class Steps:
                 self._track(p.grad, "grad", fresh=False)
 
     def _mark_optimizer_state(self) -> None:
+        """Label the optimizer's state tensors. One already labelled is skipped while the same tensor
+        object is there and its storage tracked (optimizers update their state in place), so that a
+        step costs a dictionary lookup per state tensor, not a storage lookup."""
         if self.optimizer is None:
             return
+        seen = self._opt_marked
         for state in self.optimizer.state.values():
             for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    self._track(v, "opt_state", fresh=False)
+                if type(v) is not torch.Tensor:
+                    continue
+                key = id(v)
+                mark = seen.get(key)
+                if mark is not None and mark[0]() is v and mark[1] in self.st:
+                    continue
+                sid = self._track(v, "opt_state", fresh=False)
+                if sid is not None:
+                    seen[key] = (weakref.ref(v), sid)
+        if len(seen) > 2 * len(self.st) + 64:  # forget marks of state tensors long gone
+            self._opt_marked = {k: m for k, m in seen.items() if m[0]() is not None}
 
     def _hint_step(self) -> None:
         self._give_hint(Hint("step"))

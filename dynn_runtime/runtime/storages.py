@@ -89,12 +89,12 @@ class StorageTable:
 
     def _track(self, t: torch.Tensor, kind: str, fresh: bool) -> int | None:
         """The manager's id of ``t``'s storage, registering it if new (``kind`` only ever gets more specific)."""
-        if not isinstance(t, torch.Tensor) or t.device != self.device or t.layout != torch.strided:
-            return None
         if type(t) not in (torch.Tensor, nn.Parameter):
-            return None  # tensor subclasses (DTensor, fake, ...) manage their own storage
-        if self._obs is not None:
+            return None  # not a tensor, or a subclass (DTensor, fake, ...) that manages its own storage
+        if self._obs is not None:  # the observer tests device and layout natively
             return self._track_native(t, kind)
+        if t.device != self.device or t.layout != torch.strided:
+            return None
         if self._dead:  # a dead storage's address may be reused by a new one: forget the dead first
             self._drain()
         st = t.untyped_storage()
