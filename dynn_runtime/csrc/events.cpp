@@ -34,6 +34,9 @@
 //   7. Every entry knows the stream of its last access (the current stream of the managed device
 //      when an operator touched it, or when it was registered): an eviction orders its copy after
 //      that stream's work too, not only after the evicting thread's current stream.
+//   8. `away` = bytes of tracked, alive storages that are away; `live_peak` is the most `used` +
+//      `away` has been (what PyTorch alone would have held), exact where a sweep follows every
+//      operator (a measuring step). A storage that dies while away leaves `away` when it is swept.
 
 #include <ATen/ATen.h>
 #include <ATen/SequenceNumber.h>
@@ -147,6 +150,8 @@ class Observer {
       position_ = 0;
       last_decide_ = 0;
       peak_ = used_;
+      live_peak_ = used_ + away_;
+      live_peak_position_ = 0;
     }
   }
 
@@ -180,6 +185,7 @@ class Observer {
     if (e.away == away) return;
     e.away = away;
     used_ += away ? -e.nbytes : e.nbytes;
+    away_ += away ? e.nbytes : -e.nbytes;
     if (used_ > peak_) peak_ = used_;
   }
 
@@ -203,7 +209,7 @@ class Observer {
     for (auto it = table_.begin(); it != table_.end();) {
       Entry& e = it->second;
       if (e.weak.expired()) {
-        if (!e.away) used_ -= e.nbytes;
+        (e.away ? away_ : used_) -= e.nbytes;
         log_.push_back(kFree);
         log_.push_back(e.sid);
         by_sid_.erase(e.sid);
@@ -275,7 +281,12 @@ class Observer {
   void reset_peak() {
     peak_ = used_;
     peak_position_ = 0;
+    live_peak_ = used_ + away_;
+    live_peak_position_ = 0;
   }
+  int64_t away_bytes() const { return away_; }
+  int64_t live_peak() const { return live_peak_; }
+  int64_t live_peak_position() const { return live_peak_position_; }
   int64_t position() const { return position_; }
   int64_t tracked() const { return static_cast<int64_t>(table_.size()); }
   int64_t faults() const { return faults_; }
@@ -512,6 +523,10 @@ class Observer {
       peak_ = used_;
       peak_position_ = j;
     }
+    if (used_ + away_ > live_peak_) {
+      live_peak_ = used_ + away_;
+      live_peak_position_ = j;
+    }
     if (decide) {
       last_decide_ = position_;
       ++decisions_;
@@ -554,6 +569,9 @@ class Observer {
   int64_t used_ = 0;
   int64_t peak_ = 0;
   int64_t peak_position_ = 0;
+  int64_t away_ = 0;  // invariant 8
+  int64_t live_peak_ = 0;
+  int64_t live_peak_position_ = 0;
   int64_t max_made_ = 0;  // the most bytes one operator has allocated so far
   int64_t budget_ = 0;
   int64_t decide_every_ = 0;
@@ -621,5 +639,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("tracked", &Observer::tracked)
       .def_property_readonly("faults", &Observer::faults)
       .def_property_readonly("decisions", &Observer::decisions)
-      .def_property_readonly("observed", &Observer::observed);
+      .def_property_readonly("observed", &Observer::observed)
+      .def_property_readonly("away", &Observer::away_bytes)
+      .def_property_readonly("live_peak", &Observer::live_peak)
+      .def_property_readonly("live_peak_position", &Observer::live_peak_position);
 }

@@ -238,7 +238,7 @@ class MemoryManager(Steps, StateTransfer, PythonSource, NativeSource, OracleAlig
         #: (resident + away: what PyTorch alone would hold) and the operator it came at
         self._measuring = False
         self._measure_step = False
-        self._live_peak = self._live_pos = self._away_folded = 0
+        self._live_peak = self._live_pos = 0
         self._ops: list[Op] = []
         self._nodes = AutogradNodes()
         self._frees: dict[int, list[int]] = {}

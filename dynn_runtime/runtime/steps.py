@@ -9,7 +9,7 @@ from the model's root forward pre-hook (forward), autograd's current node (backw
 optimizer's step pre/post hooks (optimizer).
 
 State: ``_in_step``, ``_step_index``, ``_cur``, ``steps``, ``history``, ``_measuring``,
-``_measure_step``, ``_live_peak``, ``_live_pos``, ``_away_folded``, ``_peak_pos``, ``phase``,
+``_measure_step``, ``_live_peak``, ``_live_pos``, ``_peak_pos``, ``phase``,
 ``_in_optimizer``, ``_seen_backward``, ``_hints``.
 """
 
@@ -137,19 +137,17 @@ class Steps:
         return max(1, default_budget(self.device) - outside)
 
     def _fold_live_peak(self) -> None:
-        """Native source, measuring step: the observer's peak of device bytes since the last fold,
-        plus what was away meanwhile (it changes only here, at decision points), is the live bytes'
-        peak over that stretch. Called before and after a decision point moves anything."""
+        """Native source, measuring step: take the observer's peaks since the last fold, of device
+        bytes and of live bytes (resident + away, events.cpp invariant 8: what PyTorch alone would
+        hold). Called before and after a decision point moves anything."""
         obs = self._obs
         peak, pos = obs.peak, obs.peak_position or obs.position
         cur = self._cur
         if peak > cur.peak_device_bytes:
             cur.peak_device_bytes, self._peak_pos = peak, pos
-        live = max(peak + self._away_folded, obs.used + self.away)
-        if live > self._live_peak:
-            self._live_peak, self._live_pos = live, pos
+        if obs.live_peak > self._live_peak:
+            self._live_peak, self._live_pos = obs.live_peak, obs.live_peak_position or obs.position
         obs.reset_peak()
-        self._away_folded = self.away
 
     def _begin_step(self) -> None:
         if self.cuda and torch.cuda.is_current_stream_capturing():
@@ -167,7 +165,7 @@ class Steps:
         if self._measuring:
             self.budget = self._first_step_budget()
         self._measure_step = self.budget is None  # ... and runs unmanaged
-        self._live_peak, self._live_pos, self._away_folded = self.used + self.away, 0, self.away
+        self._live_peak, self._live_pos = self.used + self.away, 0
         self._peak_pos = 0
         self.position = 0
         self.phase = "forward"

@@ -101,16 +101,16 @@ def test_fraction_budget_measures_a_model_larger_than_the_device(family, events,
         pytest.skip("the native event source is not built")
     _, _, peak = _baseline(family)
     _, _, ref = _train(family, "lru", 0.75, events=events)  # measured unmanaged (the CPU's measuring step)
-    device = int(peak / 3)
-    monkeypatch.setattr(dr.MemoryManager, "_first_step_budget", lambda self: device)
-    losses, state, stats = _train(family, "lru", 0.75, events=events)
-    _assert_same(family, losses, state)
-    first = stats["per_step"][0]
-    assert not first["managed"] and first["evictions"] > 0  # measuring, and it had to move things
-    assert first["peak_device_bytes"] <= _limit(stats, device)
-    assert stats["measured_peak_bytes"] == ref["measured_peak_bytes"]
-    assert stats["budget_bytes"] == ref["budget_bytes"] == int(stats["measured_peak_bytes"] * 0.75)
-    assert all(s["peak_device_bytes"] <= _limit(stats, stats["budget_bytes"]) for s in stats["per_step"][1:])
+    for device in (int(peak / 3), int(peak / 2.5), int(peak / 2.9)):  # the measurement may not depend on it
+        monkeypatch.setattr(dr.MemoryManager, "_first_step_budget", lambda self, d=device: d)
+        losses, state, stats = _train(family, "lru", 0.75, events=events)
+        _assert_same(family, losses, state)
+        first = stats["per_step"][0]
+        assert not first["managed"] and first["evictions"] > 0  # measuring, and it had to move things
+        assert first["peak_device_bytes"] <= _limit(stats, device)
+        assert stats["measured_peak_bytes"] == ref["measured_peak_bytes"], device
+        assert stats["budget_bytes"] == ref["budget_bytes"] == int(stats["measured_peak_bytes"] * 0.75)
+        assert all(s["peak_device_bytes"] <= _limit(stats, stats["budget_bytes"]) for s in stats["per_step"][1:])
 
 
 def test_oracle_from_a_recorded_trace(tmp_path):
