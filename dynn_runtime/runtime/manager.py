@@ -67,6 +67,7 @@ from ..trace.recorder import AutogradNodes
 from . import devicemem
 from .blocks import _checkpoint_blocks, _is_compiled, checkpoint_modules, repeated_blocks
 from .budget import Budget
+from .controls import Controls
 from .copies import CudaCopies, SyncCopies
 from .devicemem import default_budget
 from .events import QUIET, no_mode
@@ -85,7 +86,8 @@ __all__ = ["MemoryManager", "StepStats", "checkpoint_modules", "repeated_blocks"
 RESIDENT = Status.RESIDENT
 
 
-class MemoryManager(Steps, StateTransfer, PythonSource, NativeSource, OracleAlignment, StorageTable, Moves, Budget):
+class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, OracleAlignment, StorageTable, Moves,
+                    Budget):
     """Keep a training loop's device memory within ``budget`` by moving tensors as ``policy`` says.
 
     ``budget``: bytes (int), a size string (``"6GiB"``), or a float in (0, 1]: that fraction of the
@@ -432,97 +434,3 @@ class MemoryManager(Steps, StateTransfer, PythonSource, NativeSource, OracleAlig
 
     def __exit__(self, *exc: Any) -> None:
         self.detach()
-
-    def pin(self, *objs: torch.Tensor | nn.Module) -> int:
-        """Keep these tensors, or every parameter and buffer of these modules, on the device for as
-        long as the manager is attached: the policy never moves them (one that is away now comes back).
-        For storages read outside the dispatcher, where no fault can bring them back: Triton or
-        extension kernels, CUDA graphs. Returns the bytes pinned; :meth:`unpin` undoes it."""
-        moved = 0
-        with no_mode():
-            self._drain()
-            for t in self._pin_targets(objs):
-                sid = self._sid(t)
-                if sid is None or sid in self._pinned:
-                    continue
-                s = self.st[sid]
-                if s.status != RESIDENT:
-                    self._fetch_now(s, budgeted=True, exclude={sid}, where="pin()")
-                self._pinned.add(sid)
-                moved += s.nbytes
-        return moved
-
-    def unpin(self, *objs: torch.Tensor | nn.Module) -> None:
-        """The policy may move these again."""
-        with no_mode():
-            for t in self._pin_targets(objs):
-                sid = self._sid(t)
-                if sid is not None:
-                    self._pinned.discard(sid)
-
-    @staticmethod
-    def _pin_targets(objs: tuple) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-        for o in objs:
-            if isinstance(o, nn.Module):
-                out += [*o.parameters(), *o.buffers()]
-            elif isinstance(o, torch.Tensor):
-                out.append(o)
-            else:
-                raise ConfigError(f"runtime: pin() takes tensors and modules, got {type(o).__name__}.")
-        return out
-
-    def offload(self, *tensors: torch.Tensor) -> int:
-        """Move the storages behind ``tensors`` off the device now (they come back on their next
-        use). Returns the bytes that left. Tensors the manager does not manage are ignored."""
-        moved = 0
-        with no_mode():
-            self._drain()
-            if self._obs is not None:  # operators since the last decision point (a collective's holds)
-                self._native_parse(in_step=self._in_step)
-            if self._collectives:
-                self._release_collectives(wait=False)
-            for t in tensors:
-                sid = self._sid(t)
-                if sid is not None and self._evict(self.st[sid]):
-                    moved += self.st[sid].nbytes
-        return moved
-
-    def stats(self) -> dict[str, Any]:
-        """Totals over the managed steps (a fractional budget's measuring step is in ``per_step`` only)
-        and the per-step records (``torch.cuda.memory`` vocabulary)."""
-        total = StepStats(step=-1)
-        for s in self.steps:
-            if s.managed:  # a measuring step ran unmanaged: its peak is the measurement, not a result
-                total.add(s)
-        out = {k: v for k, v in total.__dict__.items() if k not in ("step", "managed")}
-        out.update(
-            steps=len(self.steps),
-            measuring_steps=sum(1 for s in self.steps if not s.managed),
-            budget_bytes=self.budget,
-            hard_cap_bytes=self.cap_bytes,
-            unmanaged_bytes=self.unmanaged_bytes if self.cap_bytes is not None else None,
-            outside_at_cap_bytes=self._outside0 if self.cap_bytes is not None else None,
-            cap_headroom_bytes=self.cap_headroom_bytes,
-            measured_peak_bytes=self.measured_peak,
-            policy=self.policy.name,
-            device=str(self.device),
-            device_bytes_now=self.used,
-            host_bytes_in_use=self.pool.in_use,
-            host_bytes_peak=self.pool.peak_in_use,
-            host_pinned=self.pool.pinned,
-            managed_storages=len(self.st),
-            event_source=self.event_source,
-            largest_allocation_bytes=self._obs.max_made if self._obs is not None else None,
-            event_source_reason=self.event_reason,
-            list_calls_split=self._lists.calls_split if self._lists is not None else 0,
-            per_step=[dict(s.__dict__) for s in self.steps],
-        )
-        if self.cuda:
-            out["max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
-        return out
-
-    def timeline(self) -> list[tuple[int, int, int, str]]:
-        """(step, operator position, managed device bytes after it, phase) for the last
-        ``TIMELINE_ENTRIES`` operators."""
-        return list(self._timeline)
