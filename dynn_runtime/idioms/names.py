@@ -146,24 +146,6 @@ _INDEX_READ = {
     "_upsample_nearest_exact3d",
 }
 _INDEX_READ_REDUCE = {"embedding_bag", "_embedding_bag", "_embedding_bag_forward_only", "multinomial"}
-_SORT = {
-    "sort",
-    "argsort",
-    "msort",
-    "_unique",
-    "_unique2",
-    "unique_dim",
-    "unique_consecutive",
-    "unique_dim_consecutive",
-    "topk",
-    "kthvalue",
-    "median",
-    "nanmedian",
-    "mode",
-    "isin",
-    "quantile",
-    "nanquantile",
-}
 _SORT_SELECT = {
     "_unique",
     "_unique2",
@@ -179,6 +161,7 @@ _SORT_SELECT = {
     "quantile",
     "nanquantile",
 }
+_SORT = {"sort", "argsort", "msort"} | _SORT_SELECT
 _MATMUL = {
     "mm",
     "bmm",
