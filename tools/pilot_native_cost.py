@@ -1,4 +1,4 @@
-"""Pilot inference cost, numpy reference vs the native kernel (dynn_runtime/pilot/kernel/kernel.c), in one process.
+"""Pilot inference cost, numpy reference vs the native kernel (dynn_runtime/pilot/kernel/), in one process.
 
     python tools/pilot_native_cost.py [FAMILY ...] [--repeats N] [--variants incremental,full]
 

@@ -6,7 +6,7 @@ context row shared by one decision point's candidates, in column order. The nump
 the native kernel's C header (``kernel/pilot_kernel.h``, written by
 :func:`dynn_runtime.pilot.kernel.abi.header`) numbers them as ``F_<GROUP>`` / ``X_<GROUP>``. Adding a
 feature is one entry here, its computation in :meth:`.features.FeatureState.features_numpy` and in
-``kernel/kernel.c``'s ``feature_row``, and regenerating the header
+``kernel/kernel.c``'s ``pilot_feature_row``, and regenerating the header
 (``python -m dynn_runtime.pilot.kernel.abi``); the shipped weights must then be retrained.
 
 Each entry is ``(group, columns)``: a group of one column is named after it; a group of several

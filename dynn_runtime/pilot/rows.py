@@ -2,7 +2,7 @@
 and :data:`~dynn_runtime.pilot.layout.CTX_FEATURES` holds, computed from a
 :class:`~dynn_runtime.pilot.features.FeatureState`.
 
-The native kernel (``kernel/kernel.c``, ``feature_row`` and ``context_row``) computes the same rows
+The native kernel (``kernel/kernel.c``, ``pilot_feature_row`` and ``pilot_context_row``) computes the same rows
 bit for bit and is tested against :func:`feature_rows`. The columns, by group (see
 :mod:`.features` for the state behind them):
 

@@ -1,4 +1,4 @@
-"""The pilot's native inference kernel (dynn_runtime/pilot/kernel/kernel.c) against the numpy reference.
+"""The pilot's native inference kernel (dynn_runtime/pilot/kernel/) against the numpy reference.
 
 Feature rows and context rows must be equal bit for bit at every decision point of real zoo traces
 (full and subset rows, forward and backward, pending external storages); probabilities agree to
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -379,9 +380,27 @@ def test_the_kernel_built_at_install_is_used_only_for_its_own_source(kernel, fre
     if native._installed() is None:
         pytest.skip("the package was installed without building the pilot's kernel")
     assert native.available() and "built at install" in native.reason()
-    (tmp_path / "kernel.c").write_bytes(native.SOURCE.read_bytes() + b"\n")
-    fresh_native.setattr(native, "SOURCE", tmp_path / "kernel.c")  # a source edited since install
+    assert len(native.SOURCES) > 1
+    for i, unit in enumerate(native.SOURCES):  # any unit edited since install
+        (tmp_path / unit.name).write_bytes(unit.read_bytes() + b"\n")
+        edited = (*native.SOURCES[:i], tmp_path / unit.name, *native.SOURCES[i + 1:])
+        with fresh_native.context() as m:
+            m.setattr(native, "SOURCES", edited)
+            assert native._installed() is None, unit.name
+    (tmp_path / "internal.h").write_bytes(native.INTERNAL_HEADER.read_bytes() + b"\n")
+    fresh_native.setattr(native, "INTERNAL_HEADER", tmp_path / "internal.h")
     assert native._installed() is None
+
+
+def test_the_install_stamp_hashes_every_unit_as_cmake_does():
+    """CMakeLists.txt compiles and hashes the units the loader compiles and hashes, in the same order."""
+    import re
+
+    cmake = (Path(__file__).parents[2] / "CMakeLists.txt").read_text()
+    units = re.search(r"set\(DYNN_KERNEL_SOURCES ([^)]*)\)", cmake).group(1).split()
+    files = re.search(r"set\(DYNN_KERNEL_FILES ([^)]*)\)", cmake).group(1).split()
+    assert units == [p.name for p in native.SOURCES]
+    assert files == ["${DYNN_KERNEL_SOURCES}", native.INTERNAL_HEADER.name, native.HEADER.name]
 
 
 def test_compiled_once_per_cache_key(kernel, fresh_native, tmp_path):

@@ -1,6 +1,6 @@
 """The kernel's ABI: the feature columns and the structures Python and C exchange, as one table.
 
-``kernel.c`` includes ``pilot_kernel.h``, which :func:`header` writes from this module and from the
+The kernel's C units include ``pilot_kernel.h``, which :func:`header` writes from this module and from the
 feature table (:mod:`dynn_runtime.pilot.layout`): the column numbers ``F_<GROUP>`` / ``X_<GROUP>``,
 the thresholds, and the structures below with their sizes in 8-byte words. The Python side fills
 the same structures by field name (:meth:`Struct.index`, :meth:`Struct.ctypes`), so a field or a

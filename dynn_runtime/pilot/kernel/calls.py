@@ -83,7 +83,7 @@ class NativeKernel:
             i = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
             raise RuntimeError(f"{self.path.name}: its layout differs from this dynn_runtime's at entry {i} "
                                f"({got[i] if i < len(got) else None} vs {want[i] if i < len(want) else None}): "
-                               "built from another kernel.c or pilot_kernel.h?")
+                               "built from other kernel sources or another pilot_kernel.h?")
 
     # ---- FeatureState ---------------------------------------------------------------------------
     @staticmethod

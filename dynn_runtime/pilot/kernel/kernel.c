@@ -31,43 +31,21 @@
  * dynn_model, dynn_op: arrays of 8-byte words in field order) are in pilot_kernel.h, generated from
  * the Python feature table (dynn_runtime/pilot/layout.py, kernel/abi.py); dynn_pilot_layout reports
  * them so that the loader refuses a library built from another header.
+ *
+ * Three translation units share the generated pilot_kernel.h and the private kernel_internal.h:
+ *   kernel.c   the decision point's preparation, feature rows, the per-operator state updates;
+ *   network.c  the MLP, its softmax head and the policy's arithmetic on a row's prediction;
+ *   heap.c     the policy's eviction heap and the merge of a decision point's results into it.
+ * CMakeLists.txt and the run-time compile in kernel/__init__.py (SOURCES) list the same files.
  */
 
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "pilot_kernel.h"
-
-#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
-#define MADD(a, b, c) fmaf((a), (b), (c))
-#else
-#define MADD(a, b, c) ((a) * (b) + (c))
-#endif
-
-/* numpy's clip: min(max(v, lo), hi) */
-static inline float clampf(float v, float lo, float hi)
-{
-    v = v < lo ? lo : v;
-    return v > hi ? hi : v;
-}
+#include "kernel_internal.h"
 
 /* ---- decision-point preparation shared by every row ------------------------------------------- */
-typedef struct {
-    const dynn_state *S;
-    const dynn_point *D;
-    int64_t n_live, front, qm;
-    int stack_any;
-    int32_t *gt;                  /* gt[v]: live on-stack storages with a stack index > v */
-    int64_t n_gt;
-    int64_t *pa;                  /* pending externals: (announce, slot) pairs, sorted */
-    int64_t n_pa;
-    const int64_t *rem;
-    int64_t nrem;
-    int pend_any;
-} prep_t;
-
 static int cmp_pair(const void *a, const void *b)
 {
     const int64_t *x = (const int64_t *)a, *y = (const int64_t *)b;
@@ -76,7 +54,7 @@ static int cmp_pair(const void *a, const void *b)
     return 0;
 }
 
-static void prep_free(prep_t *P)
+void pilot_prep_free(prep_t *P)
 {
     free(P->gt);
     free(P->pa);
@@ -91,7 +69,7 @@ static inline int pending_slot(const dynn_state *S, int64_t s)
 
 /* 0: ready; -1: tables too small; -2: out of memory; -4: a row is no slot; 1 + n: the caller must
  * pass the first n counterparts of the previous iteration's unmatched external storages (rem) */
-static int64_t prepare(prep_t *P, const dynn_state *S, const dynn_point *D)
+int64_t pilot_prepare(prep_t *P, const dynn_state *S, const dynn_point *D)
 {
     const int64_t *idx = D->rows, m = D->m, *rem = D->rem, nrem = D->nrem;
     memset(P, 0, sizeof(*P));
@@ -159,7 +137,7 @@ static int64_t prepare(prep_t *P, const dynn_state *S, const dynn_point *D)
         int64_t n = top + 1;
         P->gt = (int32_t *)calloc((size_t)(n ? n : 1), sizeof(int32_t));
         if (!P->gt) {
-            prep_free(P);
+            pilot_prep_free(P);
             return -2;
         }
         for (int64_t s = 0; s < cap; s++) {
@@ -199,7 +177,7 @@ static inline int64_t lower_bound(const int64_t *a, int64_t n, int64_t v)
     return lo;
 }
 
-/* table entry n, n clamped to [0, ntab - 1]: prepare() checked that every argument of a decision
+/* table entry n, n clamped to [0, ntab - 1]: pilot_prepare() checked that every argument of a decision
  * point is below ntab (a count, an age or a distance is at most the position, the previous
  * iteration's length, or the number of slots); the upper clamp only keeps a broken state in bounds */
 static inline float tab(const float *t, int64_t n, int64_t ntab)
@@ -214,7 +192,7 @@ static inline int64_t ival(float v)
 }
 
 /* one feature row: FeatureState.features for slot s */
-static void feature_row(const prep_t *P, int64_t s, float *restrict x)
+void pilot_feature_row(const prep_t *P, int64_t s, float *restrict x)
 {
     const dynn_state *S = P->S;
     const dynn_point *D = P->D;
@@ -346,7 +324,7 @@ static void feature_row(const prep_t *P, int64_t s, float *restrict x)
     }
 }
 
-static void context_row(const prep_t *P, float *restrict c)
+void pilot_context_row(const prep_t *P, float *restrict c)
 {
     const dynn_state *S = P->S;
     const dynn_point *D = P->D;
@@ -373,20 +351,20 @@ static void context_row(const prep_t *P, float *restrict c)
     c[X_HINTS] = (float)(D->h_active != 0);
 }
 
-/* FeatureState.features for the slots D->rows: X (m, NF), ctx (NC,), sids (m,). Returns prepare()'s
+/* FeatureState.features for the slots D->rows: X (m, NF), ctx (NC,), sids (m,). Returns pilot_prepare()'s
  * code. */
 int64_t dynn_pilot_features(const dynn_state *S, const dynn_point *D, float *X, float *ctx, int64_t *sids)
 {
     prep_t P;
     const int64_t *idx = D->rows, m = D->m;
-    int64_t rc = prepare(&P, S, D);
+    int64_t rc = pilot_prepare(&P, S, D);
     if (rc) return rc;
     for (int64_t i = 0; i < m; i++) {
-        feature_row(&P, idx[i], X + i * NF);
+        pilot_feature_row(&P, idx[i], X + i * NF);
         sids[i] = S->sid[idx[i]];
     }
-    context_row(&P, ctx);
-    prep_free(&P);
+    pilot_context_row(&P, ctx);
+    pilot_prep_free(&P);
     return 0;
 }
 
@@ -402,303 +380,6 @@ int64_t dynn_pilot_gather(const dynn_state *S, const dynn_point *D, float *X, fl
         slots[i] = D->rows[i];
         S->touched[D->rows[i]] = 0;
     }
-    return 0;
-}
-
-/* ---- the network ------------------------------------------------------------------------------ */
-/* Every layer runs over the output dimension in blocks of 16 floats (one 512-bit or two 256-bit
- * vectors) whose accumulators stay in registers across the loop over inputs: each inner loop has a
- * constant trip count of 16 on contiguous weights, which the compiler unrolls and vectorises. */
-
-/* c = ctx @ wx + bx: the context's share of the first layer, once per decision point */
-static void context_term(const dynn_model *M, const float *ctx, float *restrict c)
-{
-    const int64_t H = M->h;
-    for (int64_t j = 0; j < H; j++) c[j] = 0.0f;
-    for (int64_t i = 0; i < M->nc; i++) {
-        const float a = clampf(ctx[i], M->lo_ctx[i], M->hi_ctx[i]);
-        if (a == 0.0f) continue;
-        const float *restrict w = M->wx + i * H;
-        for (int64_t j = 0; j < H; j++) c[j] = MADD(a, w[j], c[j]);
-    }
-    for (int64_t j = 0; j < H; j++) c[j] += M->bx[j];
-}
-
-/* index of the lowest set bit of v != 0 */
-static inline int lowest_bit(uint64_t v)
-{
-#if defined(__GNUC__)
-    return __builtin_ctzll(v);
-#else
-    static const int debruijn[64] = {
-        0, 1, 48, 2, 57, 49, 28, 3, 61, 58, 50, 42, 38, 29, 17, 4, 62, 55, 59, 36, 53, 51, 43, 22,
-        45, 39, 33, 30, 24, 18, 12, 5, 63, 47, 56, 27, 60, 41, 37, 16, 54, 35, 52, 21, 44, 32, 23, 11,
-        46, 26, 40, 15, 34, 20, 31, 10, 25, 14, 19, 9, 13, 8, 7, 6};
-    return debruijn[((v & (0 - v)) * 0x03f79d71b4cb0a89ULL) >> 58];
-#endif
-}
-
-/* indices of the nonzero entries of in[0:n] (ascending; NaN counts as nonzero, -0 does not): a
- * bit mask per 64 inputs (a vectorised comparison), then its set bits */
-static inline int64_t nonzeros(const float *restrict in, int64_t n, int32_t *restrict nz)
-{
-    int64_t k = 0;
-    for (int64_t b = 0; b < n; b += 64) {
-        const int64_t e = n - b < 64 ? n - b : 64;
-        uint64_t mask = 0;
-        for (int64_t i = 0; i < e; i++) {
-            uint32_t bits;
-            memcpy(&bits, in + b + i, sizeof(bits));
-            mask |= (uint64_t)((bits << 1) != 0u) << i;
-        }
-        while (mask) {
-            nz[k++] = (int32_t)(b + lowest_bit(mask));
-            mask &= mask - 1;
-        }
-    }
-    return k;
-}
-
-/* out[0:H] = relu(init + sum over the nonzero in[k] of in[k] * W[k, :]) */
-static void dense_relu(const float *restrict in, int64_t nin, const float *restrict W,
-                       const float *restrict init, float *restrict out, int64_t H)
-{
-    int32_t nz[MAX_H > NF ? MAX_H : NF];
-    const int64_t n = nonzeros(in, nin, nz);
-    int64_t jb = 0;
-    for (; jb + 4 * LANES <= H; jb += 4 * LANES) {
-        float a0[LANES], a1[LANES], a2[LANES], a3[LANES];
-        for (int j = 0; j < LANES; j++) {
-            a0[j] = init[jb + j];
-            a1[j] = init[jb + LANES + j];
-            a2[j] = init[jb + 2 * LANES + j];
-            a3[j] = init[jb + 3 * LANES + j];
-        }
-        for (int64_t t = 0; t < n; t++) {
-            const float a = in[nz[t]];
-            const float *restrict w = W + (int64_t)nz[t] * H + jb;
-            for (int j = 0; j < LANES; j++) a0[j] = MADD(a, w[j], a0[j]);
-            for (int j = 0; j < LANES; j++) a1[j] = MADD(a, w[LANES + j], a1[j]);
-            for (int j = 0; j < LANES; j++) a2[j] = MADD(a, w[2 * LANES + j], a2[j]);
-            for (int j = 0; j < LANES; j++) a3[j] = MADD(a, w[3 * LANES + j], a3[j]);
-        }
-        for (int j = 0; j < LANES; j++) {
-            out[jb + j] = a0[j] > 0.0f ? a0[j] : 0.0f;
-            out[jb + LANES + j] = a1[j] > 0.0f ? a1[j] : 0.0f;
-            out[jb + 2 * LANES + j] = a2[j] > 0.0f ? a2[j] : 0.0f;
-            out[jb + 3 * LANES + j] = a3[j] > 0.0f ? a3[j] : 0.0f;
-        }
-    }
-    for (; jb + LANES <= H; jb += LANES) {
-        float a0[LANES];
-        for (int j = 0; j < LANES; j++) a0[j] = init[jb + j];
-        for (int64_t t = 0; t < n; t++) {
-            const float a = in[nz[t]];
-            const float *restrict w = W + (int64_t)nz[t] * H + jb;
-            for (int j = 0; j < LANES; j++) a0[j] = MADD(a, w[j], a0[j]);
-        }
-        for (int j = 0; j < LANES; j++) out[jb + j] = a0[j] > 0.0f ? a0[j] : 0.0f;
-    }
-    for (; jb < H; jb++) {
-        float a0 = init[jb];
-        for (int64_t t = 0; t < n; t++) a0 = MADD(in[nz[t]], W[(int64_t)nz[t] * H + jb], a0);
-        out[jb] = a0 > 0.0f ? a0 : 0.0f;
-    }
-}
-
-/* z[0:KP] = b + in @ W for the last layer (W (H, KP), KP a multiple of LANES: zero-padded
- * columns), every input (no skipping), four interleaved accumulators per block */
-static void dense_out(const float *restrict in, int64_t H, const float *restrict W, const float *restrict b,
-                      float *restrict z, int64_t KP)
-{
-    for (int64_t jb = 0; jb < KP; jb += LANES) {
-        float a0[LANES], a1[LANES], a2[LANES], a3[LANES];
-        for (int j = 0; j < LANES; j++) {
-            a0[j] = b[jb + j];
-            a1[j] = 0.0f;
-            a2[j] = 0.0f;
-            a3[j] = 0.0f;
-        }
-        int64_t k = 0;
-        for (; k + 4 <= H; k += 4) {
-            const float x0 = in[k], x1 = in[k + 1], x2 = in[k + 2], x3 = in[k + 3];
-            const float *restrict w = W + k * KP + jb;
-            for (int j = 0; j < LANES; j++) a0[j] = MADD(x0, w[j], a0[j]);
-            for (int j = 0; j < LANES; j++) a1[j] = MADD(x1, w[KP + j], a1[j]);
-            for (int j = 0; j < LANES; j++) a2[j] = MADD(x2, w[2 * KP + j], a2[j]);
-            for (int j = 0; j < LANES; j++) a3[j] = MADD(x3, w[3 * KP + j], a3[j]);
-        }
-        for (; k < H; k++) {
-            const float x0 = in[k];
-            const float *restrict w = W + k * KP + jb;
-            for (int j = 0; j < LANES; j++) a0[j] = MADD(x0, w[j], a0[j]);
-        }
-        for (int j = 0; j < LANES; j++) z[jb + j] = (a0[j] + a1[j]) + (a2[j] + a3[j]);
-    }
-}
-
-/* y = exp(x) on LANES floats, x <= 0 (softmax logits less their maximum): Cody-Waite reduction to
- * [-ln2/2, ln2/2] and the Cephes expf polynomial, within 1 ulp of libm's expf; 0 below -87 (where
- * expf is below 1.7e-38). Vectorised, unlike calls to expf. */
-static inline void exp_lanes(const float *restrict x, float *restrict y)
-{
-    for (int j = 0; j < LANES; j++) {
-        const float v = x[j] < -87.0f ? -87.0f : x[j];
-        /* n = round(v / ln2): adding and subtracting 1.5 * 2^23 rounds to an integer */
-        const float n = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-        float r = v - n * 0.693359375f;
-        r = r - n * -2.12194440e-4f;
-        float p = 1.9875691500e-4f;
-        p = MADD(p, r, 1.3981999507e-3f);
-        p = MADD(p, r, 8.3334519073e-3f);
-        p = MADD(p, r, 4.1665795894e-2f);
-        p = MADD(p, r, 1.6666665459e-1f);
-        p = MADD(p, r, 5.0000001201e-1f);
-        p = MADD(p, r * r, r) + 1.0f;
-        const int32_t e = (int32_t)(((uint32_t)((int32_t)n + 127)) << 23); /* 2^n, n in [-126, 0] */
-        float scale;
-        memcpy(&scale, &e, sizeof(scale));
-        y[j] = x[j] < -87.0f ? 0.0f : p * scale;
-    }
-}
-
-/* logits (KP, the first K real) -> probabilities (softmax), the expected log distance, the first
- * bucket whose cumulative probability reaches the quantile, the most probable bucket (numpy's
- * argmax: the first maximum) */
-static inline void head(const float *restrict z, int64_t K, int64_t KP, const double *restrict logreps,
-                        float quantile, float *restrict p, double *eld, int64_t *kq, int64_t *amax)
-{
-    float mx = z[0];
-    for (int64_t k = 1; k < K; k++) mx = z[k] > mx ? z[k] : mx;
-    float t[MAX_K], e[MAX_K];
-    for (int64_t k = 0; k < KP; k++) t[k] = k < K ? z[k] - mx : -INFINITY;
-    for (int64_t k = 0; k < K; k += LANES) exp_lanes(t + k, e + k); /* K <= KP, KP % LANES == 0 */
-    float sum = 0.0f;
-    for (int64_t k = 0; k < K; k++) sum += e[k];
-    double acc = 0.0;
-    float cs = 0.0f, pm = -1.0f;
-    int64_t q = -1, am = 0;
-    for (int64_t k = 0; k < K; k++) {
-        const float v = e[k] / sum;
-        p[k] = v;
-        acc += (double)v * logreps[k];
-        cs += v;
-        if (q < 0 && cs >= quantile) q = k;
-        if (v > pm) {
-            pm = v;
-            am = k;
-        }
-    }
-    *eld = acc;
-    *kq = q < 0 ? 0 : q;
-    *amax = am;
-}
-
-/* logits z (padded to KP) of one row: relu(relu(x @ w1 + c) @ W2 + b2) @ W3 + b3 */
-static void mlp_row(const dynn_model *M, const float *restrict x, const float *restrict c, float *restrict z)
-{
-    float h1[MAX_H], h2[MAX_H], xc[NF];
-    const int64_t H = M->h;
-    for (int64_t i = 0; i < NF; i++) xc[i] = clampf(x[i], M->lo[i], M->hi[i]);
-    dense_relu(xc, M->nf, M->w1, c, h1, H);
-    dense_relu(h1, H, M->w2, M->b2, h2, H);
-    dense_out(h2, H, M->w3, M->b3, z, M->kp);
-}
-
-static int model_ok(const dynn_model *M)
-{
-    return M->nf == NF && M->nc == NC && M->h > 0 && M->h <= MAX_H && M->k > 0 && M->k <= M->kp &&
-           M->kp <= MAX_K && M->kp % LANES == 0;
-}
-
-/* PilotModel: P (m, K), expected log distance, quantile bucket, argmax for rows X (m, NF) under ctx.
- * Returns 0, or -3 when the model's shape is not one this kernel handles. */
-int64_t dynn_pilot_score(const dynn_model *M, const float *X, int64_t m, const float *ctx,
-                         const double *logreps, double quantile, float *P, double *eld, int64_t *kq,
-                         int64_t *amax)
-{
-    if (!model_ok(M)) return -3;
-    float c[MAX_H], z[MAX_K];
-    context_term(M, ctx, c);
-    const float qf = (float)quantile;
-    for (int64_t i = 0; i < m; i++) {
-        mlp_row(M, X + i * NF, c, z);
-        head(z, M->k, M->kp, logreps, qf, P + i * M->k, eld + i, kq + i, amax + i);
-    }
-    return 0;
-}
-
-/* a row's predicted next-use position (exp(expected log distance) after the decision point; +inf for
- * "not again" unless a parameter, buffer or optimizer state: the next iteration needs those) and when
- * it is due again (min(prediction, position + recheck * lower[quantile bucket]): incremental rescoring) */
-static inline double settle(const float *x, double eld, int64_t kq, int64_t am, int64_t K, double position,
-                            double recheck, const double *lower, double *due)
-{
-    double score = exp(eld) + position;
-    if (am == K - 1 && x[F_KIND] == 0.0f && x[F_KIND + 1] == 0.0f && x[F_KIND + 2] == 0.0f)
-        score = INFINITY;
-    const double d = position + recheck * lower[kq];
-    *due = score < d ? score : d;
-    return score;
-}
-
-/* The worker's half of a decision point (pilot/scheduling.py): the network and settle() for m
- * feature rows X gathered on the issuing thread, to score and due (per row). Reads only its
- * arguments and writes only its outputs, so it runs while the issuing thread goes on (ctypes
- * releases the GIL for it). Returns 0, or -3 (model shape). */
-int64_t dynn_pilot_finish(const dynn_model *M, const float *X, int64_t m, const float *ctx,
-                          const double *logreps, const double *lower, double quantile, double recheck,
-                          int64_t position, double *score, double *due)
-{
-    if (!model_ok(M)) return -3;
-    float c[MAX_H], z[MAX_K], p[MAX_K];
-    context_term(M, ctx, c);
-    const float qf = (float)quantile;
-    const int64_t K = M->k;
-    for (int64_t i = 0; i < m; i++) {
-        const float *x = X + i * NF;
-        mlp_row(M, x, c, z);
-        double eld;
-        int64_t kq, am;
-        head(z, K, M->kp, logreps, qf, p, &eld, &kq, &am);
-        score[i] = settle(x, eld, kq, am, K, (double)position, recheck, lower, &due[i]);
-    }
-    return 0;
-}
-
-/* PilotPolicy._score for the slots D->rows: features, the network, and per row the predicted
- * next-use position (exp(expected log distance) after the decision point; +inf for "not again" unless
- * a parameter, buffer or optimizer state), when it is due again (min(prediction, position + recheck *
- * lower[quantile bucket])), touched cleared; storage ids and predictions to Q's outputs (for
- * dynn_pilot_merge). Returns prepare()'s code, or -3 (model shape). */
-int64_t dynn_pilot_decide(const dynn_state *S, const dynn_point *D, const dynn_model *M, const dynn_policy *Q)
-{
-    if (!model_ok(M)) return -3;
-    prep_t P;
-    int64_t rc = prepare(&P, S, D);
-    if (rc) return rc;
-    float ctx[NC], c[MAX_H], x[NF], z[MAX_K], p[MAX_K];
-    context_row(&P, ctx);
-    context_term(M, ctx, c);
-    const float qf = (float)Q->quantile;
-    const double recheck = Q->recheck;
-    const int64_t K = M->k, m = D->m;
-    const int64_t *idx = D->rows;
-    const double position = (double)D->pos;
-    for (int64_t i = 0; i < m; i++) {
-        const int64_t s = idx[i];
-        feature_row(&P, s, x);
-        mlp_row(M, x, c, z);
-        double eld;
-        int64_t kq, am;
-        head(z, K, M->kp, Q->logreps, qf, p, &eld, &kq, &am);
-        const double score = settle(x, eld, kq, am, K, position, recheck, Q->lower, &Q->due[s]);
-        S->pred[s] = score;
-        S->touched[s] = 0;
-        Q->sids_out[i] = S->sid[s];
-        Q->score_out[i] = score;
-    }
-    prep_free(&P);
     return 0;
 }
 
@@ -806,186 +487,6 @@ int64_t dynn_pilot_alloc(const dynn_state *S, int64_t s, int64_t kind, double sa
     ((int64_t *)S->born_phase)[s] = position < 0 ? -1 : phase;
     ((int64_t *)S->prev)[s] = prev;
     return 0;
-}
-
-/* ---- the eviction heap (PilotPolicy's NextUsePolicy._res) ------------------------------------- */
-/* A binary min-heap of (key, sid) entries, ordered as Python orders the tuples (key, then sid), so it
- * pops the same sequence heapq does from the same entries. Each entry also carries the storage's slot
- * in the state, so that pop and compact can tell a stale entry without Python: the slot no longer
- * holds that storage, or the key is not the storage's current prediction (key != -pred[slot]; pred is
- * the policy's cache, NaN for "never predicted this iteration", which Python judges itself). */
-typedef struct {
-    double key;
-    int64_t sid, slot;
-} hent;
-
-typedef struct {
-    hent *a;
-    int64_t n, cap;
-} dynn_heap;
-
-static inline int hless(const hent *x, const hent *y)
-{
-    return x->key < y->key || (x->key == y->key && x->sid < y->sid);
-}
-
-static void sift_up(hent *a, int64_t i)
-{
-    hent e = a[i];
-    while (i > 0) {
-        int64_t p = (i - 1) >> 1;
-        if (!hless(&e, &a[p])) break;
-        a[i] = a[p];
-        i = p;
-    }
-    a[i] = e;
-}
-
-static void sift_down(hent *a, int64_t n, int64_t i)
-{
-    hent e = a[i];
-    for (;;) {
-        int64_t c = 2 * i + 1;
-        if (c >= n) break;
-        if (c + 1 < n && hless(&a[c + 1], &a[c])) c++;
-        if (!hless(&a[c], &e)) break;
-        a[i] = a[c];
-        i = c;
-    }
-    a[i] = e;
-}
-
-dynn_heap *dynn_heap_new(void)
-{
-    return (dynn_heap *)calloc(1, sizeof(dynn_heap));
-}
-
-void dynn_heap_free(dynn_heap *h)
-{
-    if (h) free(h->a);
-    free(h);
-}
-
-int64_t dynn_heap_len(const dynn_heap *h)
-{
-    return h->n;
-}
-
-static int reserve(dynn_heap *h, int64_t need)
-{
-    if (need <= h->cap) return 0;
-    int64_t cap = h->cap ? h->cap : 1024;
-    while (cap < need) cap *= 2;
-    hent *a = (hent *)realloc(h->a, sizeof(hent) * (size_t)cap);
-    if (!a) return -2;
-    h->a = a;
-    h->cap = cap;
-    return 0;
-}
-
-/* push n entries (keys, sids, slots); 0, or -2 out of memory */
-int64_t dynn_heap_push(dynn_heap *h, const double *keys, const int64_t *sids, const int64_t *slots, int64_t n)
-{
-    if (reserve(h, h->n + n)) return -2;
-    for (int64_t i = 0; i < n; i++) {
-        hent *e = &h->a[h->n];
-        e->key = keys[i];
-        e->sid = sids[i];
-        e->slot = slots[i];
-        sift_up(h->a, h->n++);
-    }
-    return 0;
-}
-
-static inline int stale(const dynn_state *S, const hent *e)
-{
-    const int64_t s = e->slot;
-    if (s < 0 || s >= S->cap || !S->active[s] || S->sid[s] != e->sid) return 1;
-    const double v = S->pred[s];
-    return v == v && e->key != -v;  /* NaN: Python's call */
-}
-
-/* pop the least entry that is not stale to out (key, sid, slot as three words); 1, or 0: empty */
-int64_t dynn_heap_pop(dynn_heap *h, const dynn_state *S, int64_t *out)
-{
-    while (h->n) {
-        hent e = h->a[0];
-        h->a[0] = h->a[--h->n];
-        if (h->n) sift_down(h->a, h->n, 0);
-        if (stale(S, &e)) continue;
-        memcpy(out, &e.key, sizeof(double));
-        out[1] = e.sid;
-        out[2] = e.slot;
-        return 1;
-    }
-    return 0;
-}
-
-/* keep the entries that match their storage's prediction (not NaN), one per storage, as a heap
- * (PilotPolicy._compact); mark: an int64 scratch array as long as the state's slots. Returns the
- * entries kept. */
-int64_t dynn_heap_compact(dynn_heap *h, const dynn_state *S, int64_t *mark)
-{
-    for (int64_t i = 0; i < h->n; i++) {
-        const int64_t s = h->a[i].slot;
-        if (s >= 0 && s < S->cap) mark[s] = 0;
-    }
-    int64_t n = 0;
-    for (int64_t i = 0; i < h->n; i++) {
-        const hent *e = &h->a[i];
-        if (stale(S, e) || S->pred[e->slot] != S->pred[e->slot] || mark[e->slot]) continue;
-        mark[e->slot] = 1;
-        h->a[n++] = *e;
-    }
-    h->n = n;
-    for (int64_t i = n / 2 - 1; i >= 0; i--) sift_down(h->a, n, i);
-    return n;
-}
-
-/* copy the entries (in heap order) to keys, sids, slots (room for len); returns the count */
-int64_t dynn_heap_dump(const dynn_heap *h, double *keys, int64_t *sids, int64_t *slots)
-{
-    for (int64_t i = 0; i < h->n; i++) {
-        keys[i] = h->a[i].key;
-        sids[i] = h->a[i].sid;
-        slots[i] = h->a[i].slot;
-    }
-    return h->n;
-}
-
-/* A decision point's results into the policy's structures (PilotPolicy._update): every row's entry
- * (-score, sid, slot) on the heap, and the rows whose away[slot] is set (evicted by the policy, not
- * seen back) to away_sids / away_scores for the prefetch heap. filter (results that come back from
- * the worker): a row whose slot no longer holds its storage, or was touched since the rows
- * were chosen, is left out (its provisional prediction is newer), the others' pred and due are
- * written here. Returns the number of away rows, or -2 (out of memory). */
-int64_t dynn_pilot_merge(const dynn_state *S, dynn_heap *h, const double *score, const double *due_in,
-                         const int64_t *sids, const int64_t *slots, int64_t m, int64_t filter, double *due,
-                         const uint8_t *away, int64_t *away_sids, double *away_scores, int64_t *n_merged)
-{
-    if (reserve(h, h->n + m)) return -2;
-    int64_t na = 0, nm = 0;
-    for (int64_t i = 0; i < m; i++) {
-        const int64_t s = slots[i];
-        if (filter) {
-            if (s < 0 || s >= S->cap || !S->active[s] || S->sid[s] != sids[i] || S->touched[s]) continue;
-            S->pred[s] = score[i];
-            due[s] = due_in[i];
-        }
-        hent *e = &h->a[h->n];
-        e->key = -score[i];
-        e->sid = sids[i];
-        e->slot = s;
-        sift_up(h->a, h->n++);
-        nm++;
-        if (away && away[s]) {
-            away_sids[na] = sids[i];
-            away_scores[na] = score[i];
-            na++;
-        }
-    }
-    *n_merged = nm;
-    return na;
 }
 
 /* version, struct sizes and the column indices (abi.layout()), for the loader's check */
