@@ -38,6 +38,7 @@ from typing import Any
 from .._log import logger
 from ..budget import Budget
 from ..errors import BudgetError, ConfigError, PolicyError
+from ..results import strict_json
 from ..trace.cache import TraceCache  # re-exported: it moved to trace/
 
 __all__ = [
@@ -267,19 +268,6 @@ class BenchReport:
             "results": self.results,
             "max_size": self.max_size,
         })
-
-
-def strict_json(x: Any) -> Any:
-    """``x`` with every non-finite float replaced by None and dict keys made strings: strict JSON."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {str(k): strict_json(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [strict_json(v) for v in x]
-    return x
-
-
 
 
 class _Charges:

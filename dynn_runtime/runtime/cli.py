@@ -157,6 +157,6 @@ def _frac(text: str) -> float | None:
 
 
 def _strict(x: Any) -> Any:
-    from ..bench.harness import strict_json as strict
+    from ..results import strict_json as strict
 
     return strict(x)
