@@ -23,20 +23,9 @@ point is a handful of vectorised operations over it (no Python loop over candida
 of the native kernel (:mod:`.kernel`), which reads the same arrays and returns the same rows bit
 for bit.
 
-**Anchored replay.** Every operator is keyed by (name, module, phase, occurrence of that triple so
-far in the phase) and matched to the previous iteration's operator with the same key. The last
-matched operator *anchors* the current position to a position in the previous iteration; a
-candidate's counterpart there (itself for persistent storages, the storage that the matched
-producer allocated in the same output slot for fresh ones) says when it was next used after the
-anchor. Unlike positional replay this survives shifted and re-ordered operator sequences
-(variable lengths, skipped blocks, different experts); the model learns how far to trust it from
-the other features. Occurrences count per phase, so that the optimizer's operators (the same every
-step) are not shifted by how often forward and backward ran the same operator.
-
-**External storages** alive at the start and new to the iteration (the batch) are matched, at their
-first access, to the previous iteration's storages that no operator allocated, in first-access
-order; before their first access they get, tentatively, the counterpart they will be matched to if
-accessed in announcement order (``ext_by_order``).
+**Anchored replay** (:mod:`.replay`): each operator is matched to the previous iteration's
+operator with the same (name, module, phase, occurrence) key; a candidate's counterpart there says
+when it was next used, and the batch's storages are matched to the previous batch's.
 
 **The saved-activation stack.** Backward consumes saved tensors roughly in reverse production
 order: each saved storage (not a parameter, buffer or optimizer state) produced in forward and not
@@ -44,11 +33,6 @@ yet read in backward has a *stack depth* (how many such storages came after it) 
 forward operators between its push and the forward position backward has reached, times the
 previous iteration's backward/forward operator ratio, as an estimate of its distance in backward
 operators; one pushed after that position and still unread is *overdue*.
-
-**Replayed next uses.** After every operator, :attr:`FeatureState.replayed` holds, for each storage
-it accessed whose counterpart was accessed again after the same occurrence in the previous
-iteration, that next access replayed from now. The policy predicts with it between decision points;
-it is not a model input.
 
 **The backward mirror** (:mod:`.mirror`): a backward operator names the forward operator whose
 gradient it computes, so the forward position backward has reached is known exactly.
@@ -78,12 +62,12 @@ from .layout import (
     COARSE_NAMES,
     COARSE_OF_FINE,
     CTX_FEATURES,
-    KEY_BASE,
     N_COARSE,
     N_FINE,
     fine_bucket,
 )
 from .mirror import MirrorState
+from .replay import ReplayState
 from .rows import feature_rows
 
 __all__ = [
@@ -109,7 +93,7 @@ _IVK_CACHE: dict[tuple[Any, ...], np.ndarray] = {}
 _NATIVE_IV: dict[tuple[Any, ...], tuple[tuple[np.ndarray, int], tuple[np.ndarray, int]]] = {}
 
 
-class FeatureState(MirrorState):
+class FeatureState(ReplayState, MirrorState):
     """Per-storage and per-stream state of one run; see the module docstring for the rules.
 
     ``view`` must answer ``nbytes``, ``kind`` and ``saved`` for a storage when it is announced.
@@ -254,52 +238,6 @@ class FeatureState(MirrorState):
             self.persistent[s] = 1.0
             self.prev[s] = self._prev_idx.get(sid, -1)
 
-    def _index_previous(self, prev: Any) -> None:
-        self._prev_ops = {}
-        self._prev_allocs = {}
-        self._prev_idx = {}
-        self._prev_len = 0
-        self._prev_external: list[int] = []
-        self._ext_next = 0
-        self._ratio = 1.5
-        self._prev_lists = []
-        self._native_tab = None  # new previous-iteration index and ratio
-        if prev is None:
-            self._prev_keys = np.zeros(0, dtype=np.int64)
-            self._prev_count = np.zeros(0, dtype=np.float32)
-            return
-        seen: dict[tuple[str, str, str], int] = {}
-        acc: dict[int, list[int]] = {}
-        n_fwd = sum(1 for op in prev.ops if op.phase == "forward")
-        n_bwd = sum(1 for op in prev.ops if op.phase == "backward")
-        self._ratio = n_bwd / n_fwd if n_fwd and n_bwd else 1.5
-        for j, op in enumerate(prev.ops):
-            k = (op.name, op.module, op.phase)
-            c = seen.get(k, 0)
-            seen[k] = c + 1
-            self._prev_ops[(*k, c)] = j
-            if op.allocs:
-                self._prev_allocs[j] = op.allocs
-            for sid in {*op.inputs, *op.outputs, *op.writes}:
-                lst = acc.get(sid)
-                if lst is None:
-                    acc[sid] = [j]
-                else:
-                    lst.append(j)
-        self._prev_len = len(prev.ops)
-        born = {sid for op in prev.ops for sid in op.allocs}
-        self._prev_external = [sid for sid in acc if sid not in born]  # dict order: first access
-        keys: list[int] = []
-        self._prev_lists = list(acc.values())
-        counts = np.zeros(len(acc), dtype=np.float32)
-        for i, (sid, lst) in enumerate(acc.items()):
-            self._prev_idx[sid] = i
-            base = i * KEY_BASE
-            keys.extend(base + j for j in lst)
-            counts[i] = len(lst)
-        self._prev_keys = np.asarray(keys, dtype=np.int64)  # already sorted: by index, then position
-        self._prev_count = counts
-
     # ---- workload hints -----------------------------------------------------------------------
     def _reset_hints(self, n: int) -> None:
         """Hints hold for the pass they were given in; a new phase starts without any."""
@@ -392,17 +330,6 @@ class FeatureState(MirrorState):
         self.born_phase[s] = self.phase if position >= 0 else -1
         return s, kind, saved
 
-    def _match_external(self, s: int) -> None:
-        """A storage alive at the start, new to this iteration (the batch), at its first access: match it
-        to the previous iteration's next unmatched external storage in first-access order (external storages)."""
-        ext = self._prev_external
-        while self._ext_next < len(ext):
-            cand = ext[self._ext_next]
-            self._ext_next += 1
-            if cand not in self._slot:  # alive now: a persistent storage, matched by its own id
-                self.prev[s] = self._prev_idx[cand]
-                return
-
     def free(self, sid: int) -> None:
         s = self._slot.pop(sid, None)
         if s is not None:
@@ -490,33 +417,12 @@ class FeatureState(MirrorState):
             self._replay(sid, s, position)
         return self._tick(position, new_phase)
 
-    def _replay(self, sid: int, s: int, position: int) -> None:
-        """Replayed next use: after its k-th access here, the counterpart's (k+1)-th came this much later."""
-        pi = self.prev.item(s)
-        if pi >= 0:
-            lst = self._prev_lists[pi]
-            k = int(self.count.item(s))
-            if k < len(lst):
-                self.replayed[sid] = position + lst[k] - lst[k - 1]
-
     def _tick(self, position: int, new_phase: bool) -> bool:
         """Whether operator ``position`` is a decision point: every ``group`` operators, every phase change."""
         if new_phase or position - self._last_decision >= self.group:
             self._last_decision = position
             return True
         return False
-
-    def _align(self, position: int, op: Any) -> tuple[int, ...]:
-        """Anchored replay: match the operator to the previous iteration's with the same (name, module, phase,
-        occurrence) key, move the anchor there; returns what that operator allocated (or ())."""
-        key = (op.name, op.module, op.phase)
-        c = self._op_seen.get(key, 0)
-        self._op_seen[key] = c + 1
-        q = self._prev_ops.get((*key, c))
-        if q is None:
-            return ()
-        self._anchor = (position, q)
-        return self._prev_allocs.get(q, ())
 
     def _op_native(self, position: int, op: Any, ph: int, new_phase: bool) -> bool:
         """:meth:`op` with the per-storage writes in the native kernel (``dynn_pilot_op``): the same
@@ -572,23 +478,6 @@ class FeatureState(MirrorState):
         if self._kernel is not None:
             return self._kernel.features(self, idx)
         return self.features_numpy(idx)
-
-    def _ext_rem(self, n: int) -> list[int]:
-        """External storages ahead of their first access: the previous iteration's indices of the first ``n`` external storages
-        not matched yet and not alive now (what :meth:`features_numpy` builds as ``rem``)."""
-        ext = self._prev_external
-        slot = self._slot
-        out: list[int] = []
-        if n <= 0:
-            return out
-        stop = min(len(ext), self._ext_next + n + len(slot))
-        for i in range(self._ext_next, stop):
-            c = ext[i]
-            if c not in slot:
-                out.append(self._prev_idx[c])
-                if len(out) == n:
-                    break
-        return out
 
     def features_numpy(self, idx: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`features` in numpy (:func:`.rows.feature_rows`): the reference the native kernel is

@@ -3,7 +3,7 @@
 It reads only what the live runtime can give (the :class:`~dynn_runtime.policies.MemoryView`
 protocol's ``position``, ``phase``, ``nbytes``, ``kind``, ``saved``, ``status``, ``resident``,
 ``offloaded``, ``free_bytes``; the notifications; ``context.history``), never the current
-iteration's future. Options: :class:`PilotPolicyConfig`. When and where decisions run (decision
+iteration's future. Options: :class:`~.config.PilotPolicyConfig`. When and where decisions run (decision
 points, the cost governor, host time, the worker thread): :mod:`.scheduling`.
 
 **Scoring.** At a decision point the chosen storages are scored in one batch
@@ -61,11 +61,9 @@ docs/pilot-lab-notes.md ("Policy design").
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -74,42 +72,17 @@ import numpy as np
 from ..errors import PolicyError
 from ..policies.base import NO_CONTEXT, Action, IterationContext, register
 from ..policies.nextuse import NextUsePolicy
+from .config import PilotPolicyConfig, cached_model, default_weights_path
 from .features import BUCKET_EDGES, FeatureState
 from .heaps import PredictionHeaps, PyHeap
-from .scheduling import HANDOFF_COST, WORKER_COST, Scheduling, _Job, seconds
+from .scheduling import HANDOFF_COST, WORKER_COST, Scheduling, _Job
 
 __all__ = ["PilotPolicy", "PilotPolicyConfig", "default_weights_path"]
 
-_WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 _CLASS_OF_KIND = {"param": 1, "buffer": 1, "opt_state": 1, "grad": 3, "activation": 2, "input": 4, "temp": 4}
 #: lower end (operators) of each fine bucket's distances; "not again" counted as twice the last edge
 _LOWER = np.asarray((1,) + BUCKET_EDGES[:-1] + (BUCKET_EDGES[-1], 2 * BUCKET_EDGES[-1]), dtype=np.float64)
 _PHASES = {"forward": 0, "backward": 1, "optimizer": 2}
-
-
-def default_weights_path() -> Path:
-    """The weights shipped in the package (trained on the zoo; provenance in ``zoo.json`` beside it)."""
-    return _WEIGHTS_DIR / "zoo.npz"
-
-
-_MODEL_CACHE: dict[str, Any] = {}
-
-
-def _load(path: Path) -> Any:
-    from .model import load_model
-
-    key = str(path)
-    try:
-        stamp = path.stat().st_mtime_ns
-    except OSError:
-        stamp = None
-    hit = _MODEL_CACHE.get(key)
-    if hit is not None and hit[0] == stamp:
-        return hit[1]
-    model = load_model(path)
-    _MODEL_CACHE[key] = (stamp, model)
-    return model
-
 
 
 def storage_class(kind: str, saved: bool, fresh: bool) -> int:
@@ -119,67 +92,6 @@ def storage_class(kind: str, saved: bool, fresh: bool) -> int:
     if saved and kind in ("activation", "temp", "input"):
         return 2
     return _CLASS_OF_KIND.get(kind, 4)
-
-
-@dataclass(kw_only=True)
-class PilotPolicyConfig:
-    """The ``pilot`` policy's options: ``make_policy("pilot", **options)`` and
-    ``PilotPolicy(**options)`` take these fields; ``PilotPolicy(config)`` takes the object."""
-
-    weights: str | Path | None = None
-    """Trained weights (``.npz``); None: the weights shipped in the package (:func:`default_weights_path`)."""
-    model: Any = None
-    """A loaded :class:`~dynn_runtime.pilot.model.PilotModel` to use instead of ``weights``."""
-    group: int | None = None
-    """Operators between the feature state's decision points; None: the policy's ``decision_every``."""
-    recheck: float = 0.25
-    """Incremental rescoring: a storage not touched is rescored once the time since it was scored
-    reaches this fraction of the low quantile (``quantile``) of its predicted next-use distance."""
-    quantile: float = 0.1
-    """The quantile of the bucket probabilities that ``recheck`` scales."""
-    online: bool = False
-    """Fine-tune the model on the run's own finished iterations (the module docstring's online refit)."""
-    refit_every: int = 4
-    """With ``online``: iterations between refits."""
-    max_share: float | None = None
-    """Cost governor: decision points are put off while inference has used more than this share of
-    the elapsed device time (in (0, 1]); None: no governor."""
-    backend: str | None = None
-    """Inference backend: ``"native"`` (the C kernel, :mod:`dynn_runtime.pilot.kernel`), ``"numpy"``,
-    or None: native when it is available."""
-    host_cost: tuple[float, float, float] | None = None
-    """Seconds charged per decision point, per row scored and per operator instead of the measured
-    time, for the governor and ``host_seconds`` (the simulator passes its calibration); None: measured."""
-    worker: bool | str = "auto"
-    """``"auto"``: hand a decision point to a worker thread when the device is short of queued work
-    (native backend, :mod:`.scheduling`); False: always decide on the issuing thread."""
-
-    #: the values ``worker`` takes; an experiment's config (tools/pilot_lab.py) adds True (always hand off)
-    workers: ClassVar[tuple[Any, ...]] = ("auto", False)
-
-    def __post_init__(self) -> None:
-        if self.max_share is not None and not 0 < float(self.max_share) <= 1:
-            raise PolicyError(f"policies: pilot max_share must be in (0, 1], got {self.max_share!r}.")
-        if self.backend not in (None, "auto", "native", "numpy"):
-            raise PolicyError(f"policies: pilot backend must be 'native', 'numpy' or None (auto), got {self.backend!r}.")
-        self.host_cost = seconds(self.host_cost, "host_cost", ("per decision point", "per row scored", "per operator"))
-        if not any(self.worker is w if isinstance(w, bool) else self.worker == w for w in self.workers):
-            raise PolicyError(f"policies: pilot worker must be one of {', '.join(map(repr, self.workers))}, "
-                              f"got {self.worker!r}. Experiment-only switches are in tools/pilot_lab.py.")
-
-    @classmethod
-    def build(cls, config: PilotPolicyConfig | None, options: dict[str, Any]) -> PilotPolicyConfig:
-        """``config`` (default: the defaults) with ``options`` replacing its fields, validated."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - names)
-        if unknown:
-            raise PolicyError(f"policies: pilot has no option {', '.join(map(repr, unknown))}; it takes "
-                              f"{', '.join(sorted(names))}. Experiment-only switches are in tools/pilot_lab.py.")
-        if config is None:
-            return cls(**options)
-        if not isinstance(config, cls):
-            raise PolicyError(f"policies: pilot takes a {cls.__name__}, got {type(config).__name__}.")
-        return dataclasses.replace(config, **options)
 
 
 @register
@@ -270,7 +182,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
     @property
     def model(self) -> Any:
         if self._model is None:
-            self._model = _load(self._weights)
+            self._model = cached_model(self._weights)
         return self._model
 
     def attach(self, view: Any) -> None:
