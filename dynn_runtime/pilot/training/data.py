@@ -13,6 +13,7 @@ with what the baselines would have said at that point:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,10 @@ _BIG = 1 << 32
 
 
 class _WalkView:
-    """A MemoryView with everything resident: what the walk offers the feature state and replay."""
+    """A MemoryView with everything resident: what the walk offers the feature state and replay.
+
+    The walk has no clock, no host thread, no recompute mechanism and does not read the future, so
+    those members give the protocol's documented neutral answers."""
 
     def __init__(self, trace: Trace) -> None:
         self.st = trace.storages
@@ -67,6 +71,33 @@ class _WalkView:
 
     def free_bytes(self) -> int:
         return 1 << 62
+
+    def last_access_time(self, sid: int) -> float:
+        return 0.0
+
+    def forward_done(self, sid: int) -> bool:
+        return False
+
+    def producer_of(self, sid: int) -> int | None:
+        return None
+
+    def recomputable(self, sid: int) -> bool:
+        return False
+
+    def recompute_cost(self, sid: int) -> float:
+        return math.inf
+
+    def next_use(self, sid: int) -> int | None:
+        return None
+
+    def now(self) -> float:
+        return 0.0
+
+    def host_now(self) -> float | None:
+        return None
+
+    def device_slack(self) -> float | None:
+        return None
 
 
 @dataclass
