@@ -3,6 +3,7 @@
 Usage: python tools/measure_zoo_memory.py PRESET STEPS [JSON overrides per family]
 """
 
+import contextlib
 import json
 import sys
 
@@ -10,7 +11,7 @@ import torch
 
 from dynn_runtime import models
 from dynn_runtime.memory import LiveBytes, format_bytes
-from dynn_runtime.workload import make_optimizer
+from dynn_runtime.workload import make_optimizer, train_step
 
 
 def saved_bytes_hook():
@@ -38,12 +39,10 @@ for name in models.FAMILIES:
         b = wl.make_batch(s)
         seen, hooks = saved_bytes_hook()
         with LiveBytes() as m:
-            with hooks:
-                loss = wl.loss(wl.model, b)
-            a = sum(v for k, v in seen.items() if k not in pptrs)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            # the saved-tensor hooks are on for the forward pass only: what autograd saves there
+            loss = train_step(wl, wl.model, opt, b,
+                              phase=lambda name, h=hooks: h if name == "forward" else contextlib.nullcontext())
+        a = sum(v for k, v in seen.items() if k not in pptrs)
         act.append(a)
         peak.append(m.peak_bytes)
         del loss, seen
