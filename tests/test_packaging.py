@@ -27,8 +27,11 @@ def test_wheel_ships_the_zoo(tmp_path):
     assert "dynn_runtime/cli.py" in names
     # the pilot's shipped weights and their provenance record are package data
     assert "dynn_runtime/pilot/weights/zoo.npz" in names and "dynn_runtime/pilot/weights/zoo.json" in names
-    # the pilot's native kernel is compiled from source on first use
-    assert "dynn_runtime/pilot/kernel/kernel.c" in names and "dynn_runtime/pilot/kernel/pilot_kernel.h" in names
+    # the pilot's native kernel can be compiled from source where the built one is missing or stale
+    from dynn_runtime.pilot import kernel
+
+    for src in (*kernel.SOURCES, kernel.INTERNAL_HEADER, "pilot_kernel.h"):
+        assert f"dynn_runtime/pilot/kernel/{Path(src).name}" in names, src
     assert not any(n.startswith("models/") for n in names), "zoo must not install as a top-level package"
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "Requires-Dist: torch<2.14,>=2.11" in meta or "Requires-Dist: torch>=2.11,<2.14" in meta
