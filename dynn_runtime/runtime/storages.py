@@ -236,8 +236,8 @@ class StorageTable:
         return None
 
     def device_slack(self) -> float | None:
-        """Roughly how many seconds of issued work the GPU has still to run (the pilot's rule 12
-        decides on this thread when that hides the decision), or None on a CPU device, where the
+        """Roughly how many seconds of issued work the GPU has still to run (the pilot decides on the
+        issuing thread when that hides the decision), or None on a CPU device, where the
         operators run on this thread. Each call records an event on the compute stream and queries
         the previous call's: still pending, the GPU has not reached what was issued then, and the
         time since is the estimate; done, 0 (the GPU is keeping up with this thread)."""
