@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 from ..budget import Budget
 from ..errors import BudgetError, ConfigError
@@ -32,7 +33,7 @@ With --overhead, measures what the live manager costs on the host against PyTorc
 (dynn_runtime.bench.overhead): small ATen operators per policy and event source; every zoo family
 and examples/my_workload.py:build with a budget above the peak (none, lru, pilot) and lru at 1/2
 with where the time goes; the pilot's cost per decision point. Prints a markdown table, writes
---json (default out/bench/overhead.json); --write-calibration stores the figures the simulator
+--json (default DIR/overhead.json, DIR from --out); --write-calibration stores the figures the simulator
 charges in dynn_runtime/sim/host_cost.json."""
 
 
@@ -145,7 +146,7 @@ def _cmd_overhead(args: argparse.Namespace) -> int:
     cfg = OverheadConfig(
         workloads=list(args.families), policies=list(args.policies) or ["none", "lru", "pilot"],
         sources=list(args.events), preset=args.preset, steps=args.steps, reps=args.reps, seed=args.seed,
-        quick=args.quick, json_path=args.json or "out/bench/overhead.json",
+        quick=args.quick, json_path=args.json or str(Path(args.out) / "overhead.json"),
     )
     cfg.validate()
     t0 = time.perf_counter()

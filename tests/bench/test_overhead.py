@@ -87,4 +87,7 @@ def test_bad_input_and_cli(tmp_path, capsys):
                  "--steps", "1", "--json", str(out), "-q"]) == 0
     text = capsys.readouterr().out
     assert "## Operators" in text and "my_workload.build" in text and out.exists()
+    assert main(["bench", "--overhead", "--quick", "--families", EXAMPLE, "--policies", "lru", "--reps", "1",
+                 "--steps", "1", "--out", str(tmp_path / "dir"), "-q"]) == 0
+    assert (tmp_path / "dir" / "overhead.json").exists() and (tmp_path / "dir" / "overhead.md").exists()
 
