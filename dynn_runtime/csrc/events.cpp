@@ -1,20 +1,14 @@
 // The live runtime's native event source: what the memory manager must do for every ATen operator,
 // done in C++ so that Python runs only at decision points.
 //
-// An `Observer` installs a thread-local `at::RecordFunction` callback (propagated by autograd to its
-// worker threads with the rest of the thread-local state). For every operator that reaches a kernel
-// (composite-implicit operators are skipped: the operators they decompose into are seen instead;
-// operators a kernel calls internally are skipped: their inputs are the outer operator's), it:
-//
-//   * registers every storage on the managed device it has not seen (an input seen first, or an
-//     output the operator created), with its bytes, and accounts them in `used`;
-//   * before the kernel runs, collects the storages that are away (offloaded) and hands their ids
-//     to the Python fault handler, which brings them back (the only way a kernel ever sees one);
-//   * marks written storages' host copies stale (a later eviction must copy again);
-//   * appends the operator to the log (operator id, phase, autograd node, storage ids) that the
-//     policies read in batches at decision points;
-//   * after the kernel, if `used` is over the budget (after forgetting storages that died), or every
-//     `decide_every` operators, calls the Python decision handler.
+// An `Observer` installs a thread-local `at::RecordFunction` callback (autograd's worker threads
+// inherit it). For every operator that reaches a kernel (not composite-implicit ones, seen through
+// what they decompose into, nor those a kernel calls internally), it registers the storages on the
+// managed device it has not seen and accounts them in `used`; before the kernel, hands the ids of
+// storages that are away to the Python fault handler, which brings them back; marks written
+// storages' host copies stale; logs the operator (id, phase, autograd node, storage ids) for the
+// policies to read in batches; after the kernel, calls the Python decision handler when `used` is
+// over the budget or every `decide_every` operators.
 //
 // Invariants:
 //   1. A tracked storage's key (its StorageImpl address) cannot be reused while it is tracked: the
