@@ -163,9 +163,9 @@ class PilotModel:
         """Bucket logits for candidate rows ``X`` (n, F) under one context row ``ctx`` (C,)."""
         a = self.arrays
         w1, _, wx, bx = self._folded()
-        # inputs are clamped to the range seen in training: a ReLU network extrapolates linearly, and
-        # distance features of iterations longer than any training one (x8 deeper evoformer) pushed
-        # every prediction to "later" (window recall 55% unclamped, 88% clamped, same weights)
+        # inputs are clamped to the range seen in training: a ReLU network extrapolates linearly, so
+        # distance features of iterations longer than any training one would push every prediction
+        # to "later" (measured in docs/pilot-lab-notes.md)
         lo, hi, lo_ctx, hi_ctx = self.bounds()
         c = np.clip(np.asarray(ctx, dtype=np.float32), lo_ctx, hi_ctx) @ wx
         c += bx

@@ -37,9 +37,8 @@ def fit_prior(rows: Rows) -> np.ndarray:
     x = {n: i for i, n in enumerate(CTX_FEATURES)}
     X, C, y = rows.X, rows.C, rows.y
     # The table is a deployment-time default, so the synthetic networks (training data for the
-    # network only, many small storages) do not vote in it unless nothing else is there: with them
-    # forward temporaries got "not again" instead of ~11 operators, and the simulated iteration was
-    # 3-10% slower at equal held-out recall (docs/pilot-lab-notes.md).
+    # network only, many small storages) do not vote in it unless nothing else is there: their
+    # storages would teach forward temporaries "not again" (docs/pilot-lab-notes.md).
     real = np.fromiter((f != SYNTH_FAMILY for f in rows.family), dtype=bool, count=len(rows.family))
     if len(real) == len(y) and real.any() and not real.all():
         X, C, y = X[real], C[real], y[real]
