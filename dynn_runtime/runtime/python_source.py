@@ -11,6 +11,7 @@ State: ``_mode``, ``_meta_cache``, ``_idiom_cache``, ``_nodes``, ``_in_dispatch`
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -47,14 +48,7 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 
 
 def _tensors(args: Any, kwargs: Any) -> Iterator[torch.Tensor]:
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, torch.Tensor):
-                    yield b
-    for a in kwargs.values():
+    for a in itertools.chain(args, kwargs.values()):
         if isinstance(a, torch.Tensor):
             yield a
         elif isinstance(a, (list, tuple)):

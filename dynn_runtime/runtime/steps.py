@@ -39,6 +39,7 @@ __all__ = ["StepStats", "Steps"]
 
 RESIDENT, ABSENT = Status.RESIDENT, Status.ABSENT
 
+
 @dataclass
 class StepStats:
     """What the manager did during one step (or, summed, over all of them)."""
