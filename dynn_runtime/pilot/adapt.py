@@ -38,7 +38,7 @@ class _Pending:
 class RecallJudge:
     """Online window recall of the predictors ``methods`` (the first is the one to beat)."""
 
-    def __init__(self, methods: tuple[str, ...] = ("pilot", *FALLBACKS), window: int = 64, horizon: int = 8,
+    def __init__(self, methods: tuple[str, ...] = ("pilot", *FALLBACKS), window: int = 64, horizon: int = 4,
                  margin: float = 0.02, metric: str = "rank") -> None:
         if metric not in ("rank", "f1"):
             raise ValueError(f"RecallJudge metric is 'rank' or 'f1', got {metric!r}")
