@@ -62,15 +62,14 @@ def _rate(h: int, m: int) -> float | None:
 def steps_to_recover(per_step: dict[str, list[dict[str, Any]]], method: str, stalls: bool = False) -> int | None:
     """The least step ``s`` from which ``method``'s hit rate over steps ``s..`` is at least the better
     baseline's (``stalls``: and its stall time at most the smaller baseline's); None when no such step."""
-    n = len(per_step[method])
-    for s in range(n):
-        def tot(m: str) -> tuple[int, int, float]:
-            rows = per_step[m][s:]
-            return (sum(r["prefetch_hits"] for r in rows), sum(r["prefetch_misses"] for r in rows),
-                    sum(r["stall_seconds"] for r in rows))
+    def tot(m: str, s: int) -> tuple[int, int, float]:
+        rows = per_step[m][s:]
+        return (sum(r["prefetch_hits"] for r in rows), sum(r["prefetch_misses"] for r in rows),
+                sum(r["stall_seconds"] for r in rows))
 
-        h, m, st = tot(method)
-        base = [tot(b) for b in BASELINES if b in per_step]
+    for s in range(len(per_step[method])):
+        h, m, st = tot(method, s)
+        base = [tot(b, s) for b in BASELINES if b in per_step]
         best_rate = max((_rate(bh, bm) or 0.0) for bh, bm, _ in base)
         best_stall = min(bs for _, _, bs in base)
         if (_rate(h, m) or 0.0) >= best_rate and (not stalls or st <= best_stall):
