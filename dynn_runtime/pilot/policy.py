@@ -50,9 +50,9 @@ them too.
 
 **Online refit** (``online=True``): the feature rows of a sample of each decision point are kept;
 when the next iteration begins, ``context.history[-1]`` (the iteration just finished) labels them,
-and every ``refit_every`` iterations the model is fine-tuned on them in numpy
-(:class:`~dynn_runtime.pilot.training.online.OnlineRefit`); every decision point then rescores
-everything.
+and every ``refit_every`` iterations the model is fine-tuned on them in numpy on a background thread
+(:class:`~dynn_runtime.pilot.training.online.OnlineRefit`); the refit replaces the model only once
+it has beaten it on a later iteration's rows. Every decision point then rescores everything.
 
 **Fallback** (``fallback=True``): a :class:`~.adapt.RecallJudge` measures, on the run's own
 accesses, the window recall of the model, of ``replay`` and of ``lru`` at every decision point

@@ -50,3 +50,5 @@ def test_steps_to_recover():
     assert tool.steps_to_recover(per_step, "pilot", stalls=True) == 2  # and the stalls only from step 2 on
     per_step["pilot"] = steps((0, 10, 2.0), (0, 10, 2.0), (4, 6, 0.1))
     assert tool.steps_to_recover(per_step, "pilot") is None
+    per_step["pilot"] = steps((0, 10, 2.0), (1, 10, 2.0), (0, 0, 0.0))  # a last step that needed nothing back
+    assert tool.steps_to_recover(per_step, "pilot") is None

@@ -61,7 +61,8 @@ def _rate(h: int, m: int) -> float | None:
 
 def steps_to_recover(per_step: dict[str, list[dict[str, Any]]], method: str, stalls: bool = False) -> int | None:
     """The least step ``s`` from which ``method``'s hit rate over steps ``s..`` is at least the better
-    baseline's (``stalls``: and its stall time at most the smaller baseline's); None when no such step."""
+    baseline's (``stalls``: and its stall time at most the smaller baseline's); None when no such step
+    before the steps where nothing more was needed back (they say nothing)."""
     def tot(m: str, s: int) -> tuple[int, int, float]:
         rows = per_step[m][s:]
         return (sum(r["prefetch_hits"] for r in rows), sum(r["prefetch_misses"] for r in rows),
@@ -69,6 +70,8 @@ def steps_to_recover(per_step: dict[str, list[dict[str, Any]]], method: str, sta
 
     for s in range(len(per_step[method])):
         h, m, st = tot(method, s)
+        if not h + m:
+            break  # nothing was needed back from here on: no evidence either way
         base = [tot(b, s) for b in BASELINES if b in per_step]
         best_rate = max((_rate(bh, bm) or 0.0) for bh, bm, _ in base)
         best_stall = min(bs for _, _, bs in base)
@@ -140,18 +143,31 @@ def _pct(v: float | None) -> str:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| network | method | window recall | hits / misses | hit rate | stalls | steps to recover |",
+    lines = ["| network | method | window recall | hits / misses | hit rate | stalls | steps to recover (hit rate / and stalls) |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for name, res in results.items():
         rec = res["trace"]["window_recall"]
         for method, m in res["live"]["methods"].items():
             wr = {"pilot (shipped)": rec.get("pilot"), "replay": rec.get("replay"), "lru": rec.get("lru"),
                   "pilot (adapted)": res["trace"]["adapted_window_recall"]}.get(method)
-            rec_s = "-" if "steps_to_recover" not in m else ("not reached" if m["steps_to_recover"] is None
-                                                             else str(m["steps_to_recover"]))
+            rec_s = " / ".join("not reached" if m.get(k) is None else str(m[k])
+                               for k in ("steps_to_recover", "steps_to_recover_with_stalls"))
             lines.append(f"| {name} | {method} | {_pct(wr)} | {m['prefetch_hits']} / {m['prefetch_misses']} | "
                          f"{_pct(m['hit_rate'])} | {m['stall_seconds']:.3f} s | {rec_s if method.startswith('pilot') else ''} |")
     return "\n".join(lines) + "\n"
+
+
+def rescore(path: str) -> dict[str, Any]:
+    """A results file's steps to recover computed again from its per-step counts (and the table)."""
+    data = json.loads(Path(path).read_text())
+    for res in data["results"].values():
+        methods = res["live"]["methods"]
+        per_step = {k: v["per_step"] for k, v in methods.items()}
+        for k, v in methods.items():
+            if k.startswith("pilot"):
+                v["steps_to_recover"] = steps_to_recover(per_step, k)
+                v["steps_to_recover_with_stalls"] = steps_to_recover(per_step, k, stalls=True)
+    return data
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8, help="live steps per run")
     p.add_argument("--trace-steps", type=int, default=5, help="iterations of the recorded trace")
     p.add_argument("--json", default="out/third_party/eval.json")
+    p.add_argument("--table", metavar="JSON", help="print the table of an earlier results file (nothing runs)")
     args = p.parse_args(argv)
+    if args.table:
+        print(table(rescore(args.table)["results"]))
+        return 0
     import torch
 
     torch.set_num_threads(1)  # tiny models; and the development machine is shared
