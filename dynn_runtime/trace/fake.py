@@ -19,8 +19,8 @@ ordinary recorder, with :class:`ShapeMode` underneath it:
    tensor (which experts, which blocks, which samples leave) is the network's own code applied to
    seeded values rather than to trained activations.
 4. A draw from an explicit ``torch.Generator`` (the workloads' batches) runs for real whatever its
-   size, then becomes fake if it is large, so the generator's stream, and every later draw from it,
-   is the real run's.
+   size, so the generator's stream, and every later draw from it, is the real run's; it stays real
+   up to ``decide_numel`` elements (a batch's masks and noise, which decisions read).
 
 Exact, by construction: operator sequences, shapes, storage sizes and lifetimes, FLOPs and bytes,
 wherever no decision reads a value computed from a large tensor (rules 1, 2, 4): ``evoformer``,
@@ -136,9 +136,13 @@ class ShapeMode(TorchDispatchMode):
         flat, _ = tree_flatten((args, kwargs))
         has_fake = any(isinstance(t, FakeTensor) for t in flat)
         if not has_fake:
-            if any(isinstance(t, torch.Tensor) for t in flat) or isinstance(kwargs.get("generator"), torch.Generator):
-                # Real inputs (or a generator's draw, rule 4): the real result is the real run's and
-                # is bounded by small inputs; a large one becomes fake once made.
+            if isinstance(kwargs.get("generator"), torch.Generator):
+                # A generator's draw (rule 4): a batch's masks and noise, which decisions read.
+                out = func(*args, **kwargs)
+                return out if _mutates_or_aliases(func) else tree_map(self._fake_if_huge, out)
+            if any(isinstance(t, torch.Tensor) for t in flat):
+                # Real inputs: the real result is the real run's and is bounded by small inputs; a
+                # large one becomes fake once made.
                 out = func(*args, **kwargs)
                 return out if _mutates_or_aliases(func) else tree_map(self._fake_if_large_float, out)
             with self.fake_mode:  # a factory: size it before allocating
@@ -172,6 +176,11 @@ class ShapeMode(TorchDispatchMode):
         ids), which decisions read."""
         limit = self.small_numel if t.dtype.is_floating_point else self.decide_numel
         return t.numel() <= limit
+
+    def _fake_if_huge(self, t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.numel() > self.decide_numel:
+            return self._fake(t)
+        return t
 
     def _fake_if_large_float(self, t: Any) -> Any:
         if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and not self._stays_real(t):

@@ -36,9 +36,10 @@ def test_large_tensors_are_fake_small_ones_real():
 def test_fake_recording_equals_real_where_no_decision_reads_a_large_tensor(tmp_path):
     # varlen's decisions (lengths, masks) come from its batch, which stays real: with the activations
     # fake (small_numel far below their size) every operator, allocation and FLOP count is the real one.
+    # A batch of 32: its masks (drawn from the batch's generator) are larger than small_numel.
     real_p, fake_p = tmp_path / "real.jsonl.gz", tmp_path / "fake.jsonl.gz"
-    record("varlen", real_p, steps=1, preset="tiny")
-    record_fake("varlen", fake_p, steps=1, preset="tiny", small_numel=256)
+    record("varlen", real_p, steps=1, preset="tiny", overrides={"batch": 32})
+    record_fake("varlen", fake_p, steps=1, preset="tiny", overrides={"batch": 32}, small_numel=256)
     real, fake = read_trace(real_p), read_trace(fake_p)
     assert fake.header["values"] == "fake" and fake.header["small_numel"] == 256
     assert _op_bytes(fake) == _op_bytes(real)
