@@ -97,6 +97,7 @@ class ShapeMode(TorchDispatchMode):
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.gen = torch.Generator().manual_seed(0x5EED ^ seed)
         self.realized = 0  # operators run on seeded values (rule 3)
+        self._probabilities: dict[tuple, torch.Tensor] = {}
 
     def _fake(self, t: Any) -> Any:
         if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):
@@ -106,11 +107,21 @@ class ShapeMode(TorchDispatchMode):
     def _seeded(self, t: FakeTensor, nonnegative: bool) -> torch.Tensor:
         """A real tensor shaped like ``t`` with seeded values: standard normal floats (activations,
         logits), or uniform in [0, 1) where the operator reads probabilities; zero integers and
-        ``False`` (valid as indices and masks)."""
+        ``False`` (valid as indices and masks).
+
+        Probabilities of one shape are drawn once and reused: the sampling operator's own
+        generator varies its draws, and a Markov chain over a large vocabulary would otherwise
+        draw a fresh table per token."""
+        key = (tuple(t.shape), tuple(t.stride()), t.dtype)
+        if nonnegative and key in self._probabilities:
+            return self._probabilities[key]
         real = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-        if t.dtype.is_floating_point:
-            return real.uniform_(generator=self.gen) if nonnegative else real.normal_(generator=self.gen)
-        return real.zero_()
+        if not t.dtype.is_floating_point:
+            return real.zero_()
+        if not nonnegative:
+            return real.normal_(generator=self.gen)
+        self._probabilities[key] = real.uniform_(generator=self.gen)
+        return real
 
     def _run_real(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run ``func`` for real, its fake inputs given seeded values (rule 3): for an operator whose
