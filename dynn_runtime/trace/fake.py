@@ -161,6 +161,8 @@ class ShapeMode(TorchDispatchMode):
             if all(self._stays_real(t) for t in tree_flatten(shape_out)[0] if isinstance(t, torch.Tensor)):
                 return func(*args, **kwargs)
             return shape_out
+        if func.overloadpacket in _INDEX_OPS:
+            args = _masks_as_indices(args)
         writes_real = any(
             a.alias_info is not None and a.alias_info.is_write and isinstance(v, torch.Tensor)
             and not isinstance(v, FakeTensor)
@@ -197,6 +199,28 @@ class ShapeMode(TorchDispatchMode):
         if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and not self._stays_real(t):
             return self._fake(t)
         return t
+
+
+#: operators that take a list of indices, where a boolean mask stands for its ``nonzero()``
+_INDEX_OPS = frozenset({torch.ops.aten.index, torch.ops.aten.index_put, torch.ops.aten.index_put_,
+                        torch.ops.aten._index_put_impl_})
+
+
+def _masks_as_indices(args: tuple) -> tuple:
+    """``args`` of an indexing operator with each real boolean mask replaced by the integer indices
+    of its true elements, one tensor per masked dimension, as PyTorch expands it: the result's size
+    is then the mask's count, known without the indexed tensor's values."""
+    indices = args[1]
+    if not any(isinstance(ix, torch.Tensor) and ix.dtype in (torch.bool, torch.uint8)
+               and not isinstance(ix, FakeTensor) for ix in indices):
+        return args
+    out: list[Any] = []
+    for ix in indices:
+        if isinstance(ix, torch.Tensor) and ix.dtype in (torch.bool, torch.uint8) and not isinstance(ix, FakeTensor):
+            out.extend(ix.nonzero().unbind(1))
+        else:
+            out.append(ix)
+    return (args[0], out, *args[2:])
 
 
 #: operators whose floating inputs are probabilities: seeded values for them are uniform in [0, 1)

@@ -88,3 +88,18 @@ def test_decision_on_a_large_activation_is_drawn_and_bounded(tmp_path):
 def test_bad_thresholds():
     with pytest.raises(TraceError, match="small_numel <= decide_numel"):
         ShapeMode(small_numel=10, decide_numel=5)
+
+
+def test_a_real_mask_selects_from_a_large_tensor_without_its_values():
+    # varlen's loss picks the masked positions out of logits far larger than decide_numel: the
+    # result's size is the mask's count, and backward runs, both without the logits' values.
+    with ShapeMode(small_numel=256, decide_numel=1000):
+        w = nn.Parameter(torch.randn(30, 300))
+        logits = torch.randn(4, 100, 30) @ w
+        mask = torch.zeros(4, 100, dtype=torch.bool)
+        mask[0, :7] = True
+        mask[2, 3:5] = True
+        picked = logits[mask]
+        torch.nn.functional.cross_entropy(picked, torch.zeros(9, dtype=torch.long)).backward()
+    assert isinstance(picked, FakeTensor) and picked.shape == (9, 300)
+    assert isinstance(w.grad, FakeTensor) and w.grad.shape == (30, 300)
