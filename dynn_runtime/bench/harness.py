@@ -40,6 +40,7 @@ from ..budget import Budget
 from ..errors import BudgetError, ConfigError, PolicyError
 from ..results import strict_json
 from ..trace.cache import TraceCache  # re-exported: it moved to trace/
+from .quality import window_recall
 
 __all__ = [
     "BenchConfig",
@@ -108,6 +109,9 @@ class BenchConfig:
     ``none``, or seconds per operator with optional seconds per decision point (``"40e-6,25e-6"``)."""
     host_source: str = "auto"
     """Which event source's calibration: ``python``, ``native``, or ``auto`` (native where measured)."""
+    window_recall: bool = True
+    """Score the window recall of the pilot, replay and lru predictors on each grid trace (reported
+    beside the prefetch hits, misses, stalls and bytes moved; :mod:`.quality`)."""
 
     def resolved(self) -> BenchConfig:
         """A copy with every default filled in (families, policies, budgets, preset, max_scale), validated."""
@@ -358,6 +362,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchReport:
         return trace, cache.path(family, preset, cfg.seed, cfg.steps, overrides)
 
     results: list[dict[str, Any]] = []
+    recall: dict[str, dict[str, float | None]] = {}
     try:
         for family in cfg.families:
             if cfg.grid_depth > 1 and scan_knob(family, "depth") is None:
@@ -366,6 +371,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchReport:
                 continue
             trace, tpath = trace_for(family, cfg.preset, scaled_overrides(family, cfg.preset, cfg.grid_depth, "depth"))
             ref = simulate(trace, "none", 1.0, profile)
+            if cfg.window_recall:
+                bar.set_postfix_str(f"{family} window recall")
+                recall[family] = window_recall(trace)
             for policy in cfg.policies:
                 for frac in cfg.budgets:
                     bar.set_postfix_str(f"{family} {policy} @{_frac_label(frac)}")
@@ -390,6 +398,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchReport:
         "wall_s": time.perf_counter() - t_start,
         "simulated_iteration": -1,
         "host_cost": charge.describe(cfg.policies),
+        "window_recall": recall,
     }
     return BenchReport(config=cfg, results=results, max_size=max_size, meta=meta)
 
