@@ -414,3 +414,12 @@ def test_fetch_hook_errors_fail_the_node_and_lookahead_errors_do_not():
     finally:
         p.uninstall()
     assert c.fetch_hook is None
+
+
+def test_docstring_example_runs():
+    import doctest
+
+    from dynn_runtime.runtime import providers
+
+    res = doctest.testmod(providers)
+    assert res.failed == 0 and res.attempted > 0
