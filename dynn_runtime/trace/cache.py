@@ -36,7 +36,13 @@ class TraceCache:
         if overrides:
             blob = json.dumps(overrides, sort_keys=True, default=str).encode()
             key = hashlib.sha1(blob).hexdigest()[:10]
-        return self.root / f"{family}-{preset}-seed{seed}-steps{steps}-{key}-v{SCHEMA_VERSION}.jsonl.gz"
+        if ".py:" in family:  # a user's file.py:function: a file-name-safe name, and the spec's hash
+            from ..workload import workload_name
+
+            name = f"{workload_name(family)}-{hashlib.sha1(family.encode()).hexdigest()[:8]}"
+        else:
+            name = family
+        return self.root / f"{name}-{preset}-seed{seed}-steps{steps}-{key}-v{SCHEMA_VERSION}.jsonl.gz"
 
     def get(self, family: str, preset: str, seed: int = 0, steps: int = 2, overrides: dict | None = None) -> Trace:
         """The trace, read from the cache or recorded into it (atomically: a killed run leaves no half file)."""
