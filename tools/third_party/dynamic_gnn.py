@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 #: preset -> (hidden width, layers, graphs per batch at most, nodes per graph at most)
-PRESETS = {"tiny": (32, 4, 8, 40), "small": (128, 6, 32, 200)}
+PRESETS = {"tiny": (32, 10, 8, 40), "small": (128, 10, 32, 200)}
 FEATURES = 8
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 #: preset -> (hidden size, layers, shortest and longest audio in samples, largest batch)
-PRESETS = {"tiny": (32, 6, 2000, 8000, 4), "small": (128, 12, 8000, 32000, 8)}
+PRESETS = {"tiny": (32, 12, 2000, 6000, 4), "small": (128, 12, 8000, 32000, 8)}
 
 
 class LayerDropAudio:
