@@ -91,9 +91,12 @@ def live(name: str, fraction: float, steps: int) -> dict[str, Any]:
     cap = int(max(ref.peak_bytes) * fraction)
     out: dict[str, Any] = {"cap_bytes": cap, "peak_bytes": max(ref.peak_bytes), "methods": {}}
     per_step = {}
+    from dynn_runtime.policies import make_policy
+
     for method, (policy, options) in METHODS.items():
         t0 = time.perf_counter()
-        r = train_managed(spec, cap, policy, steps=steps, preset="tiny", policy_options=options)
+        pol = make_policy(policy, **(options or {}))
+        r = train_managed(spec, cap, pol, steps=steps, preset="tiny")
         st = r.stats
         rows = [{k: s[k] for k in ("prefetch_hits", "prefetch_misses", "stall_seconds", "bytes_offloaded",
                                    "bytes_prefetched", "bytes_fetched_on_demand")} for s in st["per_step"]]
@@ -104,6 +107,9 @@ def live(name: str, fraction: float, steps: int) -> dict[str, Any]:
             "bytes_moved": st["bytes_offloaded"] + st["bytes_prefetched"] + st["bytes_fetched_on_demand"],
             "bit_identical": r.digest == ref.digest, "wall_s": time.perf_counter() - t0, "per_step": rows,
         }
+        if policy == "pilot" and pol.judged_recall:  # the fallback's judge: recall of each predictor, live
+            out["methods"][method]["live_window_recall"] = pol.judged_recall
+            out["methods"][method]["followed"] = dict(pol.followed)
         print(f"  {name} {method}: {st['prefetch_hits']} / {st['prefetch_misses']}, "
               f"stalls {st['stall_seconds']:.3f} s", file=sys.stderr, flush=True)
     for method in METHODS:
