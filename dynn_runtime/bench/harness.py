@@ -64,7 +64,8 @@ class BenchConfig:
     :meth:`resolved` fills them in, and that resolved config is what the results file stores."""
 
     families: list[str] = field(default_factory=list)
-    """Zoo families to run; empty means all of ``models.FAMILIES``."""
+    """Zoo families or ``path/to/file.py:function`` workloads (no size or depth knob: left out of the
+    max-size scan and of a deeper grid) to run; empty means all of ``models.FAMILIES``."""
     policies: list[str] = field(default_factory=list)
     """Policies to simulate; empty means every policy registered in ``POLICIES`` at run time that the
     simulator can serve (one that needs e.g. trained pilot weights that are missing is skipped, logged)."""
@@ -135,10 +136,11 @@ class BenchConfig:
         from ..policies import POLICIES
         from ..sim import PROFILES
 
-        bad = [f for f in self.families if f not in models.FAMILIES]
+        bad = [f for f in self.families if f not in models.FAMILIES and ".py:" not in f]
         if bad:
             raise ConfigError(f"bench: unknown famil{'y' if len(bad) == 1 else 'ies'} {', '.join(map(repr, bad))}; "
-                              f"choices: {', '.join(models.FAMILIES)}.")
+                              f"choices: {', '.join(models.FAMILIES)}, or a workload of your own as "
+                              "path/to/file.py:function.")
         bad = [p for p in self.policies if p not in POLICIES]
         if bad:
             raise ConfigError(f"bench: unknown polic{'y' if len(bad) == 1 else 'ies'} {', '.join(map(repr, bad))}; "
@@ -219,9 +221,12 @@ def available_policies() -> tuple[list[str], dict[str, str]]:
 
 
 def scan_knob(family: str, which: str = "size") -> str | None:
-    """The config field a max-size scan multiplies: the family's ``size`` or ``depth`` knob (None if it has none)."""
+    """The config field a max-size scan multiplies: the family's ``size`` or ``depth`` knob (None if it has
+    none, as a ``file.py:function`` workload has none)."""
     from .. import models
 
+    if family not in models.FAMILIES:
+        return None
     fam = models.family(family)
     return fam.size_knob if which == "size" else fam.depth_knob
 

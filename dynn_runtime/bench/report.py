@@ -128,7 +128,9 @@ def write_outputs(report: BenchReport, out_dir: str | Path | None = None) -> dic
     json_path.write_text(json.dumps(report.to_json(), indent=1, allow_nan=False) + "\n")
     md_path = json_path.with_suffix(".md")
     md_path.write_text(render_markdown(report))
-    plots = [plot_overhead(report, family, out / f"overhead_{family}.png") for family in cfg.families]
+    from ..workload import workload_name
+
+    plots = [plot_overhead(report, family, out / f"overhead_{workload_name(family)}.png") for family in cfg.families]
     if report.max_size:
         plots.append(plot_max_size(report, out / "max_size.png"))
     return {"json": json_path, "markdown": md_path, "plots": plots}

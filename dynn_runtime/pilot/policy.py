@@ -478,6 +478,14 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         self._update(sids.tolist(), score.tolist(), rows.tolist(), n_live)
 
     # ---- fallback -----------------------------------------------------------------------------
+    @property
+    def judged_recall(self) -> dict[str, float | None]:
+        """With ``fallback``: each predictor's window recall over every decision point judged so far in
+        this run (the model's as it ranks live); ``{}`` without."""
+        if self._judge is None:
+            return {}
+        return {m: (h / k if k else None) for m, (h, k) in self._judge.totals.items()}
+
     def _fallback_prediction(self, method: str, sid: int, position: int) -> float | None:
         """``replay``'s or ``lru``'s predicted next-use position of ``sid`` (None: never this iteration)."""
         if method == "replay":

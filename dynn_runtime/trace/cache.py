@@ -39,8 +39,14 @@ class TraceCache:
         if overrides:
             blob = json.dumps(overrides, sort_keys=True, default=str).encode()
             key = hashlib.sha1(blob).hexdigest()[:10]
+        if ".py:" in family:  # a user's file.py:function: a file-name-safe name, and the spec's hash
+            from ..workload import workload_name
+
+            name = f"{workload_name(family)}-{hashlib.sha1(family.encode()).hexdigest()[:8]}"
+        else:
+            name = family
         kind = "-fake" if self.fake else ""
-        return self.root / f"{family}-{preset}-seed{seed}-steps{steps}-{key}{kind}-v{SCHEMA_VERSION}.jsonl.gz"
+        return self.root / f"{name}-{preset}-seed{seed}-steps{steps}-{key}{kind}-v{SCHEMA_VERSION}.jsonl.gz"
 
     def get(self, family: str, preset: str, seed: int = 0, steps: int = 2, overrides: dict | None = None) -> Trace:
         """The trace, read from the cache or recorded into it (atomically: a killed run leaves no half file)."""

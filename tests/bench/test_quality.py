@@ -100,3 +100,18 @@ def test_bench_real_names_the_choices_for_an_unknown_workload():
 
     with pytest.raises(ConfigError, match="path/to/file.py:function"):
         RealBenchConfig(families=["nope"], device="cpu").resolved()
+
+
+def test_the_simulated_grid_takes_a_users_workload(tmp_path):
+    from dynn_runtime.bench import write_outputs
+
+    cfg = BenchConfig(families=[EXAMPLE], policies=["none", "replay"], budgets=[1.0, 0.5], preset="tiny",
+                      max_scale=2, cache_dir=str(tmp_path / "cache"), out_dir=str(tmp_path / "out"))
+    report = run_bench(cfg, progress=False)
+    assert {r["family"] for r in report.results} == {EXAMPLE} and report.max_size == []  # no size knob
+    assert set(report.meta["window_recall"][EXAMPLE]) == {"pilot", "replay", "lru"}
+    cached = [p.name for p in (tmp_path / "cache").iterdir()]
+    assert len(cached) == 1 and cached[0].startswith("my_workload.build-")  # a file name, not a path
+    paths = write_outputs(report)
+    assert [p.name for p in paths["plots"]] == ["overhead_my_workload.build.png"]
+    assert f"## {EXAMPLE} (tiny)" in paths["markdown"].read_text()

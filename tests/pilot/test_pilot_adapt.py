@@ -79,7 +79,8 @@ def test_fallback_keeps_a_good_model(trace, shipped):
     fb = make_policy("pilot", model=shipped, backend="numpy", fallback=True)
     simulate(trace, fb, 0.25)
     assert fb.followed.get("pilot", 0) > sum(v for k, v in fb.followed.items() if k != "pilot")
-    assert fb._judge.totals["pilot"][0] / fb._judge.totals["pilot"][1] > 0.9
+    assert fb.judged_recall["pilot"] > 0.9 and fb.judged_recall["pilot"] > fb.judged_recall["lru"]
+    assert make_policy("pilot", model=shipped).judged_recall == {}
 
 
 def _observe(refit, model, trace, i):

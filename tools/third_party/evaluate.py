@@ -17,6 +17,9 @@ For each network of this folder (each a ``file.py:build`` workload, evaluation o
    and lru over iterations 1..; and of the pilot refit online on the trace's own iterations (the
    same :class:`~dynn_runtime.pilot.training.online.OnlineRefit` the policy uses, synchronous), over
    the iterations after its first validated refit.
+5. **Simulated.** The trace's last iteration at ``--fraction`` of its unmanaged peak on the ``h100``
+   profile, per method but the adapted one (a refit needs iterations the simulator does not run):
+   prefetch hits, misses, stall time, the modelled counterpart of the CPU's noisy wall times.
 
 Writes JSON (``--json``) and prints the markdown rows of docs/pilot.md's table. Needs the networks'
 packages (``transformers``, ``torch-geometric``; see docs/pilot.md, "Networks outside the zoo").
@@ -88,9 +91,12 @@ def live(name: str, fraction: float, steps: int) -> dict[str, Any]:
     cap = int(max(ref.peak_bytes) * fraction)
     out: dict[str, Any] = {"cap_bytes": cap, "peak_bytes": max(ref.peak_bytes), "methods": {}}
     per_step = {}
+    from dynn_runtime.policies import make_policy
+
     for method, (policy, options) in METHODS.items():
         t0 = time.perf_counter()
-        r = train_managed(spec, cap, policy, steps=steps, preset="tiny", policy_options=options)
+        pol = make_policy(policy, **(options or {}))
+        r = train_managed(spec, cap, pol, steps=steps, preset="tiny")
         st = r.stats
         rows = [{k: s[k] for k in ("prefetch_hits", "prefetch_misses", "stall_seconds", "bytes_offloaded",
                                    "bytes_prefetched", "bytes_fetched_on_demand")} for s in st["per_step"]]
@@ -101,6 +107,9 @@ def live(name: str, fraction: float, steps: int) -> dict[str, Any]:
             "bytes_moved": st["bytes_offloaded"] + st["bytes_prefetched"] + st["bytes_fetched_on_demand"],
             "bit_identical": r.digest == ref.digest, "wall_s": time.perf_counter() - t0, "per_step": rows,
         }
+        if policy == "pilot" and pol.judged_recall:  # the fallback's judge: recall of each predictor, live
+            out["methods"][method]["live_window_recall"] = pol.judged_recall
+            out["methods"][method]["followed"] = dict(pol.followed)
         print(f"  {name} {method}: {st['prefetch_hits']} / {st['prefetch_misses']}, "
               f"stalls {st['stall_seconds']:.3f} s", file=sys.stderr, flush=True)
     for method in METHODS:
@@ -110,7 +119,7 @@ def live(name: str, fraction: float, steps: int) -> dict[str, Any]:
     return out
 
 
-def trace_metrics(name: str, trace_steps: int, out_dir: Path) -> dict[str, Any]:
+def trace_metrics(name: str, trace_steps: int, out_dir: Path, fraction: float) -> dict[str, Any]:
     import numpy as np
 
     from dynn_runtime.bench.quality import window_recall
@@ -133,18 +142,38 @@ def trace_metrics(name: str, trace_steps: int, out_dir: Path) -> dict[str, Any]:
             current = new
             first = i if first is None else first
     adapted = [r for k, r in enumerate(per_iter, start=1) if first is not None and k > first and r is not None]
+    from dynn_runtime.bench.quality import sim_quality
+    from dynn_runtime.policies import make_policy
+    from dynn_runtime.sim import simulate
+
+    simulated = {}
+    for method, (policy, options) in METHODS.items():
+        if options and options.get("online"):
+            continue
+        r = simulate(trace, make_policy(policy, **(options or {})), fraction, "h100")
+        simulated[method] = {"feasible": r.feasible, "iter_time_s": r.iter_time_s if r.feasible else None,
+                             **sim_quality(r.as_dict())}
     return {"trace": str(path), "window_recall": recall, "adapted_window_recall": float(np.mean(adapted))
             if adapted else None, "adapted_per_iteration": per_iter, "first_swap_after_iteration": first,
-            "refits": refit.refits, "swaps": refit.swaps, "rejected": refit.rejected}
+            "refits": refit.refits, "swaps": refit.swaps, "rejected": refit.rejected, "simulated": simulated}
 
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
 
 
+def _sim(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "- | -"
+    if not r["feasible"]:
+        return "OOM | "
+    return f"{r['prefetch_hits']} / {r['prefetch_misses']} | {r['stall_seconds'] * 1e3:.3f} ms"
+
+
 def table(results: dict[str, Any]) -> str:
-    lines = ["| network | method | window recall | hits / misses | hit rate | stalls | steps to recover (hit rate / and stalls) |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| network | method | window recall | hits / misses | hit rate | stalls | steps to recover (hit rate / and stalls) "
+             "| simulated hits / misses | simulated stalls |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, res in results.items():
         rec = res["trace"]["window_recall"]
         for method, m in res["live"]["methods"].items():
@@ -153,7 +182,8 @@ def table(results: dict[str, Any]) -> str:
             rec_s = " / ".join("not reached" if m.get(k) is None else str(m[k])
                                for k in ("steps_to_recover", "steps_to_recover_with_stalls"))
             lines.append(f"| {name} | {method} | {_pct(wr)} | {m['prefetch_hits']} / {m['prefetch_misses']} | "
-                         f"{_pct(m['hit_rate'])} | {m['stall_seconds']:.3f} s | {rec_s if method.startswith('pilot') else ''} |")
+                         f"{_pct(m['hit_rate'])} | {m['stall_seconds']:.3f} s | {rec_s if method.startswith('pilot') else ''} "
+                         f"| {_sim(res['trace'].get('simulated', {}).get(method))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -190,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     for name in args.networks:
         print(f"{name}: {NETWORKS[name]}", file=sys.stderr, flush=True)
-        results[name] = {"description": NETWORKS[name], "trace": trace_metrics(name, args.trace_steps, out_dir),
+        results[name] = {"description": NETWORKS[name], "trace": trace_metrics(name, args.trace_steps, out_dir, args.fraction),
                          "live": live(name, args.fraction, args.steps)}
     data = {"config": vars(args), "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
             "results": results}
