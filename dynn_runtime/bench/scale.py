@@ -303,14 +303,15 @@ def render_scale_markdown(report: ScaleReport) -> str:
                     cells.append(f"{r['largest']} ({ratio:.3g}x)" if ratio else f"{r['largest']} (-)")
             lines.append(f"| {fam} | {knob} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += [f"## Iteration time over unlimited at `{cfg.preset}`, budgets as fractions of the peak", ""]
+    lines += [f"## Iteration time over unlimited at `{cfg.preset}`, budgets as fractions of the peak "
+              "(OOM: does not fit; -: not simulated)", ""]
     lines += ["| family | budget | " + " | ".join(cfg.policies) + " |", "|---|---|" + "---:|" * len(cfg.policies)]
     for fam in cfg.families:
         for frac in cfg.budgets:
             recs = {r["policy"]: r for r in report.grid if r["family"] == fam and r["budget_fraction"] == frac}
             if recs:
                 lines.append(f"| {fam} | {_frac(frac)} | " + " | ".join(
-                    _fmt(recs[p]["overhead"]) if recs.get(p) and recs[p]["feasible"] else "OOM"
+                    "-" if p not in recs else _fmt(recs[p]["overhead"]) if recs[p]["feasible"] else "OOM"
                     for p in cfg.policies) + " |")
     return "\n".join(lines) + "\n"
 
