@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.stamp-install
 # pytest options, e.g. `make test PYTEST_ARGS="-k moe -x"`
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint install clean gpu-check
+.PHONY: demo test lint install clean gpu-check docker
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) -m pip install -q --no-build-isolation --no-deps -e .
 	$(GPU_PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+# The artifact-evaluation image (PyTorch v2.13.0 + patches/, then this package): where Docker exists.
+# make docker MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 IMAGE=dynn-ae   (docs/artifact-evaluation.md)
+docker:
+	build_tools/docker_build.sh
 
 lint: $(STAMP)
 	$(PY) -m pip install -q ruff

@@ -18,8 +18,12 @@ Rules (each is tested in tests/build_tools/test_anchored_edit.py):
 5. ``generate`` writes the unified ``patches/<name>.patch`` files from a tree
    (pristine or patched), so the committed series always corresponds to the
    anchors.
+6. ``check`` never writes and never stops at the first problem: it reports
+   every new file and every anchor (matched, not found, ambiguous, already
+   applied, conflict, file missing) and exits 1 when any of them would stop
+   ``apply``. Anyone with a PyTorch checkout can run it without building.
 
-Usage::
+Usage (also ``python -m build_tools.anchored_edit ...``)::
 
     python build_tools/anchored_edit.py check    --tree third_party/pytorch
     python build_tools/anchored_edit.py apply    --tree third_party/pytorch
@@ -50,9 +54,12 @@ __all__ = [
     "Edit",
     "PatchSpec",
     "Status",
+    "AnchorResult",
+    "CheckRow",
     "Plan",
     "load_series",
     "plan_series",
+    "check_series",
     "apply_series",
     "revert_series",
     "generate_patches",
@@ -110,6 +117,33 @@ class PatchSpec:
 class Status(enum.Enum):
     TO_APPLY = "to apply"
     APPLIED = "already applied"
+
+
+class AnchorResult(enum.Enum):
+    """What ``check`` found for one anchored edit or new file (rule 6)."""
+
+    MATCHED = "matched"  # anchor found exactly once: apply would insert here
+    TO_ADD = "to add"  # new file absent: apply would create it
+    APPLIED = "already applied"  # marker block / identical new file present
+    NOT_FOUND = "not found"
+    AMBIGUOUS = "ambiguous"
+    CONFLICT = "conflict"  # marker block or new file present with other content
+    FILE_MISSING = "file missing"
+
+    @property
+    def ok(self) -> bool:
+        return self in (AnchorResult.MATCHED, AnchorResult.TO_ADD, AnchorResult.APPLIED)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckRow:
+    """One line of the ``check`` report."""
+
+    patch: str
+    file: str
+    what: str  # edit id, or "new file"
+    result: AnchorResult
+    detail: str = ""  # 1-based line(s) of the anchor, or why it failed
 
 
 @dataclass(slots=True)
@@ -201,10 +235,9 @@ def _find_anchor(lines: list[str], anchor: tuple[str, ...]) -> list[int]:
     return [i for i in range(len(bare) - n + 1) if tuple(bare[i : i + n]) == anchor]
 
 
-def _apply_edit(text: str, patch: str, edit: Edit) -> tuple[str, Status]:
-    lines = _split(text)
-    nl = _newline_of(lines)
-    bare = [_bare(x) for x in lines]
+def _locate(text: str, patch: str, edit: Edit) -> tuple[AnchorResult, int, str]:
+    """Classify `edit` against `text` without changing it: (result, line index, detail)."""
+    bare = [_bare(x) for x in _split(text)]
     # Rule 2: an existing block means "already applied" if it matches the spec.
     begin_suffix = f"dynn-patch begin {patch}:{edit.id}"
     begins = [i for i, b in enumerate(bare) if b.strip().endswith(begin_suffix)]
@@ -214,25 +247,39 @@ def _apply_edit(text: str, patch: str, edit: Edit) -> tuple[str, Status]:
         _, end = _markers(patch, edit, indent)
         expected = list(edit.lines)
         found = bare[i + 1 : i + 1 + len(expected)]
-        if len(begins) > 1 or found != expected or i + 1 + len(expected) >= len(bare) or bare[
-            i + 1 + len(expected)
-        ] != end:
-            raise AnchoredEditError(
-                f"build_tools: {edit.file}: edit {patch}:{edit.id} is present but differs from "
-                f"{patch}.json (expected {len(expected)} lines between the markers). The tree was patched "
-                "by another version of the series: run `python build_tools/anchored_edit.py revert --tree "
-                "DIR` (or `git checkout -- .` in the source tree) and apply again."
-            )
+        closed = i + 1 + len(expected) < len(bare) and bare[i + 1 + len(expected)] == end
+        if len(begins) > 1 or found != expected or not closed:
+            return AnchorResult.CONFLICT, i, f"marker block at line {i + 1} differs from {patch}.json"
+        return AnchorResult.APPLIED, i, f"marker block at line {i + 1}"
+    hits = _find_anchor(_split(text), edit.anchor)
+    if not hits:
+        return AnchorResult.NOT_FOUND, -1, f"anchor {list(edit.anchor)!r}"
+    if len(hits) > 1:
+        return AnchorResult.AMBIGUOUS, -1, f"found {len(hits)} times (at lines {[h + 1 for h in hits]})"
+    return AnchorResult.MATCHED, hits[0], f"line {hits[0] + 1}"
+
+
+def _apply_edit(text: str, patch: str, edit: Edit) -> tuple[str, Status]:
+    result, i, detail = _locate(text, patch, edit)
+    if result is AnchorResult.APPLIED:
         return text, Status.APPLIED
-    hits = _find_anchor(lines, edit.anchor)
-    if len(hits) != 1:
-        what = "not found" if not hits else f"found {len(hits)} times (at lines {[h + 1 for h in hits]})"
+    if result is AnchorResult.CONFLICT:
+        raise AnchoredEditError(
+            f"build_tools: {edit.file}: edit {patch}:{edit.id} is present but differs from "
+            f"{patch}.json (expected {len(edit.lines)} lines between the markers). The tree was patched "
+            "by another version of the series: run `python build_tools/anchored_edit.py revert --tree "
+            "DIR` (or `git checkout -- .` in the source tree) and apply again."
+        )
+    if result is not AnchorResult.MATCHED:
+        what = "not found" if result is AnchorResult.NOT_FOUND else detail
         raise AnchoredEditError(
             f"build_tools: {edit.file}: anchor of edit {patch}:{edit.id} {what}; expected exactly once. "
             f"Anchor: {list(edit.anchor)!r}. Upstream moved: find the new call site, update the anchor in "
-            f"patches/edits/{patch}.json, then regenerate the patches."
+            f"patches/edits/{patch}.json, then regenerate the patches (`anchored_edit.py check` lists "
+            "every anchor's result at once)."
         )
-    i = hits[0]
+    lines = _split(text)
+    nl = _newline_of(lines)
     ref = edit.anchor[0] if edit.where == "before" else edit.anchor[-1]
     indent = ref[: len(ref) - len(ref.lstrip())]
     begin, end = _markers(patch, edit, indent)
@@ -286,6 +333,63 @@ def plan_series(
             plan.files[edit.file] = (original, new)
             plan.statuses.append((spec.name, edit.id, status))
     return plan
+
+
+def check_series(
+    tree: Path, specs: Sequence[PatchSpec], new_files_root: Path = PATCHES_DIR / "new_files"
+) -> list[CheckRow]:
+    """Report every new file and anchor of the series against `tree` (rule 6); writes nothing.
+
+    Edits are simulated in series order on an in-memory copy, so an anchor is
+    judged against the text that ``apply`` would see at that point.
+    """
+    tree = Path(tree)
+    if not tree.is_dir():
+        raise AnchoredEditError(
+            f"build_tools: expected a PyTorch source tree at {tree}, found no directory. "
+            "Pass the root of a PyTorch checkout (the folder holding c10/ and torch/)."
+        )
+    rows: list[CheckRow] = []
+    texts: dict[str, str | None] = {}
+    for spec in specs:
+        for rel in spec.new_files:
+            src, dst = new_files_root / rel, tree / rel
+            if not dst.exists():
+                result = AnchorResult.TO_ADD
+            elif src.is_file() and dst.read_bytes() == src.read_bytes():
+                result = AnchorResult.APPLIED
+            else:
+                result = AnchorResult.CONFLICT
+            rows.append(CheckRow(spec.name, rel, "new file", result))
+        for edit in spec.edits:
+            if edit.file not in texts:
+                path = tree / edit.file
+                texts[edit.file] = _read(path) if path.is_file() else None
+            text = texts[edit.file]
+            if text is None:
+                rows.append(CheckRow(spec.name, edit.file, edit.id, AnchorResult.FILE_MISSING, str(tree)))
+                continue
+            result, _, detail = _locate(text, spec.name, edit)
+            if result is AnchorResult.MATCHED:
+                texts[edit.file], _ = _apply_edit(text, spec.name, edit)
+            rows.append(CheckRow(spec.name, edit.file, edit.id, result, detail))
+    return rows
+
+
+def format_check(rows: Sequence[CheckRow]) -> str:
+    """The ``check`` report: one aligned line per row, then a summary line."""
+    width_file = max((len(r.file) for r in rows), default=4)
+    width_what = max((len(f"{r.patch[:4]}:{r.what}") for r in rows), default=4)
+    out = []
+    for r in rows:
+        what = f"{r.patch[:4]}:{r.what}"
+        out.append(f"{r.file:<{width_file}}  {what:<{width_what}}  {r.result.value:<15}  {r.detail}".rstrip())
+    bad = [r for r in rows if not r.result.ok]
+    out.append(
+        f"{len(rows)} checked, {len(rows) - len(bad)} ok, {len(bad)} failed"
+        + ("" if not bad else ": " + ", ".join(f"{r.patch[:4]}:{r.what}" for r in bad))
+    )
+    return "\n".join(out)
 
 
 def apply_series(plan: Plan) -> list[str]:
@@ -410,13 +514,16 @@ def _main(argv: Sequence[str] | None = None) -> int:
     specs = load_series(args.patches_dir)
     nf = args.patches_dir / "new_files"
     try:
-        if args.command in ("check", "apply"):
+        if args.command == "check":
+            rows = check_series(args.tree, specs, nf)
+            print(format_check(rows))
+            return 0 if all(r.result.ok for r in rows) else 1
+        if args.command == "apply":
             plan = plan_series(args.tree, specs, nf)
             for patch, what, status in plan.statuses:
                 print(f"{patch}: {what}: {status.value}")
-            if args.command == "apply":
-                written = apply_series(plan)
-                print(f"wrote {len(written)} file(s)" if written else "tree already patched; nothing written")
+            written = apply_series(plan)
+            print(f"wrote {len(written)} file(s)" if written else "tree already patched; nothing written")
         elif args.command == "revert":
             changed = revert_series(args.tree, specs, nf)
             print(f"reverted {len(changed)} file(s)")

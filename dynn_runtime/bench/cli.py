@@ -45,11 +45,23 @@ def _budgets(text: str) -> list[float]:
                                          "or 1,1/2,1/4.") from None
 
 
+def _scales(text: str) -> list[float]:
+    from fractions import Fraction
+
+    try:
+        out = [float(Fraction(item)) for item in text.replace(" ", "").split(",") if item]
+    except (ValueError, ZeroDivisionError):
+        out = []
+    if not out or any(v <= 0 for v in out):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive multiples like 1/2,1,2,4; got {text!r}.")
+    return out
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="simulate every policy on every family under shrinking budgets",
                        description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", nargs="+", default=[], metavar="FAMILY",
-                   help="zoo families (default: all)")
+                   help="zoo families or path/to/file.py:function workloads (default: every zoo family)")
     p.add_argument("--policies", nargs="+", default=[], metavar="POLICY",
                    help="policies (default: every registered policy the simulator can run)")
     p.add_argument("--budgets", type=_budgets, default=None, metavar="F,F,...",
@@ -100,7 +112,40 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="--real on CUDA: logical budget only, no set_per_process_memory_fraction")
     g.add_argument("--no-predict", dest="predict", action="store_false",
                    help="--real: skip the simulator's prediction (no trace recorded)")
+    s = p.add_argument_group("--scale: max trainable size and budgets at GPU scale (shape-only traces)")
+    s.add_argument("--scale", action="store_true",
+                   help="record each family at --preset (default large) without its values and find the largest "
+                        "size knob each policy trains on the profile's memory (dynn_runtime.bench.scale)")
+    s.add_argument("--knob-scales", type=_scales, default=None, metavar="S,S,...",
+                   help="--scale: multiples of the preset's size knob (default 1/4,1/2,1,2,4,8,16,32)")
+    s.add_argument("--capacity-gb", type=float, default=None, metavar="GB",
+                   help="--scale: device capacity in GB (default the profile's memory)")
     p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_scale(args: argparse.Namespace) -> int:
+    from .scale import ScaleConfig, render_scale_markdown, run_scale, write_scale_outputs
+
+    kw = {}
+    if args.knob_scales:
+        kw["knob_scales"] = list(args.knob_scales)
+    if args.budgets:
+        kw["budgets"] = list(args.budgets)
+    cfg = ScaleConfig(
+        families=list(args.families), policies=list(args.policies), preset=args.preset or "large",
+        device_profile=args.device_profile, seed=args.seed, steps=args.steps or 2, host_cost=args.host_cost,
+        capacity_bytes=int(args.capacity_gb * 1e9) if args.capacity_gb else None, cache_dir=args.cache_dir,
+        out_dir=args.out, json_path=args.json, **kw,
+    )
+    cfg.resolved()  # validate before any work
+    t0 = time.perf_counter()
+    say = None if args.quiet else (lambda text: print(f"dynn bench --scale: {text}", file=sys.stderr, flush=True))
+    report = run_scale(cfg, progress=say)
+    paths = write_scale_outputs(report)
+    print(render_scale_markdown(report))
+    print(f"wrote {paths['json']}, {paths['markdown']} and {len(paths['plots'])} plot(s); "
+          f"{time.perf_counter() - t0:.1f} s")
+    return 0
 
 
 def _cmd_real(args: argparse.Namespace) -> int:
@@ -168,6 +213,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _cmd_real(args)
     if args.overhead:
         return _cmd_overhead(args)
+    if args.scale:
+        return _cmd_scale(args)
     if args.steps is None:
         args.steps = 2
 

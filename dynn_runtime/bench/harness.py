@@ -40,6 +40,7 @@ from ..budget import Budget
 from ..errors import BudgetError, ConfigError, PolicyError
 from ..results import strict_json
 from ..trace.cache import TraceCache  # re-exported: it moved to trace/
+from .quality import window_recall
 
 __all__ = [
     "BenchConfig",
@@ -63,7 +64,8 @@ class BenchConfig:
     :meth:`resolved` fills them in, and that resolved config is what the results file stores."""
 
     families: list[str] = field(default_factory=list)
-    """Zoo families to run; empty means all of ``models.FAMILIES``."""
+    """Zoo families or ``path/to/file.py:function`` workloads (no size or depth knob: left out of the
+    max-size scan and of a deeper grid) to run; empty means all of ``models.FAMILIES``."""
     policies: list[str] = field(default_factory=list)
     """Policies to simulate; empty means every policy registered in ``POLICIES`` at run time that the
     simulator can serve (one that needs e.g. trained pilot weights that are missing is skipped, logged)."""
@@ -108,6 +110,9 @@ class BenchConfig:
     ``none``, or seconds per operator with optional seconds per decision point (``"40e-6,25e-6"``)."""
     host_source: str = "auto"
     """Which event source's calibration: ``python``, ``native``, or ``auto`` (native where measured)."""
+    window_recall: bool = True
+    """Score the window recall of the pilot, replay and lru predictors on each grid trace (reported
+    beside the prefetch hits, misses, stalls and bytes moved; :mod:`.quality`)."""
 
     def resolved(self) -> BenchConfig:
         """A copy with every default filled in (families, policies, budgets, preset, max_scale), validated."""
@@ -131,10 +136,11 @@ class BenchConfig:
         from ..policies import POLICIES
         from ..sim import PROFILES
 
-        bad = [f for f in self.families if f not in models.FAMILIES]
+        bad = [f for f in self.families if f not in models.FAMILIES and ".py:" not in f]
         if bad:
             raise ConfigError(f"bench: unknown famil{'y' if len(bad) == 1 else 'ies'} {', '.join(map(repr, bad))}; "
-                              f"choices: {', '.join(models.FAMILIES)}.")
+                              f"choices: {', '.join(models.FAMILIES)}, or a workload of your own as "
+                              "path/to/file.py:function.")
         bad = [p for p in self.policies if p not in POLICIES]
         if bad:
             raise ConfigError(f"bench: unknown polic{'y' if len(bad) == 1 else 'ies'} {', '.join(map(repr, bad))}; "
@@ -215,9 +221,12 @@ def available_policies() -> tuple[list[str], dict[str, str]]:
 
 
 def scan_knob(family: str, which: str = "size") -> str | None:
-    """The config field a max-size scan multiplies: the family's ``size`` or ``depth`` knob (None if it has none)."""
+    """The config field a max-size scan multiplies: the family's ``size`` or ``depth`` knob (None if it has
+    none, as a ``file.py:function`` workload has none)."""
     from .. import models
 
+    if family not in models.FAMILIES:
+        return None
     fam = models.family(family)
     return fam.size_knob if which == "size" else fam.depth_knob
 
@@ -358,6 +367,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchReport:
         return trace, cache.path(family, preset, cfg.seed, cfg.steps, overrides)
 
     results: list[dict[str, Any]] = []
+    recall: dict[str, dict[str, float | None]] = {}
     try:
         for family in cfg.families:
             if cfg.grid_depth > 1 and scan_knob(family, "depth") is None:
@@ -366,6 +376,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchReport:
                 continue
             trace, tpath = trace_for(family, cfg.preset, scaled_overrides(family, cfg.preset, cfg.grid_depth, "depth"))
             ref = simulate(trace, "none", 1.0, profile)
+            if cfg.window_recall:
+                bar.set_postfix_str(f"{family} window recall")
+                recall[family] = window_recall(trace)
             for policy in cfg.policies:
                 for frac in cfg.budgets:
                     bar.set_postfix_str(f"{family} {policy} @{_frac_label(frac)}")
@@ -390,6 +403,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchReport:
         "wall_s": time.perf_counter() - t_start,
         "simulated_iteration": -1,
         "host_cost": charge.describe(cfg.policies),
+        "window_recall": recall,
     }
     return BenchReport(config=cfg, results=results, max_size=max_size, meta=meta)
 

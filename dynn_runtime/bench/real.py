@@ -21,11 +21,16 @@ Per family (``preset``, ``steps`` steps, seed ``seed``):
 * **Simulator prediction.** A trace of the same workload recorded on the same device, simulated
   at the same fraction on the profile matching the device (``h100``, ``h200``, ``a100``; a CPU run
   is projected on ``h100`` and is not comparable, which the report says).
+* **Prefetch quality** (:mod:`.quality`). Per policy, live and simulated: prefetch hits, misses,
+  stall seconds and bytes moved; beside them the window recall of the policy's predictor (pilot,
+  replay, lru) on the same recorded trace, so that a trace metric can be read against what the
+  runtime felt.
 * **Max trainable size under a fixed cap.** The capacity is PyTorch alone's footprint at x1
   (``max_memory_reserved`` on CUDA: what the caching allocator had to hold; the peak on the CPU).
   The family's size knob is multiplied by 1, 2, 4, ... up to ``max_scale``; PyTorch alone passes a
   scale when its footprint is within the capacity, a policy when it trains under the capacity as
-  its budget (hard cap on CUDA). Each scan stops at its first failing scale.
+  its budget (hard cap on CUDA). Each scan stops at its first failing scale. A workload given as
+  ``path/to/file.py:function`` has no size knob and is left out of the scan.
 
 On the CPU the budget is logical (what the manager accounts), which is enough to exercise the code;
 the figures that mean something come from a GPU.
@@ -44,6 +49,7 @@ from typing import Any
 
 from .._log import logger
 from ..errors import ConfigError, DynnError
+from .quality import live_quality, sim_quality, window_recall
 
 __all__ = ["RealBenchConfig", "RealBenchReport", "run_real_bench", "checkpoint_blocks", "LIVE_POLICIES"]
 
@@ -56,7 +62,7 @@ class RealBenchConfig:
     """What one ``dynn bench --real`` run measures; the results file stores it resolved."""
 
     families: list[str] = field(default_factory=list)
-    """Zoo families; empty means all."""
+    """Zoo families or ``path/to/file.py:function`` workloads; empty means every zoo family."""
     policies: list[str] = field(default_factory=list)
     """Manager policies; empty means ``LIVE_POLICIES`` (one that cannot be built, e.g. pilot without
     weights, is recorded as skipped)."""
@@ -100,9 +106,10 @@ class RealBenchConfig:
         from .. import models
         from ..policies import POLICIES
 
-        bad = [f for f in self.families if f not in models.FAMILIES]
+        bad = [f for f in self.families if f not in models.FAMILIES and ".py:" not in f]
         if bad:
-            raise ConfigError(f"bench: unknown family {', '.join(map(repr, bad))}; choices: {', '.join(models.FAMILIES)}.")
+            raise ConfigError(f"bench: unknown family {', '.join(map(repr, bad))}; choices: {', '.join(models.FAMILIES)}, "
+                              "or a workload of your own as path/to/file.py:function.")
         bad = [p for p in self.policies if p not in POLICIES]
         if bad:
             raise ConfigError(f"bench: unknown policy {', '.join(map(repr, bad))}; registered: {', '.join(POLICIES)}.")
@@ -224,7 +231,7 @@ def run_real_bench(cfg: RealBenchConfig, progress: Callable[[str], None] | None 
     hears what runs next."""
     import torch
 
-    from .. import __version__
+    from .. import __version__, models
 
     t_start = time.perf_counter()
     cfg = cfg.resolved()
@@ -241,7 +248,7 @@ def run_real_bench(cfg: RealBenchConfig, progress: Callable[[str], None] | None 
             if progress is not None:
                 progress(f"{family} ({cfg.preset}) on {cfg.device}: unlimited, torch baselines, {len(policies)} policies")
             results += _family_grid(cfg, family, policies)
-            if cfg.scales():
+            if cfg.scales() and family in models.FAMILIES:
                 if progress is not None:
                     progress(f"{family}: max-size scan up to x{cfg.max_scale}")
                 max_size += _family_scan(cfg, family, policies)
@@ -317,8 +324,9 @@ def _family_grid(cfg: RealBenchConfig, family: str, policies: list[str]) -> list
     rows.append(baseline("save_on_cpu (torch)",
                          step_context=lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)))
     from .. import models
+    from ..workload import load_workload
 
-    probe = models.build(family, preset="tiny", seed=cfg.seed)
+    probe = load_workload(family, preset="tiny" if family in models.FAMILIES else cfg.preset, seed=cfg.seed)
     if checkpoint_blocks(probe.model):
         rows.append(baseline("checkpoint (torch)", prepare=checkpoint_blocks))
     else:
@@ -341,7 +349,8 @@ def _family_grid(cfg: RealBenchConfig, family: str, policies: list[str]) -> list
             **{k: st.get(k) for k in ("bytes_offloaded", "bytes_prefetched", "bytes_fetched_on_demand", "evictions",
                                       "stall_seconds", "copy_seconds", "policy_seconds", "prefetch_hits",
                                       "prefetch_misses", "budget_overshoot_bytes", "host_bytes_peak",
-                                      "host_syncs", "event_source")}))
+                                      "host_syncs", "event_source")},
+            hit_rate=live_quality(st)["hit_rate"], bytes_moved=live_quality(st)["bytes_moved"]))
     if cfg.simulate:
         _add_predictions(cfg, family, rows, policies)
     return rows
@@ -378,10 +387,11 @@ def _add_predictions(cfg: RealBenchConfig, family: str, rows: list[dict[str, Any
     """The simulator's iteration time for the same run: a trace recorded on the same device."""
     from ..sim import simulate
     from ..trace import read_trace, record
+    from ..workload import workload_name
 
     prof = cfg.device_profile or profile_for(cfg.device)[0]
     with tempfile.TemporaryDirectory(prefix="dynn-real-") as tmp:
-        path = Path(tmp) / f"{family}.jsonl.gz"
+        path = Path(tmp) / f"{workload_name(family)}.jsonl.gz"
         _fresh(cfg.device)
         try:
             record(family, path, steps=2, preset=cfg.preset, seed=cfg.seed, device=cfg.device)
@@ -390,6 +400,7 @@ def _add_predictions(cfg: RealBenchConfig, family: str, rows: list[dict[str, Any
             logger.warning("bench: could not record %s for the prediction: %s", family, exc)
             return
     ref = simulate(trace, "none", 1.0, prof)
+    recall = window_recall(trace)
     sim_for = {"unlimited": "none", "save_on_cpu (torch)": "save_on_cpu", "checkpoint (torch)": "checkpoint",
                **{p: p for p in policies}}
     for row in rows:
@@ -405,6 +416,10 @@ def _add_predictions(cfg: RealBenchConfig, family: str, rows: list[dict[str, Any
                    predicted_overhead=res.iter_time_s / ref.iter_time_s if res.feasible else None,
                    predicted_unmanaged_peak_bytes=res.unmanaged_peak_bytes, predicted_profile=prof,
                    predicted_policy=pol)
+        if pol in recall:
+            row["window_recall"] = recall[pol]
+        if res.feasible and row["method"] != "unlimited":
+            row.update({f"predicted_{k}": v for k, v in sim_quality(res.as_dict()).items()})
 
 
 def _family_scan(cfg: RealBenchConfig, family: str, policies: list[str]) -> list[dict[str, Any]]:

@@ -77,6 +77,7 @@ def render_real_markdown(report: RealBenchReport) -> str:
                 pred = f"{r['predicted_overhead']:.2f}x" if r["predicted_feasible"] else "OOM"
             lines.append(f"| {r['method']} | {fits} | {_ms(r.get('iter_time_s'))} | {ov} | {_mib(r.get('peak_bytes'))} "
                          f"| {moved} | {stalls} | {bit} | {pred} |")
+        lines += _quality_table(rows)
     if report.max_size:
         methods = list(dict.fromkeys(r["method"] for r in report.max_size))
         lines += ["", f"## Max trainable size under a fixed cap (scales up to x{cfg.max_scale})", "",
@@ -94,6 +95,29 @@ def render_real_markdown(report: RealBenchReport) -> str:
     if m.get("skipped_policies"):
         lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in m["skipped_policies"].items())]
     return "\n".join(lines) + "\n"
+
+
+def _pct(v: Any) -> str:
+    return "" if v is None else f"{100 * v:.1f}%"
+
+
+def _quality_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Prefetch quality of each policy that ran: live hits, misses, hit rate, stalls and bytes moved,
+    the simulator's figures for the same run, and its predictor's window recall on the trace."""
+    ran = [r for r in rows if r.get("feasible") and "prefetch_hits" in r]
+    if not ran:
+        return []
+    out = ["", "Prefetch quality: live (hits / misses, hit rate, stalls, bytes moved), simulated on the recorded "
+           "trace, and the window recall of the policy's predictor on that trace.", "",
+           "| method | window recall | hits / misses | hit rate | stalls | moved | simulated hits / misses | "
+           "simulated hit rate | simulated stalls |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in ran:
+        sim = "" if r.get("predicted_prefetch_hits") is None else \
+            f"{r['predicted_prefetch_hits']} / {r['predicted_prefetch_misses']}"
+        out.append(f"| {r['method']} | {_pct(r.get('window_recall'))} | {r['prefetch_hits']} / {r['prefetch_misses']} "
+                   f"| {_pct(r.get('hit_rate'))} | {_ms(r.get('stall_seconds'))} | {_mib(r.get('bytes_moved'))} "
+                   f"| {sim} | {_pct(r.get('predicted_hit_rate'))} | {_ms(r.get('predicted_stall_seconds'))} |")
+    return out
 
 
 def write_real_outputs(report: RealBenchReport) -> dict[str, Path]:

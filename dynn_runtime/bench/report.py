@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .harness import BenchReport, _frac_label
+from .quality import sim_quality
 
 __all__ = ["render_markdown", "write_outputs"]
 
@@ -42,6 +43,7 @@ def render_markdown(report: BenchReport) -> str:
                 r = by_key.get((family, policy, b))
                 cells.append("" if r is None else (f"{r['overhead']:.2f}x" if r["feasible"] else "OOM"))
             lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+        lines += _quality_table(report, family, by_key)
     if report.max_size:
         lines += [
             "", f"## Max trainable size ({cfg.max_size_preset} preset, {cfg.max_size_knob} knob, scales up to "
@@ -62,6 +64,32 @@ def render_markdown(report: BenchReport) -> str:
             lines.append(f"| {family} | {first['knob']} | {_mib(first['capacity_bytes'])} | "
                          + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _quality_table(report: BenchReport, family: str, by_key: dict[Any, dict[str, Any]]) -> list[str]:
+    """Per policy and budget below 1: prefetch hits / misses, hit rate, stall time and bytes moved (the
+    figures ``dynn bench --real`` measures live), beside the predictor's window recall on the trace."""
+    cfg = report.config
+    recall = (report.meta.get("window_recall") or {}).get(family, {})
+    budgets = [b for b in cfg.budgets if b < 1]
+    rows = []
+    for policy in cfg.policies:
+        for b in budgets:
+            r = by_key.get((family, policy, b))
+            if r is None or not r["feasible"] or not r["managed"]:
+                continue
+            q = sim_quality(r)
+            rate = "" if q["hit_rate"] is None else f"{100 * q['hit_rate']:.1f}%"
+            wr = recall.get(policy)
+            rows.append(f"| {policy} | {_frac_label(b)} | {'' if wr is None else f'{100 * wr:.1f}%'} "
+                        f"| {q['prefetch_hits']} / {q['prefetch_misses']} | {rate} | {q['stall_seconds'] * 1e3:.3f} ms "
+                        f"| {_mib(q['bytes_moved'])} |")
+    if not rows:
+        return []
+    return ["", "Prefetch quality (simulated): hits / misses, hit rate, stall time, bytes moved; window recall of the "
+            "policy's predictor on the trace.", "",
+            "| policy | budget | window recall | hits / misses | hit rate | stalls | moved |",
+            "|---|---|---:|---:|---:|---:|---:|", *rows]
 
 
 def _host_cost_line(hc: dict[str, Any] | None) -> str:
@@ -100,7 +128,9 @@ def write_outputs(report: BenchReport, out_dir: str | Path | None = None) -> dic
     json_path.write_text(json.dumps(report.to_json(), indent=1, allow_nan=False) + "\n")
     md_path = json_path.with_suffix(".md")
     md_path.write_text(render_markdown(report))
-    plots = [plot_overhead(report, family, out / f"overhead_{family}.png") for family in cfg.families]
+    from ..workload import workload_name
+
+    plots = [plot_overhead(report, family, out / f"overhead_{workload_name(family)}.png") for family in cfg.families]
     if report.max_size:
         plots.append(plot_max_size(report, out / "max_size.png"))
     return {"json": json_path, "markdown": md_path, "plots": plots}

@@ -28,7 +28,13 @@ def doctor_report(
     from ..runtime.events import native_module, native_reason, resolve
 
     events, events_why = resolve("auto")
+    from ..runtime.providers import select_provider
+
+    provider = select_provider(device, events, events_why, probe_fn=lambda: feats, cuda_available=cuda_available)
     return {
+        "hook_provider": provider.name,
+        "hook_provider_why": provider.reason,
+        "hook_delivers": {v.value: how for v, how in provider.delivers.items()},
         "event_source": events,
         "event_source_why": events_why,
         "native_events_built": native_module() is not None,
@@ -67,6 +73,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         ("native events", report["native_events"]),
         ("hook path", f"{report['path']} (for {report['device']})"),
         ("why", report["why"]),
+        ("hook provider", f"{report['hook_provider']} ({report['hook_provider_why']})"),
+        *((f"  {verb}", how) for verb, how in report["hook_delivers"].items()),
         ("pinned release", f"{pin['version']} ({pin['tag']} @ {pin['commit'][:12]})" if pin else "unknown "
                            "(not a source checkout)"),
     ]

@@ -390,6 +390,12 @@ class SavedTensorIndex:
         with self._mu:
             self._by_node.pop(sequence_nr, None)
 
+    def forget_below(self, sequence_nr: int) -> None:
+        """Drop the nodes numbered below ``sequence_nr`` (their graph is gone)."""
+        with self._mu:
+            for k in [k for k in self._by_node if k < sequence_nr]:
+                del self._by_node[k]
+
     def __len__(self) -> int:
         with self._mu:
             return sum(len(v) for v in self._by_node.values())

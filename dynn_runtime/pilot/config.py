@@ -61,6 +61,12 @@ class PilotPolicyConfig:
     """Fine-tune the model on the run's own finished iterations (:mod:`.policy`'s online refit)."""
     refit_every: int = 4
     """With ``online``: iterations between refits."""
+    refit_background: bool = True
+    """With ``online``: refit on a background thread (the refit model is taken at the first iteration
+    start after it is done); False: at the iteration start, synchronously (reproducible decisions)."""
+    fallback: bool = False
+    """Follow ``replay``'s or ``lru``'s predictions, per decision point, while their window recall on
+    the run's recent decision points beats the model's (:mod:`.adapt`)."""
     max_share: float | None = None
     """Cost governor: decision points are put off while inference has used more than this share of
     the elapsed device time (in (0, 1]); None: no governor."""

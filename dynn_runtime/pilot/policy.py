@@ -50,9 +50,16 @@ them too.
 
 **Online refit** (``online=True``): the feature rows of a sample of each decision point are kept;
 when the next iteration begins, ``context.history[-1]`` (the iteration just finished) labels them,
-and every ``refit_every`` iterations the model is fine-tuned on them in numpy
-(:class:`~dynn_runtime.pilot.training.online.OnlineRefit`); every decision point then rescores
-everything.
+and every ``refit_every`` iterations the model is fine-tuned on them in numpy on a background thread
+(:class:`~dynn_runtime.pilot.training.online.OnlineRefit`); the refit replaces the model only once
+it has beaten it on a later iteration's rows. Every decision point then rescores everything.
+
+**Fallback** (``fallback=True``): a :class:`~.adapt.RecallJudge` measures, on the run's own
+accesses, the window recall of the model, of ``replay`` and of ``lru`` at every decision point
+once its window has run; while another one's recent recall beats the model's, the decision
+point's predictions are that one's (the cache and heaps take them as they take the model's), and
+so are the provisional predictions until the next one. Every decision point then rescores
+everything on the numpy rows, as the online refit does.
 
 Weights load on first use (``attach``), not at import. Inference is numpy or C only: no torch
 operator runs inside the runtime's dispatch mode. The measurements behind these choices are in
@@ -141,6 +148,16 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         self._timer = time.perf_counter
         self._refit_every = cfg.refit_every
         self._refit = None
+        self._fallback = cfg.fallback
+        #: the online refit or the fallback needs every decision point's rows (numpy path, full rescoring)
+        self._rows = cfg.online or cfg.fallback
+        self._judge: Any = None
+        self._shadow: Any = None
+        #: fallback: per storage, its last access (lru's prediction); the predictor followed now, and
+        #: how many decision points followed each
+        self._last_access: dict[int, int] = {}
+        self.following = "pilot"
+        self.followed: dict[str, int] = {}
         #: inference backend: "native", "numpy", or None: native when it is available; after
         #: attach, the one in use
         self.backend = cfg.backend
@@ -204,8 +221,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
 
             self._pt = PolicyTable(_LOWER, self.quantile, self.recheck)
         self._away_out = (np.empty(256, dtype=np.int64), np.empty(256, dtype=np.float64))
-        if self.worker and (self._kernel is None or self._online):
-            self.worker = False  # the worker runs the native kernel, and an online refit needs every row here
+        if self.worker and (self._kernel is None or self._rows):
+            self.worker = False  # the worker runs the native kernel; the refit and the fallback need every row here
         self._prior = np.exp(model.arrays["prior"].astype(np.float64))
         self._prior_rows = self._prior.tolist()  # the same float64 values, read without numpy indexing
         self._clock0 = self._clock()
@@ -213,7 +230,15 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         if self._online and self._refit is None:
             from .training.online import OnlineRefit
 
-            self._refit = OnlineRefit(model, refit_every=self._refit_every)
+            self._refit = OnlineRefit(model, refit_every=self._refit_every, background=self.config.refit_background)
+        if self._fallback and self._judge is None:
+            from ..policies.nextuse import ReplayPolicy
+            from .adapt import RecallJudge
+            from .training.evaluate import WINDOW_OPS
+
+            self._judge = RecallJudge(window=WINDOW_OPS)
+            self._shadow = ReplayPolicy()
+            self._shadow.attach(view)
 
     def begin_iteration(self, index: int, context: IterationContext = NO_CONTEXT) -> None:
         super().begin_iteration(index, context)
@@ -222,6 +247,10 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             new = self._refit.end_iteration(history)
             if new is not None:
                 self._model = new
+        if self._judge is not None:
+            self._judge.close()  # the iteration's accesses are all its open windows will hold
+            self._shadow.begin_iteration(index, context)
+            self._last_access.clear()
         state = self._state
         state.begin_iteration(index, history)
         state.pred[:] = np.nan  # nothing predicted yet this iteration
@@ -253,6 +282,9 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         return max(position, 0) + self._prior_rows[_PHASES.get(self.view.phase, 0)][cls]
 
     def on_alloc(self, sid: int, position: int) -> None:
+        if self._shadow is not None:
+            self._shadow.on_alloc(sid, position)
+            self._last_access[sid] = position
         state = self._state
         s, kind, saved = state.alloc(sid, position)
         state.pred[s] = self._provisional(position, kind, saved, position >= 0)
@@ -267,6 +299,9 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         # the provisional prediction is set in on_op, once the replayed next use is known;
         # the prior is computed there only for the storages that have none. Until then a storage
         # keeps its last prediction (one never predicted is kept: see predict)
+        if self._judge is not None:
+            self._judge.access(sid, position)
+            self._last_access[sid] = position
         state = self._state
         s = state.slot_of(sid)
         if s is not None:
@@ -280,6 +315,9 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             self._skip[s] = self._small.small(sid)
 
     def on_free(self, sid: int) -> None:
+        if self._shadow is not None:
+            self._shadow.on_free(sid)
+            self._last_access.pop(sid, None)
         self._state.free(sid)
         super().on_free(sid)
 
@@ -301,11 +339,12 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             pred = state.pred
             slot = state._slot
             push = self._heap.push
+            follow = self.following
             for sid in pending:
                 s = slot.get(sid)
                 if s is None:
                     continue  # freed since its access
-                v = rep.get(sid)
+                v = rep.get(sid) if follow == "pilot" else self._fallback_prediction(follow, sid, position)
                 if v is None:
                     v = self._provisional(position, self.view.kind(sid), self.view.saved(sid), False)
                 pred[s] = v = float(v)
@@ -321,7 +360,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             self._wait(self._job)
             self._merge(self._job)
         self._last_decision = position
-        if self._kernel is not None and self._refit is None:
+        if self._kernel is not None and not self._rows:
             self._finish_s = 0.0
             self._on_decision_native(position)
             dt = timer() - t0 - self._finish_s  # the modelled worker's share is not this thread's
@@ -331,7 +370,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         live = state.active_slots()
         if not len(live):
             return
-        full = self._full_due or not self.incremental or self._refit is not None
+        full = self._full_due or not self.incremental or self._rows
         self._full_due = False
         self._grow_due()
         if full:
@@ -340,7 +379,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             # incremental: rescore what moved since the last decision point and what is due (overdue, or
             # its distance's low quantile may have elapsed); the rest keeps its predicted position
             rows = live[state.touched[live] | (self._due[live] <= position)]
-        if self._refit is None and self._skip_small():
+        if not self._rows and self._skip_small():
             rows = rows[self._skip[rows] == 0]  # small storages keep their provisional prediction
         self.decisions += 1
         self.live_total += len(live)
@@ -406,7 +445,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         when each is due again, cache and heaps. On the native kernel in one call
         (the rows and the context are not materialised) unless the online refit needs them."""
         state = self._state
-        if self._kernel is not None and self._refit is None and position == state.position:
+        if self._kernel is not None and not self._rows and position == state.position:
             if len(self._due) < state._cap or self._pt.due is not self._due:
                 self._grow_due()
             rows = np.ascontiguousarray(rows, dtype=np.int64)
@@ -433,7 +472,40 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         self._due[rows] = np.minimum(score, position + self.recheck * _LOWER[k])
         if self._refit is not None:
             self._refit.observe(position, sids, X, ctx)
+        if self._judge is not None:
+            score = self._follow(position, sids, score)
+            state.pred[rows] = score
         self._update(sids.tolist(), score.tolist(), rows.tolist(), n_live)
+
+    # ---- fallback -----------------------------------------------------------------------------
+    @property
+    def judged_recall(self) -> dict[str, float | None]:
+        """With ``fallback``: each predictor's window recall over every decision point judged so far in
+        this run (the model's as it ranks live); ``{}`` without."""
+        if self._judge is None:
+            return {}
+        return {m: (h / k if k else None) for m, (h, k) in self._judge.totals.items()}
+
+    def _fallback_prediction(self, method: str, sid: int, position: int) -> float | None:
+        """``replay``'s or ``lru``'s predicted next-use position of ``sid`` (None: never this iteration)."""
+        if method == "replay":
+            return self._shadow.predict(sid)
+        last = self._last_access.get(sid, -1)
+        return position + max(1, position - last)  # used again as long after as it was last used
+
+    def _follow(self, position: int, sids: np.ndarray, pilot: np.ndarray) -> np.ndarray:
+        """The decision point's predictions (positions, ``inf`` never): the judge sees every predictor's,
+        and the one it chooses is followed until the next decision point."""
+        judge = self._judge
+        scores = {"pilot": pilot}
+        ids = sids.tolist()
+        for m in judge.methods[1:]:
+            vals = [self._fallback_prediction(m, sid, position) for sid in ids]
+            scores[m] = np.array([math.inf if v is None else float(v) for v in vals], dtype=np.float64)
+        judge.decision(position, sids, scores)
+        self.following = follow = judge.choice()
+        self.followed[follow] = self.followed.get(follow, 0) + 1
+        return scores[follow] if follow != "pilot" else pilot
 
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
         if self._job is not None:

@@ -105,6 +105,8 @@ class Controls:
             event_source=self.event_source,
             largest_allocation_bytes=self._obs.max_made if self._obs is not None else None,
             event_source_reason=self.event_reason,
+            **(self.provider.describe() if self.provider is not None else {"hook_provider": None}),
+            hook_stats=self.provider.stats() if self.provider is not None else {},
             list_calls_split=self._lists.calls_split if self._lists is not None else 0,
             per_step=[dict(s.__dict__) for s in self.steps],
         )

@@ -76,6 +76,7 @@ from .lists import ListSplitter
 from .moves import Moves
 from .native_source import NativeSource
 from .oracle import OracleAlignment
+from .providers import HOOK_CHOICES, ProviderClient, select_provider
 from .python_source import PythonSource, _Mode, _unpack
 from .state import StateTransfer
 from .steps import Steps, StepStats
@@ -87,7 +88,7 @@ RESIDENT = Status.RESIDENT
 
 
 class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, OracleAlignment, StorageTable, Moves,
-                    Budget):
+                    Budget, ProviderClient):
     """Keep a training loop's device memory within ``budget`` by moving tensors as ``policy`` says.
 
     ``budget``: bytes (int), a size string (``"6GiB"``), or a float in (0, 1]: that fraction of the
@@ -105,7 +106,9 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
     of the same inputs: the ``oracle`` policy reads the future from it), ``policy_options``,
     ``copies`` (a copy engine of :mod:`~dynn_runtime.runtime.copies`; tests pass ``FakeAsyncCopies``
     to run the asynchronous paths on the CPU), ``record_every_op`` (every operator in :meth:`timeline`
-    and ``history`` on the native source too, at the cost of reading every step's log in full).
+    and ``history`` on the native source too, at the cost of reading every step's log in full), ``hooks``
+    (``auto``: the patched PyTorch's allocator and engine hooks where they can run, else the event
+    source's; ``stock``; ``patched``: those hooks or an error; or a provider of :mod:`~dynn_runtime.runtime.providers`).
     """
 
     #: operators the timeline keeps (the oldest go first); bounded so a long run's memory stays flat
@@ -128,6 +131,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         decide_every: int = 32,
         copies: Any = None,
         record_every_op: bool = False,
+        hooks: Any = "auto",
     ) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -190,6 +194,9 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         #: every operator of every step in :meth:`timeline` and ``history``, also of a step the native
         #: source would read compacted (one that never needed a decision); the Python source always does
         self.record_every_op = bool(record_every_op)
+        if isinstance(hooks, str) and hooks not in HOOK_CHOICES:
+            raise ConfigError(f"runtime: hooks={hooks!r} is not one of {', '.join(HOOK_CHOICES)} (or a Provider).")
+        self._hooks_requested = hooks
         self._reset_state()
 
     # ---- configuration ----------------------------------------------------------------------
@@ -211,6 +218,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
 
     def _reset_state(self) -> None:
         self._obs: Any = None
+        self.provider: Any = None  # the hook provider (providers.py), chosen at attach
         self._used = 0
         self._init_residency()
         self.event_source = "python"
@@ -311,6 +319,8 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         if self.event_source == "native":
             self._obs = native_module().Observer(self.device.type, -1 if self.device.index is None
                                                  else self.device.index)
+        self.provider = select_provider(str(self.device), self.event_source, self.event_reason,
+                                        hooks=self._hooks_requested)
         for name, p in model.named_parameters():
             sid = self._track(p, "param", fresh=False)
             if sid is not None:
@@ -340,8 +350,9 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
             self._modules.install()
         else:  # the native path tracks modules only for a policy that reads them; the phase needs the root
             self._handles.append(model.register_forward_pre_hook(lambda *a: self._root_forward()))
-        if self._obs is None or pol.reads_saved:
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        pack = self.provider.wrap_pack(self._pack)  # the patched provider indexes saved tensors by node
+        if self._obs is None or pol.reads_saved or pack is not None:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(pack or self._pack, _unpack)
             self._saved_hooks.__enter__()
         if self.hard_cap and self.cuda and self.budget is not None:
             self._apply_hard_cap()
@@ -367,6 +378,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
             self._mode = _Mode(self)
             self._mode.__enter__()
         self._attached = True
+        self.provider.install(self)
         return self
 
     def detach(self) -> None:
@@ -398,6 +410,8 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._teardown()
 
     def _teardown(self) -> None:
+        if self.provider is not None:
+            self.provider.uninstall()
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None

@@ -24,10 +24,13 @@ class TraceCache:
     """Recorded traces on disk, keyed by workload, preset, seed, steps and overrides.
 
     ``recorded`` and ``reused`` count what :meth:`get` did (tests and the report read them).
+    ``fake=True`` records with :func:`dynn_runtime.trace.fake.record_fake` (GPU-scale shapes without
+    their values), into files of their own (``...-fake-v<schema>.jsonl.gz``).
     """
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, fake: bool = False) -> None:
         self.root = Path(root)
+        self.fake = fake
         self.recorded = 0
         self.reused = 0
 
@@ -36,7 +39,14 @@ class TraceCache:
         if overrides:
             blob = json.dumps(overrides, sort_keys=True, default=str).encode()
             key = hashlib.sha1(blob).hexdigest()[:10]
-        return self.root / f"{family}-{preset}-seed{seed}-steps{steps}-{key}-v{SCHEMA_VERSION}.jsonl.gz"
+        if ".py:" in family:  # a user's file.py:function: a file-name-safe name, and the spec's hash
+            from ..workload import workload_name
+
+            name = f"{workload_name(family)}-{hashlib.sha1(family.encode()).hexdigest()[:8]}"
+        else:
+            name = family
+        kind = "-fake" if self.fake else ""
+        return self.root / f"{name}-{preset}-seed{seed}-steps{steps}-{key}{kind}-v{SCHEMA_VERSION}.jsonl.gz"
 
     def get(self, family: str, preset: str, seed: int = 0, steps: int = 2, overrides: dict | None = None) -> Trace:
         """The trace, read from the cache or recorded into it (atomically: a killed run leaves no half file)."""
@@ -54,7 +64,12 @@ class TraceCache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name[: -len('.jsonl.gz')]}.tmp{os.getpid()}.jsonl.gz")
         try:
-            record(family, tmp, steps=steps, preset=preset, seed=seed, overrides=dict(overrides or {}))
+            if self.fake:
+                from .fake import record_fake
+
+                record_fake(family, tmp, steps=steps, preset=preset, seed=seed, overrides=dict(overrides or {}))
+            else:
+                record(family, tmp, steps=steps, preset=preset, seed=seed, overrides=dict(overrides or {}))
             os.replace(tmp, path)
         finally:
             if tmp.exists():

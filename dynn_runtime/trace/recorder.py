@@ -344,8 +344,11 @@ def record(
     device: str = "cpu",
     overrides: dict | None = None,
     on_step: Callable[[int], None] | None = None,
+    header_extra: dict | None = None,
 ) -> RecordResult:
-    """Train ``steps`` iterations of ``workload`` under the recorder and write the trace to ``path``."""
+    """Train ``steps`` iterations of ``workload`` under the recorder and write the trace to ``path``.
+
+    ``header_extra`` adds (or replaces) header fields, e.g. how the values were produced."""
     import dataclasses
 
     if steps < 1:
@@ -354,7 +357,11 @@ def record(
     wl = load_workload(workload, preset=preset, seed=seed, **(overrides or {})) if isinstance(workload, str) else workload
     dev = torch.device(device)
     torch.manual_seed(seed)
-    model = wl.model.to(dev)
+    model = wl.model
+    # Moving a model already on the device would swap fake parameters (dynn_runtime.trace.fake)
+    # for copies, which their weak references forbid.
+    if any(t.device != dev for t in (*model.parameters(), *model.buffers())):
+        model = model.to(dev)
     opt = make_optimizer(wl, model.parameters())
     cfg = getattr(wl, "config", None)
     header = {
@@ -365,6 +372,7 @@ def record(
         "config": _jsonable(dataclasses.asdict(cfg)) if dataclasses.is_dataclass(cfg) else {},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+    header.update(header_extra or {})
     rec = TraceRecorder(model, dev)
     res = RecordResult(path=Path(path), iterations=steps, ops=0)
     with TraceWriter(path) as w:

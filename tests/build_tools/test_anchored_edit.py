@@ -159,10 +159,53 @@ def test_git_apply_of_generated_patches_equals_anchored_apply(tree, tmp_path):
 
 def test_cli_check_apply_revert(tree, capsys):
     assert ae._main(["check", "--tree", str(tree)]) == 0
-    assert "to apply" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "matched" in out and "to add" in out and out.rstrip().endswith("ok, 0 failed")
     assert ae._main(["apply", "--tree", str(tree)]) == 0
     assert ae._main(["apply", "--tree", str(tree)]) == 0
     assert "already patched" in capsys.readouterr().out
     assert ae._main(["revert", "--tree", str(tree)]) == 0
     assert ae._main(["check", "--tree", str(tree / "nope")]) == 2
     assert "expected a PyTorch source tree" in capsys.readouterr().err
+
+
+def _edit_ids():
+    return [(s.name, e.id) for s in ae.load_series() for e in s.edits]
+
+
+def test_check_reports_every_anchor_and_writes_nothing(tree):
+    before = _snapshot(tree)
+    rows = ae.check_series(tree, ae.load_series())
+    assert _snapshot(tree) == before
+    edits = [(r.patch, r.what) for r in rows if r.what != "new file"]
+    assert edits == _edit_ids()
+    assert all(r.result is ae.AnchorResult.MATCHED for r in rows if r.what != "new file")
+    assert {r.result for r in rows if r.what == "new file"} == {ae.AnchorResult.TO_ADD}
+
+
+def test_check_goes_on_past_failures_and_names_each(tree, capsys):
+    alloc = tree / "c10/cuda/CUDACachingAllocator.cpp"
+    text = alloc.read_text()
+    alloc.write_text(text.replace("    *devPtr = (void*)block->ptr;\n", ""))  # not found
+    engine = tree / "torch/csrc/autograd/engine.cpp"
+    engine.write_text(engine.read_text() + "    heap_.push(std::move(item));\n")  # ambiguous
+    (tree / "build_variables.bzl").unlink()  # file missing
+    rows = {(r.patch[:4], r.what): r for r in ae.check_series(tree, ae.load_series())}
+    assert rows[("0001", "alloc-observer-call-site")].result is ae.AnchorResult.NOT_FOUND
+    assert rows[("0001", "free-observer-call-site")].result is ae.AnchorResult.MATCHED  # kept going
+    assert rows[("0002", "engine-ready-call-site")].result is ae.AnchorResult.AMBIGUOUS
+    assert rows[("0002", "bazel-core-sources")].result is ae.AnchorResult.FILE_MISSING
+    assert rows[("0003", "bazel-python-sources")].result is ae.AnchorResult.FILE_MISSING
+    assert ae._main(["check", "--tree", str(tree)]) == 1
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert "4 failed" in last and "0001:alloc-observer-call-site" in last
+
+
+def test_check_after_apply_says_already_applied_and_sees_conflicts(tree):
+    _apply(tree)
+    rows = ae.check_series(tree, ae.load_series())
+    assert {r.result for r in rows} == {ae.AnchorResult.APPLIED}
+    cmake = tree / "c10/cuda/CMakeLists.txt"
+    cmake.write_text(cmake.read_text().replace("    DynnHooks.cpp\n", "    Other.cpp\n"))
+    rows = {r.what: r.result for r in ae.check_series(tree, ae.load_series())}
+    assert rows["cmake-sources"] is ae.AnchorResult.CONFLICT

@@ -9,13 +9,20 @@
    use read from ``history[-1]`` (the iteration that just finished: no future is read) and appends
    them to a bounded buffer (the most recent ``buffer_rows``);
 3. every ``refit_every`` iterations it fine-tunes a copy of the model on the buffer for ``epochs``
-   passes (numpy, a few hundred milliseconds) and returns it; the caller swaps it in. The
-   offline rows are not revisited, so the refit follows the workload's current distribution.
+   passes (numpy, a few hundred milliseconds; with ``background``, on a thread while training goes
+   on). The offline rows are not revisited, so the refit follows the workload's current distribution;
+4. with ``validate`` (the default) a refit model is a *candidate*: at the next iteration end it is
+   scored against the model in use on that iteration's rows, which neither was fitted on, and
+   returned, to be swapped in, only when it is better: a higher window recall over the sampled rows
+   of each decision point (ranked by the probability of a next use within the window), or an equal
+   one and a lower mean cross-entropy of the true next-use bucket. Without ``validate`` a
+   synchronous refit is returned at once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +40,17 @@ class OnlineRefit:
     """Collect labelled rows from the iterations a policy sees; refit the model every ``refit_every``."""
 
     def __init__(self, model: PilotModel, refit_every: int = 4, rows_per_decision: int = 48,
-                 buffer_rows: int = 60_000, epochs: int = 3, seed: int = 0) -> None:
+                 buffer_rows: int = 60_000, epochs: int = 3, seed: int = 0, background: bool = False,
+                 validate: bool = True) -> None:
         self.model = model
+        self.background = background
+        self.validate = validate
+        self._pool: ThreadPoolExecutor | None = None
+        self._candidate: Future[PilotModel] | PilotModel | None = None
+        #: candidates swapped in and turned down by validation; the last validation's two losses
+        self.swaps = 0
+        self.rejected = 0
+        self.last_validation: tuple[Any, Any] | None = None
         self.refit_every = max(1, int(refit_every))
         self.rows_per_decision = rows_per_decision
         self.buffer_rows = buffer_rows
@@ -59,26 +75,92 @@ class OnlineRefit:
             self._pending = []
             return None
         idx, keys = _access_index(history[-1].ops)
+        groups = []
         for pos, sids, X, ctx in self._pending:
-            y = fine_bucket(_next_after(idx, keys, sids, pos))
+            groups.append((X, ctx, fine_bucket(_next_after(idx, keys, sids, pos))))
+        self._pending = []
+        out = self._validated(groups)
+        for X, ctx, y in groups:
             self._X.append(X)
             self._C.append(np.broadcast_to(ctx, (len(y), len(ctx))))
             self._y.append(y)
-        self._pending = []
         total = sum(len(y) for y in self._y)
         while total > self.buffer_rows and len(self._y) > 1:
             total -= len(self._y.pop(0))
             self._X.pop(0)
             self._C.pop(0)
         self.iterations += 1
-        if self.iterations % self.refit_every:
-            return None
+        if self.iterations % self.refit_every or self._candidate is not None:
+            return out
         X = np.concatenate(self._X)
         C = np.concatenate(self._C).astype(np.float32)
         y = np.concatenate(self._y)
-        self.model, _ = fit(X, C, y, init=self.model, epochs=self.epochs)
         self.refits += 1
-        return self.model
+        if self.background:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynn-pilot-refit")
+            self._candidate = self._pool.submit(_refit, self.model, X, C, y, self.epochs)
+            return out
+        new = _refit(self.model, X, C, y, self.epochs)
+        if not self.validate:
+            self.model = new
+            return new
+        self._candidate = new
+        return out
+
+    def _validated(self, groups: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> PilotModel | None:
+        """The finished candidate if it beats the model in use on ``groups`` (rows neither was fitted on);
+        it is then the model in use. A background refit still running stays the candidate."""
+        cand = self._candidate
+        if cand is None or (isinstance(cand, Future) and not cand.done()):
+            return None
+        self._candidate = None
+        model = cand.result() if isinstance(cand, Future) else cand
+        if self.validate and groups:
+            new, old = _validation(model, groups), _validation(self.model, groups)
+            self.last_validation = (new, old)
+            if not new > old:
+                self.rejected += 1
+                return None
+        self.model = model
+        self.swaps += 1
+        return model
+
+
+def _refit(model: PilotModel, X: np.ndarray, C: np.ndarray, y: np.ndarray, epochs: int) -> PilotModel:
+    return fit(X, C, y, init=model, epochs=epochs)[0]
+
+
+def _validation(model: PilotModel, groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]
+                ) -> tuple[float, float]:
+    """What a candidate must raise: (window recall over ``groups``' rows, minus the bucket loss)."""
+    return sampled_window_recall(model, groups), -bucket_loss(model, groups)
+
+
+def sampled_window_recall(model: PilotModel, groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> float:
+    """Window recall over decision points' sampled rows ``(X, ctx, y)``: of the rows whose true next
+    use is within :data:`WINDOW_OPS`, the share among as many rows ranked most likely within it."""
+    hits = rel = 0
+    for X, ctx, y in groups:
+        inwin = COARSE_OF_FINE[y] <= 1  # coarse buckets "next group" and "within 4 groups"
+        k = int(inwin.sum())
+        if not k:
+            continue
+        Pc = PilotModel.coarse(model.probs(X, ctx))
+        top = np.argsort(-(Pc[:, 0] + Pc[:, 1]), kind="stable")[:k]
+        hits += int(inwin[top].sum())
+        rel += k
+    return hits / rel if rel else 0.0
+
+
+def bucket_loss(model: PilotModel, groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> float:
+    """Mean cross-entropy of the true fine bucket over decision points' rows ``(X, ctx, y)``."""
+    total, n = 0.0, 0
+    for X, ctx, y in groups:
+        P = model.probs(X, ctx)
+        total -= float(np.log(np.maximum(P[np.arange(len(y)), y], 1e-12)).sum())
+        n += len(y)
+    return total / n if n else float("nan")
 
 
 @dataclass
@@ -132,7 +214,7 @@ def shift_experiment(model: PilotModel, trace: Any, shift_at: int, refit_every: 
     """Walk every iteration of ``trace`` (whose input distribution changes at iteration ``shift_at``)
     with ``model`` as is, and with an :class:`OnlineRefit` copy refit every ``refit_every`` iterations."""
     static = [_iteration_metrics(model, trace, i, None) for i in range(1, len(trace.iterations))]
-    refit = OnlineRefit(model.copy(), refit_every=refit_every, epochs=epochs)
+    refit = OnlineRefit(model.copy(), refit_every=refit_every, epochs=epochs, validate=False)
     online = []
     current = refit.model
     for i in range(1, len(trace.iterations)):

@@ -1,0 +1,115 @@
+"""Safe fallback for the pilot on a network it was not trained on: judge its predictions online.
+
+A :class:`RecallJudge` measures, while the user's network trains, the window recall
+(:mod:`~dynn_runtime.pilot.training.evaluate`'s metric) of several next-use predictors on the
+run's own accesses: at a decision point each predictor ranks the live storages; once the next
+``window`` operators have run, the storages accessed in them are known, and each predictor's
+share of them among the same number it ranked soonest is its recall at that decision point. The
+judge keeps the last ``horizon`` decision points and names the predictor to follow
+(:meth:`RecallJudge.choice`): the model unless another one's recent recall beats it by ``margin``.
+
+The pilot policy's ``fallback=True`` uses it per decision point with the model, ``replay``
+(the previous iteration's access pattern position for position, :class:`~dynn_runtime.policies.nextuse.ReplayPolicy`)
+and ``lru`` (a storage is needed again as long after as it was last used). Nothing here reads
+the future: a decision point is judged only after its window has run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["RecallJudge", "FALLBACKS"]
+
+#: the predictors the pilot may fall back to, in order of preference on a tie
+FALLBACKS = ("replay", "lru")
+
+
+@dataclass
+class _Pending:
+    position: int
+    sids: np.ndarray
+    scores: dict[str, np.ndarray]
+    seen: set[int] = field(default_factory=set)
+
+
+class RecallJudge:
+    """Online window recall of the predictors ``methods`` (the first is the one to beat)."""
+
+    def __init__(self, methods: tuple[str, ...] = ("pilot", *FALLBACKS), window: int = 64, horizon: int = 4,
+                 margin: float = 0.02, metric: str = "rank") -> None:
+        if metric not in ("rank", "f1"):
+            raise ValueError(f"RecallJudge metric is 'rank' or 'f1', got {metric!r}")
+        self.metric = metric
+        if not methods:
+            raise ValueError("RecallJudge needs at least one method")
+        self.methods = methods
+        self.window = int(window)
+        self.horizon = int(horizon)
+        self.margin = float(margin)
+        self._pending: deque[_Pending] = deque()
+        #: per method, (hits, relevant) of the last ``horizon`` judged decision points
+        self._recent: dict[str, deque[tuple[int, float]]] = {m: deque(maxlen=self.horizon) for m in methods}
+        #: per method, hits and relevant over the whole run (reports)
+        self.totals: dict[str, list[float]] = {m: [0, 0] for m in methods}
+        self.judged = 0
+
+    def access(self, sid: int, position: int) -> None:
+        """``sid`` was accessed at ``position``: it counts for every open decision point whose window holds it."""
+        for p in self._pending:
+            if p.position < position <= p.position + self.window:
+                p.seen.add(sid)
+
+    def decision(self, position: int, sids: np.ndarray, scores: dict[str, np.ndarray]) -> None:
+        """Each method's predicted next-use positions (soonest first; ``inf`` for never) of ``sids`` at
+        ``position``; the decision points whose window has closed are judged first."""
+        self.close(position)
+        self._pending.append(_Pending(position, np.asarray(sids), {m: np.asarray(scores[m], dtype=np.float64)
+                                                                  for m in self.methods}))
+
+    def close(self, position: int | None = None) -> None:
+        """Judge the open decision points whose window ended before ``position`` (None: all of them,
+        at the end of an iteration, whose accesses are all the window can still hold)."""
+        while self._pending and (position is None or self._pending[0].position + self.window < position):
+            self._judge(self._pending.popleft())
+
+    def _judge(self, p: _Pending) -> None:
+        if not p.seen:
+            return
+        inwin = np.fromiter((int(s) in p.seen for s in p.sids.tolist()), dtype=bool, count=len(p.sids))
+        k = int(inwin.sum())
+        if not k:
+            return
+        self.judged += 1
+        for m in self.methods:
+            if self.metric == "rank":
+                top = np.argsort(p.scores[m], kind="stable")[:k]
+                hits, rel = int(inwin[top].sum()), k
+            else:  # predicted within the window by position: true positives over (k + predicted) / 2
+                said = p.scores[m] <= p.position + self.window
+                hits, rel = int((said & inwin).sum()), (k + int(said.sum())) / 2
+            self._recent[m].append((hits, rel))
+            self.totals[m][0] += hits
+            self.totals[m][1] += rel
+
+    def recall(self, method: str) -> float | None:
+        """``method``'s window recall over the last ``horizon`` judged decision points (None: none yet)."""
+        recent = self._recent[method]
+        rel = sum(k for _, k in recent)
+        return sum(h for h, _ in recent) / rel if rel else None
+
+    def choice(self) -> str:
+        """The predictor to follow now: the first method unless another's recent recall is higher by
+        more than ``margin`` (then the best of those)."""
+        first = self.methods[0]
+        base = self.recall(first)
+        if base is None:
+            return first
+        best, best_r = first, base + self.margin
+        for m in self.methods[1:]:
+            r = self.recall(m)
+            if r is not None and r > best_r:
+                best, best_r = m, r
+        return best

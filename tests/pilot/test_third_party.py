@@ -1,0 +1,54 @@
+"""Networks from other projects (tools/third_party/), evaluation only: they load through the
+``file.py:function`` protocol, are dynamic, train under the manager; skipped without their packages."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+TP = Path(__file__).resolve().parents[2] / "tools" / "third_party"
+NETWORKS = {"moe_lm": "transformers", "layerdrop_audio": "transformers", "dynamic_gnn": "torch_geometric"}
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("third_party_evaluate", TP / "evaluate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("name", sorted(NETWORKS))
+def test_network_is_dynamic_and_trains_under_the_manager_with_the_fallback(name):
+    pytest.importorskip(NETWORKS[name])
+    import torch
+
+    from dynn_runtime.runtime.train import train_managed, train_unmanaged
+    from dynn_runtime.workload import load_workload
+
+    spec = f"{TP / (name + '.py')}:build"
+    wl = load_workload(spec, preset="tiny")
+    shapes = {tuple(t.shape) for step in range(4) for t in wl.make_batch(step).values() if torch.is_tensor(t)}
+    assert len(shapes) > 2  # batch shapes change from step to step
+    ref = train_unmanaged(spec, steps=2, preset="tiny")
+    cap = max(ref.peak_bytes) // 2  # of the largest step: the first step's batch may be the smallest
+    r = train_managed(spec, cap, "pilot", steps=2, preset="tiny", policy_options={"fallback": True})
+    assert r.losses == ref.losses and r.digest == ref.digest  # the numbers are PyTorch's own
+    assert r.stats["bytes_offloaded"] > 0
+
+
+def test_steps_to_recover():
+    tool = _tool()
+
+    def steps(*pairs):
+        return [{"prefetch_hits": h, "prefetch_misses": m, "stall_seconds": s} for h, m, s in pairs]
+
+    per_step = {"replay": steps((5, 5, 1.0), (5, 5, 1.0), (5, 5, 1.0)), "lru": steps((0, 9, 0.5), (0, 9, 0.5), (0, 9, 0.5)),
+                "pilot": steps((0, 10, 2.0), (6, 4, 2.0), (7, 3, 0.1))}
+    assert tool.steps_to_recover(per_step, "pilot") == 1  # from step 1 on: 13/7 against replay's 10/10
+    assert tool.steps_to_recover(per_step, "pilot", stalls=True) == 2  # and the stalls only from step 2 on
+    per_step["pilot"] = steps((0, 10, 2.0), (0, 10, 2.0), (4, 6, 0.1))
+    assert tool.steps_to_recover(per_step, "pilot") is None
+    per_step["pilot"] = steps((0, 10, 2.0), (1, 10, 2.0), (0, 0, 0.0))  # a last step that needed nothing back
+    assert tool.steps_to_recover(per_step, "pilot") is None

@@ -1,0 +1,233 @@
+"""The pilot on networks nobody on this project wrote: trace metrics, live prefetch quality, steps to recover.
+
+For each network of this folder (each a ``file.py:build`` workload, evaluation only), on the CPU:
+
+1. **Cap.** PyTorch alone for ``--steps`` steps; the cap is ``--fraction`` of the largest step's peak
+   (bytes, so that every step, the first included, runs under it).
+2. **Live.** The same steps under the memory manager at that cap, per method: ``pilot (shipped)``,
+   ``pilot (fallback)`` (per decision point, replay's or lru's predictions while their recent window
+   recall beats the model's), ``pilot (adapted)`` (the fallback and the model refit online on the
+   run's own accesses every step, swapped in when it beats the model in use on the latest step),
+   ``replay`` and ``lru``. Per step: prefetch hits, misses, stall seconds, bytes moved.
+3. **Steps to recover.** For each pilot variant, the least ``s`` such that over steps ``s..end`` its
+   prefetch hit rate is at least the better of replay's and lru's (``None``: not within the run);
+   and the same also requiring its stall time to be at most the smaller of theirs (on the CPU the
+   stall is the wall time of synchronous copies on a shared machine: noisy).
+4. **Trace metrics.** A trace of ``--trace-steps`` steps: window recall of the shipped pilot, replay
+   and lru over iterations 1..; and of the pilot refit online on the trace's own iterations (the
+   same :class:`~dynn_runtime.pilot.training.online.OnlineRefit` the policy uses, synchronous), over
+   the iterations after its first validated refit.
+5. **Simulated.** The trace's last iteration at ``--fraction`` of its unmanaged peak on the ``h100``
+   profile, per method but the adapted one (a refit needs iterations the simulator does not run):
+   prefetch hits, misses, stall time, the modelled counterpart of the CPU's noisy wall times.
+
+Writes JSON (``--json``) and prints the markdown rows of docs/pilot.md's table. Needs the networks'
+packages (``transformers``, ``torch-geometric``; see docs/pilot.md, "Networks outside the zoo").
+Run from the repository root::
+
+    python tools/third_party/evaluate.py --fraction 0.25 --steps 8 --json out/third_party/eval.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+NETWORKS = {
+    "moe_lm": "transformers Mixtral MoE causal LM (top-2 of 4 experts, lengths drawn per step)",
+    "layerdrop_audio": "transformers wav2vec 2.0, LayerDrop 0.4 (stochastic depth), audio lengths drawn per step",
+    "dynamic_gnn": "PyG GAT/GCN over random graphs drawn per step",
+}
+#: method -> (policy, options)
+METHODS: dict[str, tuple[str, dict[str, Any] | None]] = {
+    "pilot (shipped)": ("pilot", None),
+    "pilot (fallback)": ("pilot", {"fallback": True}),
+    "pilot (adapted)": ("pilot", {"fallback": True, "online": True, "refit_every": 1}),
+    "replay": ("replay", None),
+    "lru": ("lru", None),
+}
+BASELINES = ("replay", "lru")
+
+
+def _spec(name: str) -> str:
+    return f"{HERE / (name + '.py')}:build"
+
+
+def _rate(h: int, m: int) -> float | None:
+    return h / (h + m) if h + m else None
+
+
+def steps_to_recover(per_step: dict[str, list[dict[str, Any]]], method: str, stalls: bool = False) -> int | None:
+    """The least step ``s`` from which ``method``'s hit rate over steps ``s..`` is at least the better
+    baseline's (``stalls``: and its stall time at most the smaller baseline's); None when no such step
+    before the steps where nothing more was needed back (they say nothing)."""
+    def tot(m: str, s: int) -> tuple[int, int, float]:
+        rows = per_step[m][s:]
+        return (sum(r["prefetch_hits"] for r in rows), sum(r["prefetch_misses"] for r in rows),
+                sum(r["stall_seconds"] for r in rows))
+
+    for s in range(len(per_step[method])):
+        h, m, st = tot(method, s)
+        if not h + m:
+            break  # nothing was needed back from here on: no evidence either way
+        base = [tot(b, s) for b in BASELINES if b in per_step]
+        best_rate = max((_rate(bh, bm) or 0.0) for bh, bm, _ in base)
+        best_stall = min(bs for _, _, bs in base)
+        if (_rate(h, m) or 0.0) >= best_rate and (not stalls or st <= best_stall):
+            return s
+    return None
+
+
+def live(name: str, fraction: float, steps: int) -> dict[str, Any]:
+    from dynn_runtime.runtime.train import train_managed, train_unmanaged
+
+    spec = _spec(name)
+    ref = train_unmanaged(spec, steps=steps, preset="tiny")
+    cap = int(max(ref.peak_bytes) * fraction)
+    out: dict[str, Any] = {"cap_bytes": cap, "peak_bytes": max(ref.peak_bytes), "methods": {}}
+    per_step = {}
+    from dynn_runtime.policies import make_policy
+
+    for method, (policy, options) in METHODS.items():
+        t0 = time.perf_counter()
+        pol = make_policy(policy, **(options or {}))
+        r = train_managed(spec, cap, pol, steps=steps, preset="tiny")
+        st = r.stats
+        rows = [{k: s[k] for k in ("prefetch_hits", "prefetch_misses", "stall_seconds", "bytes_offloaded",
+                                   "bytes_prefetched", "bytes_fetched_on_demand")} for s in st["per_step"]]
+        per_step[method] = rows
+        out["methods"][method] = {
+            "prefetch_hits": st["prefetch_hits"], "prefetch_misses": st["prefetch_misses"],
+            "hit_rate": _rate(st["prefetch_hits"], st["prefetch_misses"]), "stall_seconds": st["stall_seconds"],
+            "bytes_moved": st["bytes_offloaded"] + st["bytes_prefetched"] + st["bytes_fetched_on_demand"],
+            "bit_identical": r.digest == ref.digest, "wall_s": time.perf_counter() - t0, "per_step": rows,
+        }
+        if policy == "pilot" and pol.judged_recall:  # the fallback's judge: recall of each predictor, live
+            out["methods"][method]["live_window_recall"] = pol.judged_recall
+            out["methods"][method]["followed"] = dict(pol.followed)
+        print(f"  {name} {method}: {st['prefetch_hits']} / {st['prefetch_misses']}, "
+              f"stalls {st['stall_seconds']:.3f} s", file=sys.stderr, flush=True)
+    for method in METHODS:
+        if method.startswith("pilot"):
+            out["methods"][method]["steps_to_recover"] = steps_to_recover(per_step, method)
+            out["methods"][method]["steps_to_recover_with_stalls"] = steps_to_recover(per_step, method, stalls=True)
+    return out
+
+
+def trace_metrics(name: str, trace_steps: int, out_dir: Path, fraction: float) -> dict[str, Any]:
+    import numpy as np
+
+    from dynn_runtime.bench.quality import window_recall
+    from dynn_runtime.pilot.config import cached_model, default_weights_path
+    from dynn_runtime.pilot.training.online import OnlineRefit, _iteration_metrics
+    from dynn_runtime.trace import read_trace, record
+
+    path = out_dir / f"{name}-tiny-seed0-steps{trace_steps}.jsonl.gz"
+    if not path.exists():
+        record(_spec(name), path, steps=trace_steps, preset="tiny", seed=0)
+    trace = read_trace(path)
+    shipped = cached_model(default_weights_path())
+    recall = window_recall(trace, shipped)
+    refit = OnlineRefit(shipped.copy(), refit_every=1)
+    current, per_iter, first = refit.model, [], None
+    for i in range(1, len(trace.iterations)):
+        per_iter.append(_iteration_metrics(current, trace, i, refit)["window_recall"])
+        new = refit.end_iteration(trace.iterations[: i + 1])
+        if new is not None:
+            current = new
+            first = i if first is None else first
+    adapted = [r for k, r in enumerate(per_iter, start=1) if first is not None and k > first and r is not None]
+    from dynn_runtime.bench.quality import sim_quality
+    from dynn_runtime.policies import make_policy
+    from dynn_runtime.sim import simulate
+
+    simulated = {}
+    for method, (policy, options) in METHODS.items():
+        if options and options.get("online"):
+            continue
+        r = simulate(trace, make_policy(policy, **(options or {})), fraction, "h100")
+        simulated[method] = {"feasible": r.feasible, "iter_time_s": r.iter_time_s if r.feasible else None,
+                             **sim_quality(r.as_dict())}
+    return {"trace": str(path), "window_recall": recall, "adapted_window_recall": float(np.mean(adapted))
+            if adapted else None, "adapted_per_iteration": per_iter, "first_swap_after_iteration": first,
+            "refits": refit.refits, "swaps": refit.swaps, "rejected": refit.rejected, "simulated": simulated}
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _sim(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "- | -"
+    if not r["feasible"]:
+        return "OOM | "
+    return f"{r['prefetch_hits']} / {r['prefetch_misses']} | {r['stall_seconds'] * 1e3:.3f} ms"
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = ["| network | method | window recall | hits / misses | hit rate | stalls | steps to recover (hit rate / and stalls) "
+             "| simulated hits / misses | simulated stalls |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, res in results.items():
+        rec = res["trace"]["window_recall"]
+        for method, m in res["live"]["methods"].items():
+            wr = {"pilot (shipped)": rec.get("pilot"), "replay": rec.get("replay"), "lru": rec.get("lru"),
+                  "pilot (adapted)": res["trace"]["adapted_window_recall"]}.get(method)
+            rec_s = " / ".join("not reached" if m.get(k) is None else str(m[k])
+                               for k in ("steps_to_recover", "steps_to_recover_with_stalls"))
+            lines.append(f"| {name} | {method} | {_pct(wr)} | {m['prefetch_hits']} / {m['prefetch_misses']} | "
+                         f"{_pct(m['hit_rate'])} | {m['stall_seconds']:.3f} s | {rec_s if method.startswith('pilot') else ''} "
+                         f"| {_sim(res['trace'].get('simulated', {}).get(method))} |")
+    return "\n".join(lines) + "\n"
+
+
+def rescore(path: str) -> dict[str, Any]:
+    """A results file's steps to recover computed again from its per-step counts (and the table)."""
+    data = json.loads(Path(path).read_text())
+    for res in data["results"].values():
+        methods = res["live"]["methods"]
+        per_step = {k: v["per_step"] for k, v in methods.items()}
+        for k, v in methods.items():
+            if k.startswith("pilot"):
+                v["steps_to_recover"] = steps_to_recover(per_step, k)
+                v["steps_to_recover_with_stalls"] = steps_to_recover(per_step, k, stalls=True)
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--networks", nargs="+", default=list(NETWORKS), choices=list(NETWORKS))
+    p.add_argument("--fraction", type=float, default=0.25, help="cap as a fraction of the largest step's peak")
+    p.add_argument("--steps", type=int, default=8, help="live steps per run")
+    p.add_argument("--trace-steps", type=int, default=5, help="iterations of the recorded trace")
+    p.add_argument("--json", default="out/third_party/eval.json")
+    p.add_argument("--table", metavar="JSON", help="print the table of an earlier results file (nothing runs)")
+    args = p.parse_args(argv)
+    if args.table:
+        print(table(rescore(args.table)["results"]))
+        return 0
+    import torch
+
+    torch.set_num_threads(1)  # tiny models; and the development machine is shared
+    out_dir = Path(args.json).parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    for name in args.networks:
+        print(f"{name}: {NETWORKS[name]}", file=sys.stderr, flush=True)
+        results[name] = {"description": NETWORKS[name], "trace": trace_metrics(name, args.trace_steps, out_dir, args.fraction),
+                         "live": live(name, args.fraction, args.steps)}
+    data = {"config": vars(args), "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
+            "results": results}
+    Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
