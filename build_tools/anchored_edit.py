@@ -444,6 +444,12 @@ def revert_series(
             if dst.is_file() and src.is_file() and dst.read_bytes() == src.read_bytes():
                 dst.unlink()
                 changed.append(rel)
+                # folders apply created for new files (torch/csrc/dynn) go too; git trees hold no
+                # empty folders, so an empty one here was made by the series
+                parent = dst.parent
+                while parent != tree and parent.is_dir() and not any(parent.iterdir()):
+                    parent.rmdir()
+                    parent = parent.parent
     return changed
 
 

@@ -62,6 +62,7 @@ def test_revert_restores_the_pristine_tree(tree):
     _apply(tree)
     ae.revert_series(tree, ae.load_series())
     assert _snapshot(tree) == pristine
+    assert not (tree / "torch/csrc/dynn").exists()  # the folder apply created is gone too
 
 
 def test_missing_anchor_fails_loudly_and_writes_nothing(tree):
