@@ -60,6 +60,7 @@ __all__ = [
     "load_series",
     "plan_series",
     "check_series",
+    "format_check",
     "apply_series",
     "revert_series",
     "generate_patches",
