@@ -123,6 +123,22 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_bench)
 
 
+def _write_partial(cfg: object) -> object:
+    """Where ``dynn bench --scale`` keeps the results so far: ``<json>.partial`` (or in ``--out``)."""
+    import json
+
+    from ..results import strict_json
+
+    target = Path(cfg.json_path or Path(cfg.out_dir) / "scale-partial.json")
+    path = target.with_name(target.name + ".partial")
+
+    def write(report: object) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(strict_json(report.to_json()), indent=1))
+
+    return write
+
+
 def _cmd_scale(args: argparse.Namespace) -> int:
     from .scale import ScaleConfig, render_scale_markdown, run_scale, write_scale_outputs
 
@@ -140,7 +156,7 @@ def _cmd_scale(args: argparse.Namespace) -> int:
     cfg.resolved()  # validate before any work
     t0 = time.perf_counter()
     say = None if args.quiet else (lambda text: print(f"dynn bench --scale: {text}", file=sys.stderr, flush=True))
-    report = run_scale(cfg, progress=say)
+    report = run_scale(cfg, progress=say, partial=_write_partial(cfg))
     paths = write_scale_outputs(report)
     print(render_scale_markdown(report))
     print(f"wrote {paths['json']}, {paths['markdown']} and {len(paths['plots'])} plot(s); "

@@ -154,8 +154,11 @@ def knob_values(family: str, preset: str, scales: list[float]) -> list[tuple[flo
     return list(out.values())
 
 
-def run_scale(cfg: ScaleConfig, progress: Any = None) -> ScaleReport:
-    """Record (cached) and simulate the max-size scan and the budget grid of ``cfg``."""
+def run_scale(cfg: ScaleConfig, progress: Any = None, partial: Any = None) -> ScaleReport:
+    """Record (cached) and simulate the max-size scan and the budget grid of ``cfg``.
+
+    ``partial(report)``, if given, receives the report so far after each size and each grid, so a
+    long run that is stopped keeps what it measured."""
     import torch
 
     from .. import __version__
@@ -172,12 +175,20 @@ def run_scale(cfg: ScaleConfig, progress: Any = None) -> ScaleReport:
     cache = TraceCache(cfg.cache_dir, fake=cfg.fake)
     sizes: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
-    max_size: list[dict[str, Any]] = []
     grid: list[dict[str, Any]] = []
+
+    def report() -> ScaleReport:
+        now = time.localtime()
+        meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%S", now), "stamp": time.strftime("%Y%m%d-%H%M%S", now),
+                "torch": torch.__version__, "dynn_runtime": __version__, "profile": dataclasses.asdict(profile),
+                "capacity_bytes": capacity, "traces_recorded": cache.recorded, "traces_reused": cache.reused,
+                "wall_s": time.perf_counter() - t0, "host_cost": charge.describe(cfg.policies)}
+        return ScaleReport(config=cfg, sizes=sizes, runs=runs, max_size=max_size_records(cfg, runs, capacity),
+                           grid=grid, meta=meta)
+
     for family in cfg.families:
         knob = scan_knob(family, "size")
         misses = {p: {lim: 0 for lim in cfg.limits} for p in cfg.policies}
-        best: dict[tuple[str, float], dict[str, Any]] = {}
         for scale, ov in knob_values(family, cfg.preset, cfg.knob_scales):
             alive = [p for p in cfg.policies if any(m < 2 for m in misses[p].values())]
             if not alive:
@@ -204,29 +215,38 @@ def run_scale(cfg: ScaleConfig, progress: Any = None) -> ScaleReport:
                              "bytes_offloaded": res.bytes_offloaded, "peak_bytes": res.peak_bytes,
                              "sim_s": time.perf_counter() - t_sim})
                 for lim in cfg.limits:
-                    if overhead is not None and overhead <= lim:
-                        misses[policy][lim] = 0
-                        best[(policy, lim)] = {"knob_value": ov[knob], "scale": scale, "overhead": overhead}
-                    else:
-                        misses[policy][lim] += 1
+                    misses[policy][lim] = 0 if overhead is not None and overhead <= lim else misses[policy][lim] + 1
+            if partial is not None:
+                partial(report())
             if scale == 1 or (scale > 1 and not any(g["family"] == family for g in grid)):
                 grid.extend(_budget_grid(cfg, family, ov, trace, ref.iter_time_s, profile, charge, say))
+                if partial is not None:
+                    partial(report())
+    return report()
+
+
+def max_size_records(cfg: ScaleConfig, runs: list[dict[str, Any]], capacity: int) -> list[dict[str, Any]]:
+    """Per (family, limit, policy): the largest knob value whose run fits and is within the limit."""
+    out = []
+    for family in dict.fromkeys(r["family"] for r in runs):
+        fam_runs = [r for r in runs if r["family"] == family]
+        knob = fam_runs[0]["knob"]
         for lim in cfg.limits:
-            none_best = best.get(("none", lim), {}).get("knob_value")
+            none_best = _largest(fam_runs, "none", lim)
             for policy in cfg.policies:
-                b = best.get((policy, lim))
-                max_size.append({
+                b = _largest(fam_runs, policy, lim)
+                out.append({
                     "family": family, "knob": knob, "policy": policy, "limit": lim, "capacity_bytes": capacity,
                     "largest": b["knob_value"] if b else None, "overhead": b["overhead"] if b else None,
-                    "none_largest": none_best,
-                    "ratio_vs_none": (b["knob_value"] / none_best) if b and none_best else None,
+                    "none_largest": none_best["knob_value"] if none_best else None,
+                    "ratio_vs_none": (b["knob_value"] / none_best["knob_value"]) if b and none_best else None,
                 })
-    now = time.localtime()
-    meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%S", now), "stamp": time.strftime("%Y%m%d-%H%M%S", now),
-            "torch": torch.__version__, "dynn_runtime": __version__, "profile": dataclasses.asdict(profile),
-            "capacity_bytes": capacity, "traces_recorded": cache.recorded, "traces_reused": cache.reused,
-            "wall_s": time.perf_counter() - t0, "host_cost": charge.describe(cfg.policies)}
-    return ScaleReport(config=cfg, sizes=sizes, runs=runs, max_size=max_size, grid=grid, meta=meta)
+    return out
+
+
+def _largest(runs: list[dict[str, Any]], policy: str, limit: float) -> dict[str, Any] | None:
+    ok = [r for r in runs if r["policy"] == policy and r["overhead"] is not None and r["overhead"] <= limit]
+    return max(ok, key=lambda r: r["knob_value"]) if ok else None
 
 
 def _bench_cfg(cfg: ScaleConfig) -> Any:
@@ -322,7 +342,7 @@ def plot_scale(report: ScaleReport, family: str, out: str | Path) -> Path:
     n = len(cfg.policies)
     for k, p in enumerate(cfg.policies):
         pts = sorted((r["knob_value"], r) for r in recs if r["policy"] == p)
-        shift = 2 ** ((k - (n - 1) / 2) * 0.02)
+        shift = 2 ** ((k - (n - 1) / 2) * 0.008)  # identical lines stay visible
         ok = [(x * shift, r["overhead"]) for x, r in pts if r["feasible"]]
         if ok:
             ax.plot(*zip(*ok, strict=True), marker="o", ms=4, lw=1.6, color=colors[p], label=p)
@@ -342,9 +362,10 @@ def plot_scale(report: ScaleReport, family: str, out: str | Path) -> Path:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}x" if v in (1.5, 2, 3, 5) else ""))
     ax.set_ylim(0.9, top * 1.3)
     knob = sizes[0]["knob"] if sizes else "size"
-    ax.set_xlabel(f"{knob} ({cfg.preset} preset otherwise)")
+    ax.set_xlabel(f"{knob} (every other field: the {cfg.preset} preset)")
     ax.set_ylabel("iteration time / same size, unlimited memory")
     ax.set_title(f"{family}: sizes on one {report.meta['profile']['name']} "
                  f"({report.meta['capacity_bytes'] / 1e9:g} GB), simulated", fontsize=10)

@@ -19,8 +19,8 @@ ordinary recorder, with :class:`ShapeMode` underneath it:
    tensor (which experts, which blocks, which samples leave) is the network's own code applied to
    seeded values rather than to trained activations.
 4. A draw from an explicit ``torch.Generator`` (the workloads' batches) runs for real whatever its
-   size, then becomes fake if it is large, so the generator's stream, and every later draw from it,
-   is the real run's.
+   size, so the generator's stream, and every later draw from it, is the real run's; it stays real
+   up to ``decide_numel`` elements (a batch's masks and noise, which decisions read).
 
 Exact, by construction: operator sequences, shapes, storage sizes and lifetimes, FLOPs and bytes,
 wherever no decision reads a value computed from a large tensor (rules 1, 2, 4): ``evoformer``,
@@ -97,6 +97,7 @@ class ShapeMode(TorchDispatchMode):
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.gen = torch.Generator().manual_seed(0x5EED ^ seed)
         self.realized = 0  # operators run on seeded values (rule 3)
+        self._probabilities: dict[tuple, torch.Tensor] = {}
 
     def _fake(self, t: Any) -> Any:
         if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):
@@ -106,11 +107,21 @@ class ShapeMode(TorchDispatchMode):
     def _seeded(self, t: FakeTensor, nonnegative: bool) -> torch.Tensor:
         """A real tensor shaped like ``t`` with seeded values: standard normal floats (activations,
         logits), or uniform in [0, 1) where the operator reads probabilities; zero integers and
-        ``False`` (valid as indices and masks)."""
+        ``False`` (valid as indices and masks).
+
+        Probabilities of one shape are drawn once and reused: the sampling operator's own
+        generator varies its draws, and a Markov chain over a large vocabulary would otherwise
+        draw a fresh table per token."""
+        key = (tuple(t.shape), tuple(t.stride()), t.dtype)
+        if nonnegative and key in self._probabilities:
+            return self._probabilities[key]
         real = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-        if t.dtype.is_floating_point:
-            return real.uniform_(generator=self.gen) if nonnegative else real.normal_(generator=self.gen)
-        return real.zero_()
+        if not t.dtype.is_floating_point:
+            return real.zero_()
+        if not nonnegative:
+            return real.normal_(generator=self.gen)
+        self._probabilities[key] = real.uniform_(generator=self.gen)
+        return real
 
     def _run_real(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run ``func`` for real, its fake inputs given seeded values (rule 3): for an operator whose
@@ -136,9 +147,13 @@ class ShapeMode(TorchDispatchMode):
         flat, _ = tree_flatten((args, kwargs))
         has_fake = any(isinstance(t, FakeTensor) for t in flat)
         if not has_fake:
-            if any(isinstance(t, torch.Tensor) for t in flat) or isinstance(kwargs.get("generator"), torch.Generator):
-                # Real inputs (or a generator's draw, rule 4): the real result is the real run's and
-                # is bounded by small inputs; a large one becomes fake once made.
+            if isinstance(kwargs.get("generator"), torch.Generator):
+                # A generator's draw (rule 4): a batch's masks and noise, which decisions read.
+                out = func(*args, **kwargs)
+                return out if _mutates_or_aliases(func) else tree_map(self._fake_if_huge, out)
+            if any(isinstance(t, torch.Tensor) for t in flat):
+                # Real inputs: the real result is the real run's and is bounded by small inputs; a
+                # large one becomes fake once made.
                 out = func(*args, **kwargs)
                 return out if _mutates_or_aliases(func) else tree_map(self._fake_if_large_float, out)
             with self.fake_mode:  # a factory: size it before allocating
@@ -146,6 +161,8 @@ class ShapeMode(TorchDispatchMode):
             if all(self._stays_real(t) for t in tree_flatten(shape_out)[0] if isinstance(t, torch.Tensor)):
                 return func(*args, **kwargs)
             return shape_out
+        if func.overloadpacket in _INDEX_OPS:
+            args = _masks_as_indices(args)
         writes_real = any(
             a.alias_info is not None and a.alias_info.is_write and isinstance(v, torch.Tensor)
             and not isinstance(v, FakeTensor)
@@ -173,10 +190,37 @@ class ShapeMode(TorchDispatchMode):
         limit = self.small_numel if t.dtype.is_floating_point else self.decide_numel
         return t.numel() <= limit
 
+    def _fake_if_huge(self, t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.numel() > self.decide_numel:
+            return self._fake(t)
+        return t
+
     def _fake_if_large_float(self, t: Any) -> Any:
         if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and not self._stays_real(t):
             return self._fake(t)
         return t
+
+
+#: operators that take a list of indices, where a boolean mask stands for its ``nonzero()``
+_INDEX_OPS = frozenset({torch.ops.aten.index, torch.ops.aten.index_put, torch.ops.aten.index_put_,
+                        torch.ops.aten._index_put_impl_})
+
+
+def _masks_as_indices(args: tuple) -> tuple:
+    """``args`` of an indexing operator with each real boolean mask replaced by the integer indices
+    of its true elements, one tensor per masked dimension, as PyTorch expands it: the result's size
+    is then the mask's count, known without the indexed tensor's values."""
+    indices = args[1]
+    if not any(isinstance(ix, torch.Tensor) and ix.dtype in (torch.bool, torch.uint8)
+               and not isinstance(ix, FakeTensor) for ix in indices):
+        return args
+    out: list[Any] = []
+    for ix in indices:
+        if isinstance(ix, torch.Tensor) and ix.dtype in (torch.bool, torch.uint8) and not isinstance(ix, FakeTensor):
+            out.extend(ix.nonzero().unbind(1))
+        else:
+            out.append(ix)
+    return (args[0], out, *args[2:])
 
 
 #: operators whose floating inputs are probabilities: seeded values for them are uniform in [0, 1)

@@ -36,9 +36,10 @@ def test_large_tensors_are_fake_small_ones_real():
 def test_fake_recording_equals_real_where_no_decision_reads_a_large_tensor(tmp_path):
     # varlen's decisions (lengths, masks) come from its batch, which stays real: with the activations
     # fake (small_numel far below their size) every operator, allocation and FLOP count is the real one.
+    # A batch of 32: its masks (drawn from the batch's generator) are larger than small_numel.
     real_p, fake_p = tmp_path / "real.jsonl.gz", tmp_path / "fake.jsonl.gz"
-    record("varlen", real_p, steps=1, preset="tiny")
-    record_fake("varlen", fake_p, steps=1, preset="tiny", small_numel=256)
+    record("varlen", real_p, steps=1, preset="tiny", overrides={"batch": 32})
+    record_fake("varlen", fake_p, steps=1, preset="tiny", overrides={"batch": 32}, small_numel=256)
     real, fake = read_trace(real_p), read_trace(fake_p)
     assert fake.header["values"] == "fake" and fake.header["small_numel"] == 256
     assert _op_bytes(fake) == _op_bytes(real)
@@ -87,3 +88,18 @@ def test_decision_on_a_large_activation_is_drawn_and_bounded(tmp_path):
 def test_bad_thresholds():
     with pytest.raises(TraceError, match="small_numel <= decide_numel"):
         ShapeMode(small_numel=10, decide_numel=5)
+
+
+def test_a_real_mask_selects_from_a_large_tensor_without_its_values():
+    # varlen's loss picks the masked positions out of logits far larger than decide_numel: the
+    # result's size is the mask's count, and backward runs, both without the logits' values.
+    with ShapeMode(small_numel=256, decide_numel=1000):
+        w = nn.Parameter(torch.randn(30, 300))
+        logits = torch.randn(4, 100, 30) @ w
+        mask = torch.zeros(4, 100, dtype=torch.bool)
+        mask[0, :7] = True
+        mask[2, 3:5] = True
+        picked = logits[mask]
+        torch.nn.functional.cross_entropy(picked, torch.zeros(9, dtype=torch.long)).backward()
+    assert isinstance(picked, FakeTensor) and picked.shape == (9, 300)
+    assert isinstance(w.grad, FakeTensor) and w.grad.shape == (30, 300)
