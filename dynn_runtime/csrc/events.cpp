@@ -809,7 +809,7 @@ void dispatch_cb(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::j
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 1;
+  m.attr("ABI") = 2;
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
   m.attr("LOG_FREE") = dynn::kFree;

@@ -37,6 +37,9 @@ __all__ = ["EVENT_SOURCES", "QUIET", "native_module", "native_reason", "no_mode"
 
 EVENT_SOURCES = ("auto", "native", "python")
 
+#: the interface version of dynn_runtime._C this package speaks (``ABI`` in csrc/events.cpp)
+NATIVE_ABI = 2
+
 _module: Any = None
 _reason = ""
 _loaded = False
@@ -53,8 +56,11 @@ def native_module() -> Any | None:
 
             _module = importlib.import_module("dynn_runtime._C")
             _reason = "the native event source (dynn_runtime._C) is built and loads"
-            problem = _module.problem()
-            if problem:
+            if getattr(_module, "ABI", None) != NATIVE_ABI:
+                _reason = (f"dynn_runtime._C was built from other sources (ABI {getattr(_module, 'ABI', None)}, "
+                           f"this package needs {NATIVE_ABI}); rebuild it: `pip install --no-build-isolation -e .`")
+                _module = None
+            elif problem := _module.problem():
                 _module = None
                 _reason = f"dynn_runtime._C loads but cannot start: {problem}"
         except ImportError as exc:

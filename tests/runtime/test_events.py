@@ -297,3 +297,17 @@ def test_without_the_extension_auto_falls_back_to_python_with_one_warning(monkey
         assert resolve("auto")[0] == "python"  # once
     with pytest.raises(ConfigError, match="events='native'"):
         resolve("native")
+
+
+def test_an_extension_built_from_other_sources_is_not_used_and_the_reason_says_rebuild(monkeypatch):
+    from dynn_runtime.runtime import events
+
+    monkeypatch.setattr(C, "ABI", events.NATIVE_ABI - 1)
+    monkeypatch.setattr(events, "_loaded", False)
+    try:
+        assert events.native_module() is None
+        assert "rebuild it" in events.native_reason() and f"ABI {events.NATIVE_ABI - 1}" in events.native_reason()
+    finally:
+        monkeypatch.undo()
+        events._loaded = False
+        assert events.native_module() is C
