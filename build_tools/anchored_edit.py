@@ -21,7 +21,8 @@ Rules (each is tested in tests/build_tools/test_anchored_edit.py):
 6. ``check`` never writes and never stops at the first problem: it reports
    every new file and every anchor (matched, not found, ambiguous, already
    applied, conflict, file missing) and exits 1 when any of them would stop
-   ``apply``. Anyone with a PyTorch checkout can run it without building.
+   ``apply``. ``apply`` prints the same report, then writes only if all is
+   well. Anyone with a PyTorch checkout can run either without building.
 
 Usage (also ``python -m build_tools.anchored_edit ...``)::
 
@@ -60,6 +61,7 @@ __all__ = [
     "load_series",
     "plan_series",
     "check_series",
+    "format_check",
     "apply_series",
     "revert_series",
     "generate_patches",
@@ -444,6 +446,12 @@ def revert_series(
             if dst.is_file() and src.is_file() and dst.read_bytes() == src.read_bytes():
                 dst.unlink()
                 changed.append(rel)
+                # folders apply created for new files (torch/csrc/dynn) go too; git trees hold no
+                # empty folders, so an empty one here was made by the series
+                parent = dst.parent
+                while parent != tree and parent.is_dir() and not any(parent.iterdir()):
+                    parent.rmdir()
+                    parent = parent.parent
     return changed
 
 
@@ -519,10 +527,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
             print(format_check(rows))
             return 0 if all(r.result.ok for r in rows) else 1
         if args.command == "apply":
-            plan = plan_series(args.tree, specs, nf)
-            for patch, what, status in plan.statuses:
-                print(f"{patch}: {what}: {status.value}")
-            written = apply_series(plan)
+            rows = check_series(args.tree, specs, nf)
+            print(format_check(rows))
+            if not all(r.result.ok for r in rows):
+                print("anchored_edit: nothing written (fix the anchors above first)", file=sys.stderr)
+                return 1
+            written = apply_series(plan_series(args.tree, specs, nf))
             print(f"wrote {len(written)} file(s)" if written else "tree already patched; nothing written")
         elif args.command == "revert":
             changed = revert_series(args.tree, specs, nf)

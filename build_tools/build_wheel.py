@@ -288,9 +288,11 @@ def plan_steps(cfg: BuildConfig, log: Callable[[str], None] = print) -> list[Ste
         log("  clean (or carrying only this series)")
 
     def do_check() -> None:
-        plan = ae.plan_series(src, st.specs, cfg.patches_dir / "new_files")
-        for patch, what, status in plan.statuses:
-            log(f"  {patch}: {what}: {status.value}")
+        # every anchor's result, then the planning apply repeats (it stops at the first problem)
+        rows = ae.check_series(src, st.specs, cfg.patches_dir / "new_files")
+        for line in ae.format_check(rows).splitlines():
+            log(f"  {line}")
+        ae.plan_series(src, st.specs, cfg.patches_dir / "new_files")
 
     def do_apply() -> None:
         plan = ae.plan_series(src, st.specs, cfg.patches_dir / "new_files")

@@ -1,24 +1,27 @@
 // The live runtime's native event source: what the memory manager must do for every ATen operator,
 // done in C++ so that Python runs only at decision points.
 //
-// An `Observer` installs a thread-local `at::RecordFunction` callback (autograd's worker threads
-// inherit it). For every operator that reaches a kernel (not composite-implicit ones, seen through
-// what they decompose into, nor those a kernel calls internally), it registers the storages on the
-// managed device it has not seen and accounts them in `used`; before the kernel, hands the ids of
-// storages that are away to the Python fault handler, which brings them back; marks written
-// storages' host copies stale; logs the operator (id, phase, autograd node, storage ids) for the
-// policies to read in batches; after the kernel, calls the Python decision handler when `used` is
-// over the budget or every `decide_every` operators.
+// An `Observer` puts a dispatch key of its own in the calling thread's included key set (autograd's
+// worker threads inherit it) and serves that key with a boxed fallback. The key sits above autograd,
+// so the fallback sees each operator once as its caller called it; composite-implicit operators fall
+// through the key (their decompositions reach it instead), and the fallback excludes the key while
+// the kernel runs, so operators a kernel calls internally do not reach it. For each operator it
+// registers the storages on the managed device it has not seen and accounts them in `used`; before
+// the kernel, hands the ids of storages that are away to the Python fault handler, which brings them
+// back; marks written storages' host copies stale; logs the operator (id, phase, autograd node,
+// storage ids) for the policies to read in batches; after the kernel, calls the Python decision
+// handler when `used` is over the budget or every `decide_every` operators. Operators it does not
+// see cost nothing: no callback runs for them.
 //
 // Invariants:
 //   1. A tracked storage's key (its StorageImpl address) cannot be reused while it is tracked: the
 //      entry holds a weak reference, which keeps the StorageImpl object (not its data) allocated.
 //   2. `used` = bytes of tracked, alive storages that are not away. Python changes "away" only
 //      through set_away(), which moves `used` with it.
-//   3. Exceptions never cross the RecordFunction boundary (PyTorch would swallow them): a Python
-//      handler's exception is kept and re-raised by take_error() at the next Python-side check.
-//   4. Python handlers run with RecordFunction disabled on this thread, so the manager's own copies
-//      and resizes are not observed.
+//   3. A Python handler's exception is kept and re-raised by take_error() at the next Python-side
+//      check, never thrown through the operator (a kernel's own exceptions propagate unchanged).
+//   4. Python handlers, and the manager's own tensor work between suspend() and resume(), run with
+//      the key excluded on this thread, so the manager's own copies and resizes are not observed.
 //   5. A storage with a copy in flight (`watch`) faults like an away one: the manager cancels the
 //      eviction or makes the compute stream wait for the fetch before the kernel reads it.
 //   6. After an operator, when `used` is above the budget less `max_made` (the most bytes one
@@ -31,22 +34,30 @@
 //   8. `away` = bytes of tracked, alive storages that are away; `live_peak` is the most `used` +
 //      `away` has been (what PyTorch alone would have held), exact where a sweep follows every
 //      operator (a measuring step). A storage that dies while away leaves `away` when it is swept.
+//   9. A tracked storage is "covered" when its data's deleter is `release_cb`, which tells the
+//      observer (through `g_released`, drained before each operator's accounting) that the data was
+//      released before freeing it with the allocator's own deleter. While every storage counted in
+//      `used` is covered (`exposed_` == 0), deaths are known without sweeping the table, so `used`
+//      and the peak are exact with no sweep. Covering never changes what is freed or when; only
+//      deleters whose context is the data pointer itself (the CPU and CUDA allocators') are wrapped.
 
 #include <ATen/ATen.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/record_function.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -79,22 +90,149 @@ struct Entry {
   bool host_valid = false;  // its host copy equals the device bytes (no write since)
   bool watch = false;       // a copy is in flight: the manager must see the next access first
   int64_t stream = 0;       // c10::Stream::id() of its last access on the managed device (invariant 7)
+  bool covered = false;     // its data's deleter is release_cb (invariant 9)
 
   Entry(c10::weak_intrusive_ptr<c10::StorageImpl> w, int64_t s, int64_t n, int64_t st)
       : weak(std::move(w)), sid(s), nbytes(n), stream(st) {}
 };
 
-class Observer;
-// The started observer. One per process: the callback is thread-local (autograd's worker threads
-// inherit it), the observer it serves is not. Operators run on one thread at a time (autograd's
-// caller waits for the engine), so the observer's tables need no lock.
-std::atomic<Observer*> g_active{nullptr};
-thread_local int tls_depth = 0;  // >0 inside an observed operator's kernel
+// The observer's dispatch key: an out-of-tree functionality key above autograd and autocast that
+// PyTorch itself never registers a kernel for (torchdistx's deferred initialisation uses it; the
+// observer refuses to start where something else serves it).
+constexpr c10::DispatchKey kKey = c10::DispatchKey::DeferredInit;
 
-struct Ctx : at::ObserverContext {
+class Observer;
+// The started observer. One per process: the key is included on the starting thread (autograd's
+// worker threads inherit it), the observer it serves is not. Operators run on one thread at a time
+// (autograd's caller waits for the engine), so the observer's tables need no lock.
+std::atomic<Observer*> g_active{nullptr};
+
+// Invariant 9's bookkeeping, shared with whatever thread frees a covered storage's data.
+struct Covered {
+  c10::DeleterFnPtr original;
+  c10::StorageImpl* impl;
+};
+// Never destroyed: covered data may be freed while the process exits, after static destructors ran.
+struct CoverState {
+  std::mutex mu;
+  std::unordered_map<void*, Covered> covered;  // by the data pointer (the deleter's context)
+  std::vector<c10::StorageImpl*> released;    // storages whose covered data was released
+};
+CoverState& cover_state() {
+  static auto* state = new CoverState();
+  return *state;
+}
+std::atomic<bool> g_any_released{false};
+
+void release_cb(void* ctx) {
+  CoverState& st = cover_state();
+  c10::DeleterFnPtr original = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    auto it = st.covered.find(ctx);
+    TORCH_INTERNAL_ASSERT(it != st.covered.end(), "dynn: a covered storage's data has no recorded deleter");
+    original = it->second.original;
+    if (g_active.load(std::memory_order_relaxed) != nullptr) {
+      st.released.push_back(it->second.impl);
+      g_any_released.store(true, std::memory_order_release);
+    }
+    st.covered.erase(it);
+  }
+  original(ctx);
+}
+
+// Covers `impl`'s data if its deleter can be wrapped; true if it is covered afterwards.
+bool cover(c10::StorageImpl* impl) {
+  c10::DataPtr& dp = impl->_mutable_data_ptr_no_checks();
+  void* ctx = dp.get_context();
+  const c10::DeleterFnPtr original = dp.get_deleter();
+  if (original == &release_cb) return true;
+  if (ctx == nullptr || ctx != dp.get() || original == nullptr) return false;
+  CoverState& st = cover_state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (!st.covered.emplace(ctx, Covered{original, impl}).second) return false;
+  if (!dp.compare_exchange_deleter(original, &release_cb)) {
+    st.covered.erase(ctx);
+    return false;
+  }
+  return true;
+}
+
+// Gives `impl`'s data its own deleter back, if it is covered.
+void uncover(c10::StorageImpl* impl) {
+  c10::DataPtr& dp = impl->_mutable_data_ptr_no_checks();
+  if (dp.get_deleter() != &release_cb) return;
+  CoverState& st = cover_state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  auto it = st.covered.find(dp.get_context());
+  if (it == st.covered.end()) return;
+  if (dp.compare_exchange_deleter(&release_cb, it->second.original)) st.covered.erase(it);
+}
+thread_local int tls_suspended = 0;            // suspend() depth on this thread
+thread_local bool tls_suspend_excluded = false;  // the key's excluded state the outermost suspend() found
+
+struct Ctx {
   std::vector<int64_t> ins;
   std::vector<int64_t> writes;
 };
+
+void dispatch_cb(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+
+// The key's registrations, made once per process at the first start: the fallback, and a
+// fallthrough for every operator the observer skips, so that those cost nothing at the key.
+// Operators registered later reach the fallback, which passes skipped ones through.
+struct Registrations {
+  std::string problem;  // why the key cannot be served ("" where it can)
+  std::unique_ptr<torch::Library> fallback;
+  std::unordered_map<std::string, std::unique_ptr<torch::Library>> skips;  // by namespace
+};
+
+// Operators the observer does not log: composite-implicit ones without a kernel of their own (what
+// they decompose into is logged instead), metadata-only ones (detach, lift_fresh) and prim:: ones.
+bool skipped(const c10::OperatorHandle& op) {
+  const std::string& name = op.schema().name();
+  if (name == "aten::detach" || name == "aten::lift_fresh" || name.rfind("prim::", 0) == 0) return true;
+  const bool cia = op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
+  const bool own = op.hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+                   op.hasKernelForDispatchKey(c10::DispatchKey::CUDA) ||
+                   op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd);
+  return cia && !own;
+}
+
+std::atomic<bool> g_registered{false};
+
+// Why the key cannot be served in this process, or "" where it can.
+std::string key_problem() {
+  if (g_registered.load() || !c10::Dispatcher::singleton().hasBackendFallbackForDispatchKey(kKey)) return "";
+  return std::string("the dispatch key ") + c10::toString(kKey) +
+         " already has a fallback in this process (torchdistx's deferred initialisation uses it)";
+}
+
+Registrations& registrations() {
+  static Registrations* regs = [] {
+    auto* r = new Registrations();
+    auto& d = c10::Dispatcher::singleton();
+    r->problem = key_problem();
+    if (!r->problem.empty()) return r;
+    r->fallback = std::make_unique<torch::Library>(torch::Library::IMPL, "_", kKey, __FILE__, __LINE__);
+    r->fallback->fallback(torch::CppFunction::makeFromBoxedFunction<&dispatch_cb>());
+    for (const c10::OperatorName& name : d.getAllOpNames()) {
+      auto op = d.findSchema(name);
+      const auto sep = name.name.find("::");
+      if (!op.has_value() || sep == std::string::npos || !skipped(*op) || op->hasKernelForDispatchKey(kKey))
+        continue;
+      const std::string ns = name.name.substr(0, sep);
+      auto& lib = r->skips[ns];
+      if (!lib) lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, kKey, __FILE__, __LINE__);
+      std::string full = name.name;
+      if (!name.overload_name.empty()) full += "." + name.overload_name;
+      lib->impl(full.c_str(), torch::CppFunction::makeFallthrough());
+    }
+    g_registered = true;
+    return r;
+  }();
+  return *regs;
+}
 
 class Observer {
  public:
@@ -105,26 +243,33 @@ class Observer {
 
   // ---- life cycle ---------------------------------------------------------------------------
   void start(py::object on_fault, py::object on_decide) {
-    TORCH_CHECK(handle_ == 0, "dynn: the event observer is already started");
+    TORCH_CHECK(!started_, "dynn: the event observer is already started");
+    const std::string& problem = registrations().problem;
+    TORCH_CHECK(problem.empty(), "dynn: the native event source cannot start: ", problem);
     Observer* none = nullptr;
     TORCH_CHECK(g_active.compare_exchange_strong(none, this),
                 "dynn: another memory manager's native event source is active in this process; detach it first");
     on_fault_ = std::move(on_fault);
     on_decide_ = std::move(on_decide);
-    handle_ = at::addThreadLocalCallback(
-        at::RecordFunctionCallback(&Observer::start_cb, &Observer::end_cb)
-            .needsInputs(true)
-            .needsOutputs(true)
-            .scopes({at::RecordScope::FUNCTION}));
+    take_released();  // left by an earlier observer
+    was_included_ = c10::impl::tls_is_dispatch_key_included(kKey);
+    c10::impl::tls_set_dispatch_key_included(kKey, true);
+    started_ = true;
   }
 
   void stop() {
-    if (handle_ != 0) {
-      at::removeCallback(handle_);
-      handle_ = 0;
+    if (started_) {
+      c10::impl::tls_set_dispatch_key_included(kKey, was_included_);
+      started_ = false;
+      for (auto& [impl, e] : table_) {  // storages outlive the observer with their own deleters
+        if (!e.covered) continue;
+        if (auto strong = e.weak.lock()) uncover(strong.get());
+        set_covered(e, false);
+      }
     }
     Observer* self = this;
     g_active.compare_exchange_strong(self, nullptr);
+    take_released();
     py::gil_scoped_acquire gil;
     on_fault_ = py::none();
     on_decide_ = py::none();
@@ -135,8 +280,16 @@ class Observer {
   void set_decide_every(int64_t n) { decide_every_ = n; }
   void set_sweep_every(int64_t n) { sweep_every_ = n; }
   // The manager's own tensor work on this thread is not observed between suspend() and resume().
-  void suspend() { ++tls_depth; }
-  void resume() { --tls_depth; }
+  void suspend() {
+    if (tls_suspended++ == 0) {
+      tls_suspend_excluded = c10::impl::tls_is_dispatch_key_excluded(kKey);
+      c10::impl::tls_set_dispatch_key_excluded(kKey, true);
+    }
+  }
+  void resume() {
+    if (tls_suspended > 0 && --tls_suspended == 0)
+      c10::impl::tls_set_dispatch_key_excluded(kKey, tls_suspend_excluded);
+  }
   void set_phase(int64_t p) { phase_override_ = p; }
   void set_in_step(bool v) {
     in_step_ = v;
@@ -177,9 +330,14 @@ class Observer {
   void set_away(int64_t sid, bool away) {
     Entry& e = entry(sid);
     if (e.away == away) return;
+    exposed_ -= exposed(e);
     e.away = away;
     used_ += away ? -e.nbytes : e.nbytes;
     away_ += away ? e.nbytes : -e.nbytes;
+    if (!away) {
+      if (auto strong = e.weak.lock()) e.covered = cover(strong.get());
+    }
+    exposed_ += exposed(e);
     if (used_ > peak_) peak_ = used_;
   }
 
@@ -199,15 +357,11 @@ class Observer {
 
   // Forget storages that died; logs a kFree record for each. Returns how many.
   int64_t sweep() {
+    drain();
     int64_t n = 0;
     for (auto it = table_.begin(); it != table_.end();) {
-      Entry& e = it->second;
-      if (e.weak.expired()) {
-        (e.away ? away_ : used_) -= e.nbytes;
-        log_.push_back(kFree);
-        log_.push_back(e.sid);
-        by_sid_.erase(e.sid);
-        it = table_.erase(it);
+      if (it->second.weak.expired()) {
+        it = forget(it);
         ++n;
       } else {
         ++it;
@@ -267,7 +421,10 @@ class Observer {
     }
   }
 
-  int64_t used() const { return used_; }
+  int64_t used() {
+    drain();
+    return used_;
+  }
   int64_t peak() const { return peak_; }
   int64_t peak_position() const { return peak_position_; }
   int64_t max_made() const { return max_made_; }
@@ -283,12 +440,60 @@ class Observer {
   int64_t live_peak_position() const { return live_peak_position_; }
   int64_t position() const { return position_; }
   int64_t tracked() const { return static_cast<int64_t>(table_.size()); }
+  int64_t exposed_count() const { return exposed_; }
   int64_t faults() const { return faults_; }
   int64_t decisions() const { return decisions_; }
   int64_t observed() const { return observed_; }
 
  private:
   // ---- helpers ------------------------------------------------------------------------------
+  // Counted in `exposed_`: in `used`, with data whose release the observer would not hear of.
+  static int64_t exposed(const Entry& e) { return !e.away && !e.covered && e.nbytes > 0 ? 1 : 0; }
+
+  void set_covered(Entry& e, bool covered) {
+    exposed_ -= exposed(e);
+    e.covered = covered;
+    exposed_ += exposed(e);
+  }
+
+  using TableIt = std::unordered_map<c10::StorageImpl*, Entry>::iterator;
+
+  // Forgets a storage that died; logs a kFree record.
+  TableIt forget(TableIt it) {
+    Entry& e = it->second;
+    exposed_ -= exposed(e);
+    (e.away ? away_ : used_) -= e.nbytes;
+    log_.push_back(kFree);
+    log_.push_back(e.sid);
+    by_sid_.erase(e.sid);
+    return table_.erase(it);
+  }
+
+  static std::vector<c10::StorageImpl*> take_released() {
+    std::vector<c10::StorageImpl*> out;
+    CoverState& st = cover_state();
+    std::lock_guard<std::mutex> lock(st.mu);
+    out.swap(st.released);
+    g_any_released.store(false, std::memory_order_relaxed);
+    return out;
+  }
+
+  // Acts on the releases release_cb reported (invariant 9): a storage that died is forgotten; one
+  // alive (its data replaced or given up while away) is no longer covered. Each is judged by its
+  // own state, so a report that outlived its entry changes nothing.
+  void drain() {
+    if (!g_any_released.load(std::memory_order_acquire)) return;
+    for (c10::StorageImpl* impl : take_released()) {
+      auto it = table_.find(impl);
+      if (it == table_.end()) continue;
+      if (it->second.weak.expired()) {
+        forget(it);
+      } else if (it->second.covered && impl->_mutable_data_ptr_no_checks().get_deleter() != &release_cb) {
+        set_covered(it->second, false);
+      }
+    }
+  }
+
   c10::StorageImpl* managed_impl(const at::Tensor& t) const {
     if (!t.defined() || t.layout() != c10::kStrided || !t.has_storage()) return nullptr;
     const c10::Device d = t.device();
@@ -310,10 +515,15 @@ class Observer {
     auto it = table_.find(impl);
     if (it != table_.end()) {
       Entry& e = it->second;
+      if (e.away) return &e;
       const int64_t n = static_cast<int64_t>(impl->nbytes());
-      if (!e.away && n != e.nbytes) {  // resized in place (an out= argument): account the change
+      const bool covered = impl->_mutable_data_ptr_no_checks().get_deleter() == &release_cb;
+      if (n != e.nbytes || !covered) {  // resized in place (an out= argument), or its data replaced
+        exposed_ -= exposed(e);
         used_ += n - e.nbytes;
         e.nbytes = n;
+        e.covered = covered || cover(impl);
+        exposed_ += exposed(e);
       }
       return &e;
     }
@@ -321,6 +531,9 @@ class Observer {
     const int64_t sid = next_sid_++;
     auto res = table_.emplace(impl, Entry(t.storage().getWeakStorageImpl(), sid, n, current_stream()));
     by_sid_.emplace(sid, impl);
+    Entry& fresh_entry = res.first->second;
+    fresh_entry.covered = cover(impl);
+    exposed_ += exposed(fresh_entry);
     used_ += n;
     log_.push_back(kAlloc);
     log_.push_back(sid);
@@ -329,36 +542,23 @@ class Observer {
     return &res.first->second;
   }
 
-  OpInfo& info(const at::RecordFunction& fn) {
-    const char* key = fn.name();
+  OpInfo& info(const c10::OperatorHandle& op) {
+    const void* key = &op.schema();
     auto it = ops_.find(key);
     if (it != ops_.end()) return it->second;
     OpInfo inf;
-    std::string name(key);
-    auto oname = fn.operator_name();
-    if (!oname.has_value() || name == "aten::detach" || name == "aten::lift_fresh" ||
-        name.rfind("prim::", 0) == 0) {
-      inf.skip = true;  // a profiler range (autograd's evaluate_function, record_function) or metadata
-    } else if (oname.has_value()) {
-      auto op = c10::Dispatcher::singleton().findOp(*oname);
-      if (op.has_value()) {
-        const bool cia = op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
-        const bool own = op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
-                         op->hasKernelForDispatchKey(c10::DispatchKey::CUDA) ||
-                         op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd);
-        inf.skip = cia && !own;
-        const auto& args = op->schema().arguments();
-        for (size_t i = 0; i < args.size(); ++i) {
-          const auto* a = args[i].alias_info();
-          if (a != nullptr && a->isWrite()) inf.writes.push_back(static_cast<int>(i));
-        }
-      }
-      std::string overload = oname.has_value() ? oname->overload_name : "";
-      if (!overload.empty()) name += "." + overload;
+    inf.skip = skipped(op);
+    const auto& args = op.schema().arguments();
+    for (size_t i = 0; i < args.size(); ++i) {
+      const auto* a = args[i].alias_info();
+      if (a != nullptr && a->isWrite()) inf.writes.push_back(static_cast<int>(i));
     }
     if (!inf.skip) {
+      std::string name = op.schema().name();
+      const std::string& overload = op.schema().overload_name();
+      if (!overload.empty()) name += "." + overload;
       inf.id = static_cast<int64_t>(names_.size());
-      names_.push_back(name);
+      names_.push_back(std::move(name));
     }
     return ops_.emplace(key, std::move(inf)).first->second;
   }
@@ -390,11 +590,11 @@ class Observer {
     return seen_backward_ ? kBackward : kForward;
   }
 
-  // Calls a Python handler with RecordFunction off; `make_args` builds its arguments once the GIL
+  // Calls a Python handler with the key excluded (invariant 4); `make_args` builds its arguments once the GIL
   // is held (the operator's binding released it). An exception is kept (invariant 3).
   template <typename MakeArgs>
   void call(py::object& handler, MakeArgs&& make_args) {
-    at::DisableRecordFunctionGuard off;
+    c10::impl::ExcludeDispatchKeyGuard off(kKey);
     py::gil_scoped_acquire gil;
     if (handler.is_none()) return;
     try {
@@ -405,35 +605,41 @@ class Observer {
     }
   }
 
-  // ---- the callback -------------------------------------------------------------------------
-  static std::unique_ptr<at::ObserverContext> start_cb(const at::RecordFunction& fn) {
-    Observer* self = g_active.load(std::memory_order_relaxed);
-    if (self == nullptr || tls_depth > 0) return nullptr;
-    OpInfo& inf = self->info(fn);
-    if (inf.skip) return nullptr;
-    return self->before(fn, inf);
+  // ---- the operator -------------------------------------------------------------------------
+ public:
+  void dispatch(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    const c10::DispatchKeySet below = ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kKey);
+    OpInfo& inf = info(op);
+    if (inf.skip) {  // registered after the first start: its decomposition reaches the key
+      op.redispatchBoxed(below, stack);
+      return;
+    }
+    Ctx ctx;
+    before(op, inf, *stack, ctx);
+    {
+      c10::impl::ExcludeDispatchKeyGuard inside(kKey);
+      op.redispatchBoxed(below, stack);
+    }
+    after(op, inf, *stack, ctx);
   }
 
-  static void end_cb(const at::RecordFunction& fn, at::ObserverContext* ctx) {
-    Observer* self = g_active.load(std::memory_order_relaxed);
-    if (ctx == nullptr || self == nullptr) return;
-    self->after(fn, static_cast<Ctx*>(ctx));
-  }
-
-  std::unique_ptr<at::ObserverContext> before(const at::RecordFunction& fn, OpInfo& inf) {
-    auto ctx = std::make_unique<Ctx>();
+ private:
+  void before(const c10::OperatorHandle& op, const OpInfo& inf, const torch::jit::Stack& stack, Ctx& ctx) {
     std::vector<int64_t> fault;
-    auto inputs = fn.inputs();
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      const bool written = std::find(inf.writes.begin(), inf.writes.end(), static_cast<int>(i)) != inf.writes.end();
-      for_tensors(inputs[i], [&](const at::Tensor& t) {
+    const size_t n = op.schema().arguments().size();
+    const size_t first = stack.size() - n;
+    size_t w = 0;  // next entry of inf.writes (ascending)
+    for (size_t i = 0; i < n; ++i) {
+      const bool written = w < inf.writes.size() && inf.writes[w] == static_cast<int>(i);
+      if (written) ++w;
+      for_tensors(stack[first + i], [&](const at::Tensor& t) {
         c10::StorageImpl* impl = managed_impl(t);
         if (impl == nullptr) return;
         Entry* e = lookup_or_add(impl, t, /*fresh=*/false);
-        add_unique(ctx->ins, e->sid);
+        add_unique(ctx.ins, e->sid);
         if (e->away || e->watch) add_unique(fault, e->sid);
         if (written) {
-          add_unique(ctx->writes, e->sid);
+          add_unique(ctx.writes, e->sid);
           e->host_valid = false;
         }
       });
@@ -441,18 +647,19 @@ class Observer {
     ++observed_;
     if (!fault.empty()) {
       ++faults_;
-      call(on_fault_, [&] { return py::make_tuple(py::cast(fault), py::cast(ctx->ins), py::str(fn.name())); });
+      call(on_fault_, [&] {
+        return py::make_tuple(py::cast(fault), py::cast(ctx.ins), py::str(op.schema().name()));
+      });
     }
-    ++tls_depth;
-    return ctx;
   }
 
-  void after(const at::RecordFunction& fn, Ctx* ctx) {
-    --tls_depth;
-    OpInfo& inf = info(fn);
+  void after(const c10::OperatorHandle& op, const OpInfo& inf, const torch::jit::Stack& stack, Ctx& ctx) {
+    drain();
     std::vector<int64_t> outs, allocs;
     int64_t made = 0;
-    for (const c10::IValue& v : fn.outputs()) {
+    const size_t n_out = op.schema().returns().size();
+    for (size_t r = stack.size() - n_out; r < stack.size(); ++r) {
+      const c10::IValue& v = stack[r];
       for_tensors(v, [&](const at::Tensor& t) {
         c10::StorageImpl* impl = managed_impl(t);
         if (impl == nullptr) return;
@@ -481,20 +688,20 @@ class Observer {
     }
     const int64_t j = position_++;
     const int64_t stream = current_stream();
-    for (int64_t sid : ctx->ins) touch(sid, j, stream);
+    for (int64_t sid : ctx.ins) touch(sid, j, stream);
     for (int64_t sid : outs) touch(sid, j, stream);
     log_.push_back(kOp);
     log_.push_back(inf.id);
     log_.push_back(phase | (module_ << 2));
     log_.push_back(node);
     log_.push_back(used_);
-    log_.push_back(static_cast<int64_t>(ctx->ins.size()));
+    log_.push_back(static_cast<int64_t>(ctx.ins.size()));
     log_.push_back(static_cast<int64_t>(outs.size()));
-    log_.push_back(static_cast<int64_t>(ctx->writes.size()));
+    log_.push_back(static_cast<int64_t>(ctx.writes.size()));
     log_.push_back(static_cast<int64_t>(allocs.size()));
-    log_.insert(log_.end(), ctx->ins.begin(), ctx->ins.end());
+    log_.insert(log_.end(), ctx.ins.begin(), ctx.ins.end());
     log_.insert(log_.end(), outs.begin(), outs.end());
-    log_.insert(log_.end(), ctx->writes.begin(), ctx->writes.end());
+    log_.insert(log_.end(), ctx.writes.begin(), ctx.writes.end());
     log_.insert(log_.end(), allocs.begin(), allocs.end());
     bool swept = false;
     if (sweep_every_ > 0 && position_ % sweep_every_ == 0) {
@@ -510,9 +717,9 @@ class Observer {
       swept = true;
       decide = decide || used_ > budget_ - max_made_;
     }
-    // `used` may still count storages that died since the last sweep: a new peak is swept first,
-    // so the peak is exact
-    if (used_ > peak_ && !swept) sweep();
+    // `used` may still count exposed storages that died since the last sweep: a new peak is swept
+    // first, so the peak is exact (invariant 9: without exposed storages `used` is exact already)
+    if (used_ > peak_ && !swept && exposed_ > 0) sweep();
     if (used_ > peak_) {
       peak_ = used_;
       peak_position_ = j;
@@ -547,14 +754,15 @@ class Observer {
 
   c10::DeviceType device_type_;
   int64_t device_index_;
-  at::CallbackHandle handle_ = 0;
+  bool started_ = false;
+  bool was_included_ = false;  // the key's included state on the starting thread before start()
   py::object on_fault_ = py::none();
   py::object on_decide_ = py::none();
   std::unique_ptr<py::error_already_set> error_;
 
   std::unordered_map<c10::StorageImpl*, Entry> table_;
   std::unordered_map<int64_t, c10::StorageImpl*> by_sid_;
-  std::unordered_map<const char*, OpInfo> ops_;
+  std::unordered_map<const void*, OpInfo> ops_;  // by the operator's schema (its address is stable)
   std::vector<std::string> names_;
   size_t names_sent_ = 0;
   std::vector<int64_t> log_;
@@ -564,6 +772,7 @@ class Observer {
   int64_t peak_ = 0;
   int64_t peak_position_ = 0;
   int64_t away_ = 0;  // invariant 8
+  int64_t exposed_ = 0;  // invariant 9
   int64_t live_peak_ = 0;
   int64_t live_peak_position_ = 0;
   int64_t max_made_ = 0;  // the most bytes one operator has allocated so far
@@ -585,15 +794,33 @@ class Observer {
   void set_seen_backward(bool v) { seen_backward_ = v; }
 };
 
+void dispatch_cb(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  Observer* self = g_active.load(std::memory_order_relaxed);
+  if (self == nullptr) {  // the key is still included on a thread whose observer was stopped elsewhere
+    c10::impl::ExcludeDispatchKeyGuard off(kKey);
+    op.redispatchBoxed(ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kKey), stack);
+    return;
+  }
+  self->dispatch(op, ks, stack);
+}
+
 }  // namespace
 }  // namespace dynn
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 1;
+  m.attr("ABI") = 2;
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
   m.attr("LOG_FREE") = dynn::kFree;
+  m.def("problem", &dynn::key_problem, "why the native event source cannot start in this process, or ''");
+  m.def(
+      "key_state",
+      [] {
+        return py::make_tuple(c10::impl::tls_is_dispatch_key_included(dynn::kKey),
+                              c10::impl::tls_is_dispatch_key_excluded(dynn::kKey));
+      },
+      "(included, excluded): the observer's dispatch key in this thread's local key sets");
   using dynn::Observer;
   py::class_<Observer>(m, "Observer")
       .def(py::init<const std::string&, int64_t>(), py::arg("device_type"), py::arg("device_index") = -1)
@@ -631,6 +858,7 @@ PYBIND11_MODULE(_C, m) {
       .def("reset_peak", &Observer::reset_peak)
       .def_property_readonly("position", &Observer::position)
       .def_property_readonly("tracked", &Observer::tracked)
+      .def_property_readonly("exposed", &Observer::exposed_count)
       .def_property_readonly("faults", &Observer::faults)
       .def_property_readonly("decisions", &Observer::decisions)
       .def_property_readonly("observed", &Observer::observed)

@@ -77,6 +77,8 @@ def run_train(args: argparse.Namespace, overrides: dict) -> int:
     n_managed = sum(res.managed_steps)
     if n_managed:
         verdict = "within the budget" if peak <= b else f"OVER the budget by {format_bytes(peak - b)}"
+        if peak > b and st.get("budget_overshoot_at"):
+            verdict += f" (the largest overshoot: {st['budget_overshoot_at']})"
         print(f"  peak managed bytes   {format_bytes(peak)} over {n_managed} managed step(s): {verdict}")
     else:
         print("  no managed step: the first step of a fractional budget only measures the peak; add --steps")

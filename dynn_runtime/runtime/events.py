@@ -4,11 +4,13 @@ Two sources, one contract (before a kernel reads a storage, the manager has made
 an operator, the manager can account what it created and let the policy decide):
 
 ``native``
-    :mod:`dynn_runtime._C`'s ``Observer`` (``dynn_runtime/csrc/events.cpp``): a thread-local
-    ``at::RecordFunction`` callback keeps the storage table, the byte count and the operator log in
-    C++, and calls Python only at decision points: an operator reads a storage that is away (a
-    fault), the budget is exceeded after an operator, or every ``decide_every`` operators for a
-    policy that acts ahead of need. The log is read in batches there.
+    :mod:`dynn_runtime._C`'s ``Observer`` (``dynn_runtime/csrc/events.cpp``): a boxed fallback on a
+    dispatch key of its own, included on the attaching thread (autograd's threads inherit it), sees
+    each operator once as its caller called it (operators a kernel calls internally never reach it,
+    at no cost). It keeps the storage table, the byte count and the operator log in C++, and calls
+    Python only at decision points: an operator reads a storage that is away (a fault), the budget
+    is exceeded after an operator, or every ``decide_every`` operators for a policy that acts ahead
+    of need. The log is read in batches there.
 ``python``
     A ``TorchDispatchMode`` that runs the manager's Python for every ATen operator. The fallback
     where the extension was not built or cannot load, and the reference the native path is tested
@@ -35,6 +37,9 @@ __all__ = ["EVENT_SOURCES", "QUIET", "native_module", "native_reason", "no_mode"
 
 EVENT_SOURCES = ("auto", "native", "python")
 
+#: the interface version of dynn_runtime._C this package speaks (``ABI`` in csrc/events.cpp)
+NATIVE_ABI = 2
+
 _module: Any = None
 _reason = ""
 _loaded = False
@@ -51,6 +56,13 @@ def native_module() -> Any | None:
 
             _module = importlib.import_module("dynn_runtime._C")
             _reason = "the native event source (dynn_runtime._C) is built and loads"
+            if getattr(_module, "ABI", None) != NATIVE_ABI:
+                _reason = (f"dynn_runtime._C was built from other sources (ABI {getattr(_module, 'ABI', None)}, "
+                           f"this package needs {NATIVE_ABI}); rebuild it: `pip install --no-build-isolation -e .`")
+                _module = None
+            elif problem := _module.problem():
+                _module = None
+                _reason = f"dynn_runtime._C loads but cannot start: {problem}"
         except ImportError as exc:
             _module = None
             _reason = (f"dynn_runtime._C did not load ({exc}); it is built at install against the installed torch "

@@ -94,7 +94,7 @@ class NativeSource:
                 # step goes on over the budget, as after any operator on this source, and says so.
                 self._fetch_now(s, budgeted=False)
                 if in_step and not self._measure_step:
-                    self._cur.budget_overshoot_bytes = max(self._cur.budget_overshoot_bytes, self.used - self.budget)
+                    self._overshoot(self.used - self.budget, f"bringing back what {where} reads")
         if error is not None:
             raise error
 

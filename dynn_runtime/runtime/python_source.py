@@ -145,6 +145,7 @@ class PythonSource:
         need = set(ins)
         where = (f"operator {name} (position {self.position}, {self.phase})" if self._in_step
                  else f"operator {name} (between steps)")
+        self._last_name = name
         collective = name.startswith("c10d::")
         est = 0 if collective else self._estimate_out(func, args, kwargs) or 0  # collectives work in place
         touched = sum(self.st[x].nbytes for x in ins) + est

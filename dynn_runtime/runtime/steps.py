@@ -58,6 +58,8 @@ class StepStats:
     prefetch_hits: int = 0
     prefetch_misses: int = 0
     budget_overshoot_bytes: int = 0
+    budget_overshoot_at: str = ""
+    """Where the largest overshoot happened (operator, position, phase), "" without one."""
     wall_seconds: float = 0.0
     decision_points: int = 0
     host_syncs: int = 0
@@ -71,7 +73,9 @@ class StepStats:
                   "prefetch_misses", "wall_seconds", "decision_points", "host_syncs"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.peak_device_bytes = max(self.peak_device_bytes, other.peak_device_bytes)
-        self.budget_overshoot_bytes = max(self.budget_overshoot_bytes, other.budget_overshoot_bytes)
+        if other.budget_overshoot_bytes > self.budget_overshoot_bytes:
+            self.budget_overshoot_bytes = other.budget_overshoot_bytes
+            self.budget_overshoot_at = f"step {other.step}, {other.budget_overshoot_at}"
 
 
 class Steps:
@@ -233,7 +237,7 @@ class Steps:
                 self._peak_pos = obs.peak_position
             self._cur.decision_points = obs.decisions - self._decisions0
             if self.budget is not None and not self._measure_step:
-                self._cur.budget_overshoot_bytes = max(self._cur.budget_overshoot_bytes, obs.peak - self.budget)
+                self._overshoot(obs.peak - self.budget, f"the step's peak, operator position {obs.peak_position}")
             error, self._pending_error = self._pending_error, None  # raised once the step is closed
         self._in_step = False
         self._cur.host_syncs += self.pool.syncs - self._pool_syncs0

@@ -211,7 +211,14 @@ class StorageTable:
         if self._measuring and self.used + self.away > self._live_peak:
             self._live_peak, self._live_pos = self.used + self.away, self.position
         if self.budget is not None and not self._measure_step and self.used > self.budget:
-            cur.budget_overshoot_bytes = max(cur.budget_overshoot_bytes, self.used - self.budget)
+            self._overshoot(self.used - self.budget,
+                            f"operator {self._last_name} (position {self.position}, {self.phase})")
+
+    def _overshoot(self, nbytes: int, where: str) -> None:
+        """The step went ``nbytes`` over the budget at ``where``: kept if it is the step's largest."""
+        cur = self._cur
+        if nbytes > cur.budget_overshoot_bytes:
+            cur.budget_overshoot_bytes, cur.budget_overshoot_at = nbytes, where
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self._obs is not None:

@@ -62,6 +62,7 @@ def test_revert_restores_the_pristine_tree(tree):
     _apply(tree)
     ae.revert_series(tree, ae.load_series())
     assert _snapshot(tree) == pristine
+    assert not (tree / "torch/csrc/dynn").exists()  # the folder apply created is gone too
 
 
 def test_missing_anchor_fails_loudly_and_writes_nothing(tree):
@@ -209,3 +210,13 @@ def test_check_after_apply_says_already_applied_and_sees_conflicts(tree):
     cmake.write_text(cmake.read_text().replace("    DynnHooks.cpp\n", "    Other.cpp\n"))
     rows = {r.what: r.result for r in ae.check_series(tree, ae.load_series())}
     assert rows["cmake-sources"] is ae.AnchorResult.CONFLICT
+
+
+def test_cli_apply_prints_every_anchor_and_writes_nothing_on_a_failure(tree, capsys):
+    f = tree / "torch/csrc/Module.cpp"
+    f.write_text(f.read_text().replace("THPEngine_initModule", "THPEngine_init"))
+    before = _snapshot(tree)
+    assert ae._main(["apply", "--tree", str(tree)]) == 1
+    out = capsys.readouterr()
+    assert "0003:module-init-call-site" in out.out and "not found" in out.out and "matched" in out.out
+    assert "nothing written" in out.err and _snapshot(tree) == before

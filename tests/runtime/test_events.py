@@ -60,6 +60,115 @@ def test_the_observer_logs_each_kernel_once_and_skips_what_decomposes():
     assert ob.position == 5 and ob.tracked >= 3
 
 
+def test_the_observers_key_is_included_only_while_it_runs_and_not_for_the_managers_own_work():
+    included = lambda: C.key_state()[0]  # noqa: E731
+    excluded = lambda: C.key_state()[1]  # noqa: E731
+    assert not included()
+    ob = C.Observer("cpu")
+    ob.start(None, None)
+    try:
+        assert included()
+        ob.set_in_step(True)
+        x = torch.ones(4)
+        ob.suspend()
+        ob.suspend()
+        assert excluded()
+        y = x * 2  # the manager's own work: not observed
+        ob.resume()
+        assert excluded()  # still inside the outer suspend
+        ob.resume()
+        assert not excluded()
+        z = y + 1
+        log, names = ob.take_log()
+    finally:
+        ob.stop()
+    assert not included() and not excluded()
+    assert [names[i] for i, _ in _ops(log)] == ["aten::ones", "aten::add.Tensor"]
+    assert ob.sid_of(z) > 0
+
+
+def test_a_death_is_known_at_the_next_operator_without_a_sweep():
+    ob = C.Observer("cpu")
+    ob.start(None, None)
+    try:
+        ob.set_in_step(True)
+        big = torch.ones(1 << 16)
+        small = torch.ones(4)
+        assert ob.exposed == 0  # allocator-made storages are covered
+        before = ob.tracked
+        del big
+        small.add_(small)  # in place: no new peak, so nothing would walk the table
+        assert ob.tracked == before - 1
+        assert ob.peak == (1 << 18) + 16
+        log, _ = ob.take_log()
+        words = struct.unpack(f"{len(log) // 8}q", log)
+        assert C.LOG_FREE in words
+    finally:
+        ob.stop()
+
+
+def test_a_death_on_another_thread_is_known_too_and_foreign_memory_is_swept():
+    import threading
+
+    import numpy as np
+
+    ob = C.Observer("cpu")
+    ob.start(None, None)
+    try:
+        ob.set_in_step(True)
+        doomed = [torch.ones(1 << 12)]
+        base = torch.zeros(4)
+        before = ob.tracked
+        t = threading.Thread(target=doomed.clear)
+        t.start()
+        t.join()
+        base.add_(base)
+        assert ob.tracked == before - 1
+        foreign = torch.from_numpy(np.ones(1 << 10, dtype=np.float32))  # numpy owns the data
+        foreign.mul_(2)
+        assert ob.exposed == 1
+        used = ob.used
+        del foreign
+        ob.sweep()
+        assert ob.used == used - (1 << 12) and ob.exposed == 0
+    finally:
+        ob.stop()
+    del base  # freed with the allocator's own deleter after the observer stopped
+
+
+def test_a_kernel_that_raises_leaves_the_observer_consistent():
+    ob = C.Observer("cpu")
+    ob.start(None, None)
+    try:
+        ob.set_in_step(True)
+        a, b = torch.ones(2, 3), torch.ones(2, 3)
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            torch.mm(a, b)
+        c = a + b
+        log, names = ob.take_log()
+    finally:
+        ob.stop()
+    assert [names[i] for i, _ in _ops(log)] == ["aten::ones", "aten::ones", "aten::add.Tensor"]
+    assert ob.position == 3 and ob.sid_of(c) > 0
+
+
+def test_where_the_key_is_served_by_someone_else_auto_takes_python_and_says_why():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "lib = torch.library.Library('_', 'IMPL', 'DeferredInit')\n"
+        "lib.fallback(torch.library.fallthrough_kernel)\n"
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "from dynn_runtime.runtime.events import resolve\n"
+        "print(resolve('auto'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "'python'" in out.stdout and "DeferredInit already has a fallback" in out.stdout
+
+
 def test_an_offloaded_storage_faults_back_before_any_kernel_reads_it():
     model, opt = _mlp()
     ref = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
@@ -188,3 +297,17 @@ def test_without_the_extension_auto_falls_back_to_python_with_one_warning(monkey
         assert resolve("auto")[0] == "python"  # once
     with pytest.raises(ConfigError, match="events='native'"):
         resolve("native")
+
+
+def test_an_extension_built_from_other_sources_is_not_used_and_the_reason_says_rebuild(monkeypatch):
+    from dynn_runtime.runtime import events
+
+    monkeypatch.setattr(C, "ABI", events.NATIVE_ABI - 1)
+    monkeypatch.setattr(events, "_loaded", False)
+    try:
+        assert events.native_module() is None
+        assert "rebuild it" in events.native_reason() and f"ABI {events.NATIVE_ABI - 1}" in events.native_reason()
+    finally:
+        monkeypatch.undo()
+        events._loaded = False
+        assert events.native_module() is C

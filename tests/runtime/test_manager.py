@@ -72,6 +72,11 @@ def test_bit_identical_at_smallest_budget(family, policy, events):
         over = [s["budget_overshoot_bytes"] for s in stats["per_step"]]
         assert max(over) <= stats["largest_allocation_bytes"] < budget, over
         assert stats["peak_device_bytes"] == budget + max(over) or stats["peak_device_bytes"] <= budget
+        # where the largest one happened, for the user to read
+        assert [bool(s["budget_overshoot_at"]) for s in stats["per_step"]] == [o > 0 for o in over]
+        if max(over):
+            worst = max(stats["per_step"], key=lambda s: s["budget_overshoot_bytes"])
+            assert stats["budget_overshoot_at"] == f"step {worst['step']}, {worst['budget_overshoot_at']}"
     assert stats["bytes_offloaded"] > 0 and stats["evictions"] > 0
     # what left came back: every demand fetch is a miss, every prefetch a hit or still pending
     assert stats["bytes_fetched_on_demand"] + stats["bytes_prefetched"] > 0
