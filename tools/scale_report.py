@@ -1,5 +1,5 @@
-"""Merge `dynn bench --scale` results files (one per family, say) into one markdown table set and
-redraw the PNG per family.
+"""Merge `dynn bench --scale` results files (one per family, say; partial files too) into one
+markdown table set and redraw the PNG per family; the max-size records are derived from the runs.
 
     .venv/bin/python tools/scale_report.py out/bench/scale/*.json --md out.md --png-dir docs/img
 """
@@ -10,7 +10,13 @@ import argparse
 import json
 from pathlib import Path
 
-from dynn_runtime.bench.scale import ScaleConfig, ScaleReport, plot_scale, render_scale_markdown
+from dynn_runtime.bench.scale import (
+    ScaleConfig,
+    ScaleReport,
+    max_size_records,
+    plot_scale,
+    render_scale_markdown,
+)
 
 
 def load(paths: list[str]) -> ScaleReport:
@@ -23,8 +29,8 @@ def load(paths: list[str]) -> ScaleReport:
     for d in datas:
         report.sizes += d["sizes"]
         report.runs += d["runs"]
-        report.max_size += d["max_size"]
         report.grid += d["grid"]
+    report.max_size = max_size_records(report.config, report.runs, report.meta["capacity_bytes"])
     return report
 
 

@@ -219,9 +219,10 @@ def run_scale(cfg: ScaleConfig, progress: Any = None, partial: Any = None) -> Sc
             if partial is not None:
                 partial(report())
             if scale == 1 or (scale > 1 and not any(g["family"] == family for g in grid)):
-                grid.extend(_budget_grid(cfg, family, ov, trace, ref.iter_time_s, profile, charge, say))
-                if partial is not None:
-                    partial(report())
+                for policy in cfg.policies:
+                    grid.extend(_budget_grid(cfg, family, ov, trace, ref.iter_time_s, profile, charge, say, policy))
+                    if partial is not None:
+                        partial(report())
     return report()
 
 
@@ -256,20 +257,20 @@ def _bench_cfg(cfg: ScaleConfig) -> Any:
 
 
 def _budget_grid(cfg: ScaleConfig, family: str, ov: dict, trace: Any, ref_s: float, profile: Any, charge: Any,
-                 say: Any) -> list[dict[str, Any]]:
+                 say: Any, policy: str) -> list[dict[str, Any]]:
+    """One policy at each of ``cfg.budgets`` on ``trace``, over the unlimited-memory time ``ref_s``."""
     from ..sim import simulate
 
     out = []
-    for policy in cfg.policies:
-        for frac in cfg.budgets:
-            say(f"{family} budget {frac:g}: {policy}")
-            res = simulate(trace, policy, float(frac), profile, **charge(policy))
-            out.append({"family": family, "overrides": ov, "policy": policy, "budget_fraction": frac,
-                        "budget_bytes": res.budget_bytes, "feasible": res.feasible, "reason": res.reason,
-                        "iter_time_s": res.iter_time_s if res.feasible else None,
-                        "overhead": res.iter_time_s / ref_s if res.feasible else None,
-                        "stall_time_s": res.stall_time_s, "recompute_time_s": res.recompute_time_s,
-                        "host_cost_s": res.host_cost_s})
+    for frac in cfg.budgets:
+        say(f"{family} budget {frac:g}: {policy}")
+        res = simulate(trace, policy, float(frac), profile, **charge(policy))
+        out.append({"family": family, "overrides": ov, "policy": policy, "budget_fraction": frac,
+                    "budget_bytes": res.budget_bytes, "feasible": res.feasible, "reason": res.reason,
+                    "iter_time_s": res.iter_time_s if res.feasible else None,
+                    "overhead": res.iter_time_s / ref_s if res.feasible else None,
+                    "stall_time_s": res.stall_time_s, "recompute_time_s": res.recompute_time_s,
+                    "host_cost_s": res.host_cost_s})
     return out
 
 
@@ -302,14 +303,15 @@ def render_scale_markdown(report: ScaleReport) -> str:
                     cells.append(f"{r['largest']} ({ratio:.3g}x)" if ratio else f"{r['largest']} (-)")
             lines.append(f"| {fam} | {knob} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += [f"## Iteration time over unlimited at `{cfg.preset}`, budgets as fractions of the peak", ""]
+    lines += [f"## Iteration time over unlimited at `{cfg.preset}`, budgets as fractions of the peak "
+              "(OOM: does not fit; -: not simulated)", ""]
     lines += ["| family | budget | " + " | ".join(cfg.policies) + " |", "|---|---|" + "---:|" * len(cfg.policies)]
     for fam in cfg.families:
         for frac in cfg.budgets:
             recs = {r["policy"]: r for r in report.grid if r["family"] == fam and r["budget_fraction"] == frac}
             if recs:
                 lines.append(f"| {fam} | {_frac(frac)} | " + " | ".join(
-                    _fmt(recs[p]["overhead"]) if recs.get(p) and recs[p]["feasible"] else "OOM"
+                    "-" if p not in recs else _fmt(recs[p]["overhead"]) if recs[p]["feasible"] else "OOM"
                     for p in cfg.policies) + " |")
     return "\n".join(lines) + "\n"
 
