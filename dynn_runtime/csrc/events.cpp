@@ -34,8 +34,8 @@
 //   8. `away` = bytes of tracked, alive storages that are away; `live_peak` is the most `used` +
 //      `away` has been (what PyTorch alone would have held), exact where a sweep follows every
 //      operator (a measuring step). A storage that dies while away leaves `away` when it is swept.
-//   9. A tracked storage is "covered" when its data's deleter is `release_cb`, which tells the
-//      observer (through `g_released`, drained before each operator's accounting) that the data was
+//   9. A tracked storage is "covered" when its data's deleter is `covered::release_cb` (covered.h),
+//      which tells the observer (drained before each operator's accounting) that the data was
 //      released before freeing it with the allocator's own deleter. While every storage counted in
 //      `used` is covered (`exposed_` == 0), deaths are known without sweeping the table, so `used`
 //      and the peak are exact with no sweep. Covering never changes what is freed or when; only
@@ -53,11 +53,12 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include "covered.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -107,67 +108,6 @@ class Observer;
 // (autograd's caller waits for the engine), so the observer's tables need no lock.
 std::atomic<Observer*> g_active{nullptr};
 
-// Invariant 9's bookkeeping, shared with whatever thread frees a covered storage's data.
-struct Covered {
-  c10::DeleterFnPtr original;
-  c10::StorageImpl* impl;
-};
-// Never destroyed: covered data may be freed while the process exits, after static destructors ran.
-struct CoverState {
-  std::mutex mu;
-  std::unordered_map<void*, Covered> covered;  // by the data pointer (the deleter's context)
-  std::vector<c10::StorageImpl*> released;    // storages whose covered data was released
-};
-CoverState& cover_state() {
-  static auto* state = new CoverState();
-  return *state;
-}
-std::atomic<bool> g_any_released{false};
-
-void release_cb(void* ctx) {
-  CoverState& st = cover_state();
-  c10::DeleterFnPtr original = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(st.mu);
-    auto it = st.covered.find(ctx);
-    TORCH_INTERNAL_ASSERT(it != st.covered.end(), "dynn: a covered storage's data has no recorded deleter");
-    original = it->second.original;
-    if (g_active.load(std::memory_order_relaxed) != nullptr) {
-      st.released.push_back(it->second.impl);
-      g_any_released.store(true, std::memory_order_release);
-    }
-    st.covered.erase(it);
-  }
-  original(ctx);
-}
-
-// Covers `impl`'s data if its deleter can be wrapped; true if it is covered afterwards.
-bool cover(c10::StorageImpl* impl) {
-  c10::DataPtr& dp = impl->_mutable_data_ptr_no_checks();
-  void* ctx = dp.get_context();
-  const c10::DeleterFnPtr original = dp.get_deleter();
-  if (original == &release_cb) return true;
-  if (ctx == nullptr || ctx != dp.get() || original == nullptr) return false;
-  CoverState& st = cover_state();
-  std::lock_guard<std::mutex> lock(st.mu);
-  if (!st.covered.emplace(ctx, Covered{original, impl}).second) return false;
-  if (!dp.compare_exchange_deleter(original, &release_cb)) {
-    st.covered.erase(ctx);
-    return false;
-  }
-  return true;
-}
-
-// Gives `impl`'s data its own deleter back, if it is covered.
-void uncover(c10::StorageImpl* impl) {
-  c10::DataPtr& dp = impl->_mutable_data_ptr_no_checks();
-  if (dp.get_deleter() != &release_cb) return;
-  CoverState& st = cover_state();
-  std::lock_guard<std::mutex> lock(st.mu);
-  auto it = st.covered.find(dp.get_context());
-  if (it == st.covered.end()) return;
-  if (dp.compare_exchange_deleter(&release_cb, it->second.original)) st.covered.erase(it);
-}
 thread_local int tls_suspended = 0;            // suspend() depth on this thread
 thread_local bool tls_suspend_excluded = false;  // the key's excluded state the outermost suspend() found
 
@@ -251,7 +191,8 @@ class Observer {
                 "dynn: another memory manager's native event source is active in this process; detach it first");
     on_fault_ = std::move(on_fault);
     on_decide_ = std::move(on_decide);
-    take_released();  // left by an earlier observer
+    covered::take_released();  // left by an earlier observer
+    covered::listen(true);
     was_included_ = c10::impl::tls_is_dispatch_key_included(kKey);
     c10::impl::tls_set_dispatch_key_included(kKey, true);
     started_ = true;
@@ -263,13 +204,14 @@ class Observer {
       started_ = false;
       for (auto& [impl, e] : table_) {  // storages outlive the observer with their own deleters
         if (!e.covered) continue;
-        if (auto strong = e.weak.lock()) uncover(strong.get());
+        if (auto strong = e.weak.lock()) covered::uncover(strong.get());
         set_covered(e, false);
       }
     }
     Observer* self = this;
     g_active.compare_exchange_strong(self, nullptr);
-    take_released();
+    covered::listen(false);
+    covered::take_released();
     py::gil_scoped_acquire gil;
     on_fault_ = py::none();
     on_decide_ = py::none();
@@ -335,7 +277,7 @@ class Observer {
     used_ += away ? -e.nbytes : e.nbytes;
     away_ += away ? e.nbytes : -e.nbytes;
     if (!away) {
-      if (auto strong = e.weak.lock()) e.covered = cover(strong.get());
+      if (auto strong = e.weak.lock()) e.covered = covered::cover(strong.get());
     }
     exposed_ += exposed(e);
     if (used_ > peak_) peak_ = used_;
@@ -469,26 +411,17 @@ class Observer {
     return table_.erase(it);
   }
 
-  static std::vector<c10::StorageImpl*> take_released() {
-    std::vector<c10::StorageImpl*> out;
-    CoverState& st = cover_state();
-    std::lock_guard<std::mutex> lock(st.mu);
-    out.swap(st.released);
-    g_any_released.store(false, std::memory_order_relaxed);
-    return out;
-  }
-
   // Acts on the releases release_cb reported (invariant 9): a storage that died is forgotten; one
   // alive (its data replaced or given up while away) is no longer covered. Each is judged by its
   // own state, so a report that outlived its entry changes nothing.
   void drain() {
-    if (!g_any_released.load(std::memory_order_acquire)) return;
-    for (c10::StorageImpl* impl : take_released()) {
+    if (!covered::any_released()) return;
+    for (c10::StorageImpl* impl : covered::take_released()) {
       auto it = table_.find(impl);
       if (it == table_.end()) continue;
       if (it->second.weak.expired()) {
         forget(it);
-      } else if (it->second.covered && impl->_mutable_data_ptr_no_checks().get_deleter() != &release_cb) {
+      } else if (it->second.covered && impl->_mutable_data_ptr_no_checks().get_deleter() != &covered::release_cb) {
         set_covered(it->second, false);
       }
     }
@@ -517,12 +450,12 @@ class Observer {
       Entry& e = it->second;
       if (e.away) return &e;
       const int64_t n = static_cast<int64_t>(impl->nbytes());
-      const bool covered = impl->_mutable_data_ptr_no_checks().get_deleter() == &release_cb;
-      if (n != e.nbytes || !covered) {  // resized in place (an out= argument), or its data replaced
+      const bool is_covered = impl->_mutable_data_ptr_no_checks().get_deleter() == &covered::release_cb;
+      if (n != e.nbytes || !is_covered) {  // resized in place (an out= argument), or its data replaced
         exposed_ -= exposed(e);
         used_ += n - e.nbytes;
         e.nbytes = n;
-        e.covered = covered || cover(impl);
+        e.covered = is_covered || covered::cover(impl);
         exposed_ += exposed(e);
       }
       return &e;
@@ -532,7 +465,7 @@ class Observer {
     auto res = table_.emplace(impl, Entry(t.storage().getWeakStorageImpl(), sid, n, current_stream()));
     by_sid_.emplace(sid, impl);
     Entry& fresh_entry = res.first->second;
-    fresh_entry.covered = cover(impl);
+    fresh_entry.covered = covered::cover(impl);
     exposed_ += exposed(fresh_entry);
     used_ += n;
     log_.push_back(kAlloc);

@@ -1,0 +1,104 @@
+// Hearing of a storage's death without looking: the deleter of its data is wrapped.
+//
+// `cover(impl)` replaces the deleter of `impl`'s data with `release_cb`, remembering the original
+// by the data pointer; `release_cb` records the storage as released (while someone listens) and
+// then frees the data with the original deleter, on whatever thread frees it. Covering never
+// changes what is freed or when. Only deleters whose context is the data pointer itself (the CPU
+// and CUDA allocators') are wrapped; `cover` returns false for anything else, and the caller
+// finds out about those storages some other way. `uncover` restores the original deleter.
+//
+// The state is never destroyed: covered data may be freed while the process exits, after static
+// destructors ran.
+
+#pragma once
+
+#include <c10/core/Allocator.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace dynn::covered {
+
+struct Original {
+  c10::DeleterFnPtr deleter;
+  c10::StorageImpl* impl;
+};
+
+struct State {
+  std::mutex mu;
+  std::unordered_map<void*, Original> by_data;  // covered data, by the data pointer
+  std::vector<c10::StorageImpl*> released;     // storages whose covered data was released
+  std::atomic<bool> any_released{false};
+  std::atomic<bool> listening{false};
+};
+
+inline State& state() {
+  static auto* s = new State();
+  return *s;
+}
+
+inline void release_cb(void* ctx) {
+  State& st = state();
+  c10::DeleterFnPtr original = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    auto it = st.by_data.find(ctx);
+    TORCH_INTERNAL_ASSERT(it != st.by_data.end(), "dynn: a covered storage's data has no recorded deleter");
+    original = it->second.deleter;
+    if (st.listening.load(std::memory_order_relaxed)) {
+      st.released.push_back(it->second.impl);
+      st.any_released.store(true, std::memory_order_release);
+    }
+    st.by_data.erase(it);
+  }
+  original(ctx);
+}
+
+// Covers `impl`'s data if its deleter can be wrapped; true if it is covered afterwards.
+inline bool cover(c10::StorageImpl* impl) {
+  c10::DataPtr& dp = impl->_mutable_data_ptr_no_checks();
+  void* ctx = dp.get_context();
+  const c10::DeleterFnPtr original = dp.get_deleter();
+  if (original == &release_cb) return true;
+  if (ctx == nullptr || ctx != dp.get() || original == nullptr) return false;
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (!st.by_data.emplace(ctx, Original{original, impl}).second) return false;
+  if (!dp.compare_exchange_deleter(original, &release_cb)) {
+    st.by_data.erase(ctx);
+    return false;
+  }
+  return true;
+}
+
+// Gives `impl`'s data its own deleter back, if it is covered.
+inline void uncover(c10::StorageImpl* impl) {
+  c10::DataPtr& dp = impl->_mutable_data_ptr_no_checks();
+  if (dp.get_deleter() != &release_cb) return;
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  auto it = st.by_data.find(dp.get_context());
+  if (it == st.by_data.end()) return;
+  if (dp.compare_exchange_deleter(&release_cb, it->second.deleter)) st.by_data.erase(it);
+}
+
+// Whether releases are recorded (an observer is started).
+inline void listen(bool on) { state().listening.store(on, std::memory_order_relaxed); }
+
+inline bool any_released() { return state().any_released.load(std::memory_order_acquire); }
+
+// The storages released since the last call.
+inline std::vector<c10::StorageImpl*> take_released() {
+  std::vector<c10::StorageImpl*> out;
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  out.swap(st.released);
+  st.any_released.store(false, std::memory_order_relaxed);
+  return out;
+}
+
+}  // namespace dynn::covered
