@@ -22,7 +22,7 @@ _SUBSYSTEM_CLIS = (
     "dynn_runtime.demo",
     "dynn_runtime.idioms.cli",
     "dynn_runtime.trace.cli",
-    "dynn_runtime.native.cli",
+    "dynn_runtime.runtime.doctor",
     "dynn_runtime.bench.cli",
     "dynn_runtime.pilot.cli",
 )

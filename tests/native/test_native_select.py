@@ -147,7 +147,7 @@ def test_pinned_release_reads_the_pin_file():
 
 
 def test_doctor_report_with_fake_probe():
-    from dynn_runtime.native.cli import doctor_report
+    from dynn_runtime.runtime.doctor import doctor_report
 
     rep = doctor_report("cuda", probe_fn=lambda: PATCHED, cuda_available=False)
     assert rep["patched"] and rep["path"] == "stock" and "CUDA is not available" in rep["why"]

@@ -274,7 +274,7 @@ def test_a_batch_in_which_nothing_was_decided_is_read_compacted():
 
 
 def test_doctor_says_which_event_source_is_used(monkeypatch):
-    from dynn_runtime.native.cli import doctor_report
+    from dynn_runtime.runtime.doctor import doctor_report
 
     monkeypatch.delenv("DYNN_EVENTS", raising=False)
     rep = doctor_report("cpu", cuda_available=False)

@@ -303,7 +303,7 @@ def test_stats_name_the_provider_and_the_stock_providers_train_exactly(events):
 
 
 def test_doctor_names_the_provider():
-    from dynn_runtime.native.cli import doctor_report
+    from dynn_runtime.runtime.doctor import doctor_report
 
     rep = doctor_report("cpu", probe_fn=lambda: STOCK, cuda_available=False)
     assert rep["hook_provider"] == rep["event_source"]

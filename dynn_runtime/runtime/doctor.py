@@ -6,7 +6,7 @@ import argparse
 import json
 from collections.abc import Callable
 
-from . import NativeFeatures, Preference, active_path, pinned_release, probe
+from ..native import NativeFeatures, Preference, active_path, pinned_release, probe
 
 __all__ = ["add_commands", "doctor_report"]
 
@@ -25,10 +25,10 @@ def doctor_report(
         cuda_available = torch.cuda.is_available()
     feats, choice = active_path(device, prefer=prefer, probe_fn=probe_fn, cuda_available=cuda_available)
     pin = pinned_release()
-    from ..runtime.events import native_module, native_reason, resolve
+    from .events import native_module, native_reason, resolve
 
     events, events_why = resolve("auto")
-    from ..runtime.providers import select_provider
+    from .providers import select_provider
 
     provider = select_provider(device, events, events_why, probe_fn=lambda: feats, cuda_available=cuda_available)
     return {
