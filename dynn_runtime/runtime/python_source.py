@@ -91,15 +91,18 @@ def _signature(obj: Any) -> Any:
     return obj
 
 
-def _to_meta(obj: Any) -> Any:
+def _to_meta(obj: Any, floats: torch.dtype | None = None) -> Any:
+    """``obj`` with every tensor replaced by a meta tensor of its shape and strides (floating ones
+    of dtype ``floats`` where given)."""
     if isinstance(obj, torch.Tensor):
-        return torch.empty_strided(tuple(obj.shape), tuple(obj.stride()), dtype=obj.dtype, device="meta")
+        dtype = floats if floats is not None and obj.is_floating_point() else obj.dtype
+        return torch.empty_strided(tuple(obj.shape), tuple(obj.stride()), dtype=dtype, device="meta")
     if isinstance(obj, list):
-        return [_to_meta(o) for o in obj]
+        return [_to_meta(o, floats) for o in obj]
     if isinstance(obj, tuple):
-        return tuple(_to_meta(o) for o in obj)
+        return tuple(_to_meta(o, floats) for o in obj)
     if isinstance(obj, dict):
-        return {k: _to_meta(v) for k, v in obj.items()}
+        return {k: _to_meta(v, floats) for k, v in obj.items()}
     if isinstance(obj, torch.Generator):
         return None  # a meta kernel may still draw from a generator it is given: never let it
     if isinstance(obj, torch.device):
@@ -121,6 +124,35 @@ def _upper_bound(func: Any, args: tuple, kwargs: dict) -> int:
     # masked_select and friends: at most every element; otherwise the inputs' size, a guess that
     # the post-operator check corrects (recorded as an overshoot if it was short)
     return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _meta_out_bytes(func: Any, args: tuple, kwargs: dict) -> int | None:
+    """Bytes of fresh storage ``func`` allocates, from a run on meta tensors; None where no meta run
+    can tell (data-dependent output shapes: ``nonzero``, ``unique``; no meta kernel). A meta kernel
+    that accepts fewer dtypes than the device's kernel (``_grouped_mm``'s takes bfloat16 only) is
+    run again with floating inputs in bfloat16, and floating outputs are sized in the inputs' dtype."""
+    floats = [t.dtype for t in _tensors(args, kwargs) if t.is_floating_point()]
+    for cast in (None, torch.bfloat16):
+        if cast is not None and (not floats or floats[0] == cast):
+            return None
+        try:
+            margs, mkwargs = _to_meta((args, kwargs), cast)
+            mout = func(*margs, **mkwargs)
+        except Exception:
+            continue
+        in_keys = {_storage_key(t.untyped_storage()) for t in _tensors(margs, mkwargs)}
+        seen, est = set(), 0
+        for t in _tensors_out(mout):
+            k = _storage_key(t.untyped_storage())
+            if k in in_keys or k in seen:
+                continue
+            seen.add(k)
+            n = t.untyped_storage().nbytes()
+            if cast is not None and t.is_floating_point():
+                n = n // t.element_size() * torch.empty((), dtype=floats[0]).element_size()
+            est += n
+        return est
+    return None
 
 
 class PythonSource:
@@ -290,21 +322,7 @@ class PythonSource:
         if key is not None and key in self._meta_cache:
             est = self._meta_cache[key]
             return _upper_bound(func, args, kwargs) if est is None else est
-        est = None
-        try:
-            margs, mkwargs = _to_meta((args, kwargs))
-            mout = func(*margs, **mkwargs)
-            in_keys = {_storage_key(t.untyped_storage()) for t in _tensors(margs, mkwargs)}
-            seen = set()
-            est = 0
-            for t in _tensors_out(mout):
-                k = _storage_key(t.untyped_storage())
-                if k in in_keys or k in seen:
-                    continue
-                seen.add(k)
-                est += t.untyped_storage().nbytes()
-        except Exception:  # data-dependent output shapes (nonzero, unique, ...), or no meta kernel
-            est = None
+        est = _meta_out_bytes(func, args, kwargs)
         if key is not None:
             if len(self._meta_cache) >= self.META_CACHE_ENTRIES:  # shapes change every step in a DyNN
                 del self._meta_cache[next(iter(self._meta_cache))]  # the oldest signature goes

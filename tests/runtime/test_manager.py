@@ -683,3 +683,41 @@ def test_detach_that_cannot_move_something_stays_attached(monkeypatch):
     monkeypatch.setattr(devicemem, "device_room", lambda dev: 1 << 62)
     mm.detach()
     assert torch.equal(kept, expected)
+
+
+class _GroupedExperts(nn.Module):
+    """Experts run through ``torch._grouped_mm``, whose meta kernel takes bfloat16 only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 16, 64) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offs = torch.tensor([40, 80, 120, 160], dtype=torch.int32)
+        return torch._grouped_mm(x, self.w, offs=offs)
+
+
+def test_an_operator_whose_meta_kernel_refuses_the_dtype_is_still_sized_exactly():
+    from dynn_runtime.runtime.python_source import _meta_out_bytes
+
+    x, w = torch.randn(160, 16), torch.randn(4, 16, 64)
+    offs = torch.tensor([40, 80, 120, 160], dtype=torch.int32)
+    real = torch._grouped_mm(x, w, offs=offs).untyped_storage().nbytes()
+    assert _meta_out_bytes(torch.ops.aten._grouped_mm.default, (x, w), {"offs": offs}) == real
+    assert _meta_out_bytes(torch.ops.aten.nonzero.default, (x,), {}) is None  # data-dependent: no guess here
+
+    torch.manual_seed(0)
+    model = _GroupedExperts()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    budget = 4 * real  # output larger than the inputs: a sum-of-inputs guess falls short
+    mm = dr.MemoryManager(budget, policy="lru", device="cpu", events="python").attach(model, opt)
+    try:
+        for _ in range(2):
+            with mm.step():
+                model(torch.randn(160, 16)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        stats = mm.stats()
+    finally:
+        mm.detach()
+    assert stats["budget_overshoot_bytes"] == 0 and stats["peak_device_bytes"] <= budget
