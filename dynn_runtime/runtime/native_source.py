@@ -13,6 +13,8 @@ State: ``_obs``, ``_names``, ``_idiom_by_name``, ``_pending_error``, ``_last_bus
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 
 import torch
@@ -81,6 +83,11 @@ class NativeSource:
                 error = BudgetError(
                     f"runtime: the budget {format_bytes(self.budget)} is smaller than what one operator needs: {where} "
                     f"reads {format_bytes(reads)}. Raise the budget to at least {format_bytes(reads)}.")
+            # what comes back, and then the operator's output: room for both now, or the output lands
+            # over the budget (after operators the reserve is the largest allocation; events.cpp 6)
+            back = sum(self.st[x].nbytes for x in sids if x in self.st and self.st[x].status != RESIDENT)
+            with contextlib.suppress(BudgetError):  # what cannot move now: the fetches below decide
+                self.make_room(back + self._obs.max_made, need, where)
         for sid in sids:
             s = self.st.get(sid)
             internal_assert(s is not None, f"runtime: storage {sid} is away but unknown to the manager")
