@@ -14,7 +14,6 @@ State: ``_obs``, ``_names``, ``_idiom_by_name``, ``_pending_error``, ``_last_bus
 from __future__ import annotations
 
 import contextlib
-
 import time
 
 import torch
