@@ -209,9 +209,10 @@ class Observer {
       }
     }
     Observer* self = this;
-    g_active.compare_exchange_strong(self, nullptr);
-    covered::listen(false);
-    covered::take_released();
+    if (g_active.compare_exchange_strong(self, nullptr)) {  // not when an inactive one is destroyed
+      covered::listen(false);
+      covered::take_released();
+    }
     py::gil_scoped_acquire gil;
     on_fault_ = py::none();
     on_decide_ = py::none();

@@ -107,6 +107,24 @@ def test_a_death_is_known_at_the_next_operator_without_a_sweep():
         ob.stop()
 
 
+def test_an_earlier_observer_destroyed_meanwhile_does_not_deafen_the_running_one():
+    old = C.Observer("cpu")
+    old.start(None, None)
+    old.stop()
+    ob = C.Observer("cpu")
+    ob.start(None, None)
+    try:
+        ob.set_in_step(True)
+        doomed, keep = torch.ones(1 << 10), torch.ones(4)
+        del old  # its destructor stops it again
+        before = ob.tracked
+        del doomed
+        keep.add_(keep)
+        assert ob.tracked == before - 1
+    finally:
+        ob.stop()
+
+
 def test_a_death_on_another_thread_is_known_too_and_foreign_memory_is_swept():
     import threading
 
