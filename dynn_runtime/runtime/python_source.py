@@ -131,10 +131,12 @@ def _meta_out_bytes(func: Any, args: tuple, kwargs: dict) -> int | None:
     can tell (data-dependent output shapes: ``nonzero``, ``unique``; no meta kernel). A meta kernel
     that accepts fewer dtypes than the device's kernel (``_grouped_mm``'s takes bfloat16 only) is
     run again with floating inputs in bfloat16, and floating outputs are sized in the inputs' dtype."""
-    floats = [t.dtype for t in _tensors(args, kwargs) if t.is_floating_point()]
+    real = None  # the first floating input's dtype, looked up only when the plain meta run fails
     for cast in (None, torch.bfloat16):
-        if cast is not None and (not floats or floats[0] == cast):
-            return None
+        if cast is not None:
+            real = next((t.dtype for t in _tensors(args, kwargs) if t.is_floating_point()), None)
+            if real is None or real == cast:
+                return None
         try:
             margs, mkwargs = _to_meta((args, kwargs), cast)
             mout = func(*margs, **mkwargs)
@@ -149,7 +151,7 @@ def _meta_out_bytes(func: Any, args: tuple, kwargs: dict) -> int | None:
             seen.add(k)
             n = t.untyped_storage().nbytes()
             if cast is not None and t.is_floating_point():
-                n = n // t.element_size() * torch.empty((), dtype=floats[0]).element_size()
+                n = n // t.element_size() * real.itemsize
             est += n
         return est
     return None
