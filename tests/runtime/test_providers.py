@@ -335,12 +335,18 @@ def test_patched_provider_brings_saved_tensors_back_before_their_node_runs(event
         assert c.reclaim_hook is None and c.fetch_hook is None and not c.observers  # detach uninstalled
 
 
-def test_a_failing_allocation_reclaims_through_the_runtime_which_frees_reentrantly():
+def _patched_lru():
+    """A fake patched torch, its device copies, and an lru manager attached through it."""
     c = FakeTorchC()
     copies = FakeDeviceCopies(c)
     model, opt = _model()
     mm = dr.MemoryManager(1 << 30, policy="lru", device="cpu", async_copies=False, hooks=PatchedProvider(c),
                           copies=copies).attach(model, opt)
+    return c, copies, model, opt, mm
+
+
+def test_a_failing_allocation_reclaims_through_the_runtime_which_frees_reentrantly():
+    c, copies, model, opt, mm = _patched_lru()
     try:
         with mm.step():
             loss = model(torch.randn(256, 64)).pow(2).mean()
@@ -364,11 +370,7 @@ def test_a_failing_allocation_reclaims_through_the_runtime_which_frees_reentrant
 
 
 def test_reclaim_that_cannot_free_leaves_the_normal_out_of_memory():
-    c = FakeTorchC()
-    copies = FakeDeviceCopies(c)
-    model, opt = _model()
-    mm = dr.MemoryManager(1 << 30, policy="lru", device="cpu", async_copies=False, hooks=PatchedProvider(c),
-                          copies=copies).attach(model, opt)
+    c, copies, model, opt, mm = _patched_lru()
     try:
         mm.pin(model)  # nothing the policy may move
         with mm.step():
