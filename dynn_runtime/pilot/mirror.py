@@ -48,7 +48,8 @@ class MirrorState:
         self._mir_first = np.zeros(0, dtype=np.int64)
         self._fwd_ops: dict[int, Any] = {}  # forward position -> operator, for relinking
         self._relink: list[tuple[int, int, int, int]] = []  # heap of (-first access of target, slot, sid, target)
-        self._native_tab = None
+        if self._native_tab is not None:  # the kernel's table points at the new segments
+            self._native_tab.set_mirror(self)
 
     def _build_mirror(self) -> None:
         """Backward starts: index the forward accesses since the last backward (several forward and
@@ -89,7 +90,8 @@ class MirrorState:
         self._relink = []
         self._fwd_log = []
         self._mirror = -1
-        self._native_tab = None
+        if self._native_tab is not None:  # the kernel's table points at the new segments
+            self._native_tab.set_mirror(self)
 
     def _nearest_input(self, own: float, inputs: Any, exclude: int = -1) -> int:
         """Mirror segment of the input of the nearest size at least ``own`` (the first on ties), or -1."""

@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -325,6 +325,47 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         t0 = self._timer()
         self._state.hint(hint)
         self.bookkeeping_s += self._timer() - t0
+
+    def on_operator(self, position: int, op: Any, accessed: Sequence[int]) -> None:
+        """:meth:`on_alloc` for each of ``op.allocs``, :meth:`on_access` for each of ``accessed``,
+        then :meth:`on_op`, fused: the same writes in the same order (slots, predictions, heap
+        entries, small-storage classes), without the per-notification calls. With ``fallback`` the
+        shadow predictors need every notification: the plain calls."""
+        if self._shadow is not None or self._judge is not None:
+            super().on_operator(position, op, accessed)
+            return
+        state = self._state
+        small = self._small
+        fraction = self.small_fraction
+        push = self._heap.push
+        if op.allocs:
+            view = self.view
+            # _provisional of a fresh storage: its class is 0 whatever its kind
+            prior = max(position, 0) + self._prior_rows[_PHASES.get(view.phase, 0)][0]
+            for sid in op.allocs:
+                s = state.alloc(sid, position)[0]
+                state.pred[s] = prior
+                state.touched[s] = True
+                if s >= len(self._skip):
+                    self._grow_due()
+                self._away[s] = 0
+                # NextUsePolicy.on_alloc: class it, then the eviction entry of its prediction (predict())
+                skip = small.alloc(sid, view.nbytes(sid)) if fraction else small.small(sid)
+                push(-prior, sid, s)
+                self._skip[s] = skip
+        if accessed:
+            slot = state._slot
+            touched, away, skip_of = state.touched, self._away, self._skip
+            self._pending.extend(accessed)
+            for sid in accessed:
+                s = slot.get(sid)
+                if fraction:
+                    small.access(sid)
+                if s is not None:
+                    touched[s] = True
+                    away[s] = 0
+                    skip_of[s] = small.small(sid)
+        self.on_op(position, op)
 
     def on_op(self, position: int, op: Any) -> None:
         self.ops += 1

@@ -50,10 +50,10 @@ class ReplayState:
         self._ext_next = 0
         self._ratio = 1.5
         self._prev_lists = []
-        self._native_tab = None  # new previous-iteration index and ratio
         if prev is None:
             self._prev_keys = np.zeros(0, dtype=np.int64)
             self._prev_count = np.zeros(0, dtype=np.float32)
+            self._previous_changed()
             return
         seen: dict[tuple[str, str, str], int] = {}
         acc: dict[int, list[int]] = {}
@@ -86,6 +86,12 @@ class ReplayState:
             counts[i] = len(lst)
         self._prev_keys = np.asarray(keys, dtype=np.int64)  # already sorted: by index, then position
         self._prev_count = counts
+        self._previous_changed()
+
+    def _previous_changed(self) -> None:
+        """The native kernel's table points at the new index and ratio."""
+        if self._native_tab is not None:
+            self._native_tab.set_previous(self)
 
     def _match_external(self, s: int) -> None:
         """A storage alive at the start, new to this iteration (the batch), at its first access: match it

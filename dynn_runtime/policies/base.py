@@ -13,7 +13,8 @@ time it is; the policy sees that through a :class:`MemoryView` and answers three
    recompute on access) or ``"discard"`` (free, never needed again: only for policies that see the
    future; the mechanism verifies it).
 
-Plus notifications (``on_access``, ``on_alloc``, ``on_free``, ``on_op``, ``on_hint``) for policies that keep
+Plus notifications (``on_access``, ``on_alloc``, ``on_free``, ``on_op``, ``on_hint``, and
+``on_operator``: one operator's allocations, accesses and ``on_op`` in one call) for policies that keep
 their own statistics or features, and ``begin_iteration(index, context)`` where a policy that plans (replay,
 oracle, checkpoint) does so from an :class:`IterationContext` (the iterations before, the trace, and this
 iteration's operators where the mechanism knows them ahead). ``on_op(position, op)`` comes after every operator ran, before ``after_op``,
@@ -246,6 +247,22 @@ class Policy:
 
     def on_op(self, position: int, op: Any) -> None:
         """Operator ``position`` ran; ``op`` is its :class:`~dynn_runtime.trace.format.Op` record."""
+
+    def on_operator(self, position: int, op: Any, accessed: Sequence[int]) -> None:
+        """All of one operator's notifications in one call: ``on_alloc(sid, position)`` for each
+        of ``op.allocs``, ``on_access(sid, position)`` for each of ``accessed`` (the storages it
+        read or wrote that the mechanism tracks, each once), then ``on_op(position, op)``.
+
+        This default makes exactly those calls, in that order; a policy overrides it only to do
+        the same work with less overhead (the pilot: the live runtime's native event source reads
+        its operator log in batches and tells each operator through this method). An override
+        must leave the policy in the state those calls would.
+        """
+        for sid in op.allocs:
+            self.on_alloc(sid, position)
+        for sid in accessed:
+            self.on_access(sid, position)
+        self.on_op(position, op)
 
     def on_hint(self, hint: Any) -> None:
         """The workload gave a :class:`~dynn_runtime.hints.Hint` before the next operator."""

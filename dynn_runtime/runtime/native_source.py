@@ -226,9 +226,8 @@ class NativeSource:
         t0 = time.perf_counter()
         pol = self.policy
         now = t0 - self._t0
-        for sid in allocs:
-            pol.on_alloc(sid, j)
         cur = self._cur
+        accessed = []
         for sid in self._last_busy:
             s = st.get(sid)
             if s is None:
@@ -239,11 +238,17 @@ class NativeSource:
             if s.pf:
                 s.pf = False
                 cur.prefetch_hits += 1
-            pol.on_access(sid, j)
-        if self._trace is not None:
-            self._map_oracle_op(j, ins, allocs, name)
+            accessed.append(sid)
         self.position = j
-        pol.on_op(j, op)
+        if self._trace is None:
+            pol.on_operator(j, op, accessed)
+        else:  # the oracle's view maps this operator's storages after their on_alloc, before on_op
+            for sid in allocs:
+                pol.on_alloc(sid, j)
+            for sid in accessed:
+                pol.on_access(sid, j)
+            self._map_oracle_op(j, ins, allocs, name)
+            pol.on_op(j, op)
         self._apply(pol.after_op(j), self._last_busy)
         cur.policy_seconds += time.perf_counter() - t0
 

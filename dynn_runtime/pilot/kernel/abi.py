@@ -13,6 +13,7 @@ built from another header is refused instead of reading the wrong columns.
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,12 +46,16 @@ class Struct:
     def words(self) -> int:
         return len(self.fields)
 
+    @functools.cached_property
+    def _positions(self) -> dict[str, int]:
+        return {name: i for i, (_, name, _) in enumerate(self.fields)}
+
     def index(self, field: str) -> int:
         """The word a field occupies (its position: every field is 8 bytes)."""
-        for i, (_, name, _) in enumerate(self.fields):
-            if name == field:
-                return i
-        raise KeyError(f"pilot kernel ABI: {self.name} has no field {field!r}")
+        i = self._positions.get(field)
+        if i is None:
+            raise KeyError(f"pilot kernel ABI: {self.name} has no field {field!r}")
+        return i
 
     def ctypes(self) -> type[ctypes.Structure]:
         """The structure as a ctypes class (pointers as ``c_void_p``)."""

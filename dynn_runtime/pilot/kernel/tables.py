@@ -10,6 +10,7 @@ declared once, in :mod:`.abi`.
 from __future__ import annotations
 
 import ctypes
+import math
 from array import array
 from typing import TYPE_CHECKING, Any
 
@@ -62,17 +63,10 @@ class StateTable:
     """A :class:`FeatureState`'s arrays as the kernel's address table (``dynn_state`` in
     ``_native.c``), its per-call structure (``dynn_point``) and a buffer of rows for the policy.
     Holds references to every array it points to. Rebuilt when the state reallocates
-    (``FeatureState._grow``) or indexes a new previous iteration (``_index_previous``)."""
+    (``FeatureState._grow``); a new previous iteration (``_index_previous``) and a new backward
+    mirror (:mod:`..mirror`) replace only their own entries (:meth:`set_previous`, :meth:`set_mirror`)."""
 
     def __init__(self, st: Any) -> None:
-        self.ratio = float(st._ratio)
-        # the previous iteration's sorted keys (index * 2^32 + position) as per-index segments of positions
-        keys = st._prev_keys
-        pos = np.ascontiguousarray(keys & ((1 << 32) - 1), dtype=np.int64)
-        off = np.zeros(len(st._prev_count) + 1, dtype=np.int64)
-        np.cumsum(st._prev_count.astype(np.int64), out=off[1:])
-        if off[-1] != len(keys):
-            raise RuntimeError("pilot native: previous-iteration index inconsistent")
         arrays = {
             "active": (st.active, np.bool_), "sid": (st.sid, np.int64), "kind": (st.kind, np.int64),
             "saved": (st.saved, np.float32), "persistent": (st.persistent, np.float32),
@@ -84,28 +78,18 @@ class StateTable:
             "has_producer": (st.has_producer, np.float32), "consumer_iv": (st.consumer_iv, np.float32),
             "stack_idx": (st.stack_idx, np.int64), "stack_pos": (st.stack_pos, np.int64),
             "announce": (st.announce, np.int64), "prev": (st.prev, np.int64), "pred": (st.pred, np.float64),
-            "touched": (st.touched, np.bool_), "prev_pos": (pos, np.int64), "prev_off": (off, np.int64),
-            "prev_count": (st._prev_count, np.float32), "hist": (st._hist, np.float32),
-            "mirror_tgt": (st.mirror_tgt, np.int64), "mir_pos": (st._mir_pos, np.int64),
-            "mir_off": (st._mir_off, np.int64), "mir_sid": (st._mir_sid, np.int64),
-            "hint_at": (st.hint_at, np.int64),
+            "touched": (st.touched, np.bool_), "hist": (st._hist, np.float32),
+            "mirror_tgt": (st.mirror_tgt, np.int64), "hint_at": (st.hint_at, np.int64),
         }
-        words = np.zeros(STATE.words, dtype=np.uint64)
-        for name, (a, dt) in arrays.items():
-            if a.dtype != dt or not a.flags.c_contiguous:
-                raise RuntimeError(f"pilot native: state array {name} is {a.dtype}, contiguous={a.flags.c_contiguous}")
-            words[_W(name)] = a.ctypes.data
-        words[_W("cap")], words[_W("nk")], words[_W("prev_len")] = st._cap, len(keys), st._prev_len
-        dbl = words.view(np.float64)
-        dbl[_W("ratio")] = self.ratio
-        dbl[_W("log1p_ratio")] = float(np.float32(np.log1p(self.ratio)))  # ctx log_bwd_fwd_ratio, as float32
-        words[_W("n_prev")] = len(st._prev_count)
-        words[_W("n_mir")] = len(st._mir_sid)
+        self.words = words = np.zeros(STATE.words, dtype=np.uint64)
+        self._point_at(arrays)
+        words[_W("cap")] = st._cap
         self.keep = list(arrays.values())
-        self.words = words
         self.addr = words.ctypes.data
         self.ntab = 0
-        self.ensure(max(st._cap, st._prev_len, st.position) + 2)
+        self.ratio = math.nan
+        self.set_previous(st)
+        self.set_mirror(st)
         self.point = _Point()
         self.point_addr = ctypes.addressof(self.point)
         self.rows = np.zeros(max(st._cap, 64), dtype=np.int64)
@@ -116,6 +100,45 @@ class StateTable:
         self.op.decay = st._hist_decay.ctypes.data
         self.keep.append((st._hist_decay, np.float32))
         self.op_room(64)
+
+    def _point_at(self, arrays: dict[str, tuple[np.ndarray, Any]]) -> None:
+        words = self.words
+        for name, (a, dt) in arrays.items():
+            if a.dtype != dt or not a.flags.c_contiguous:
+                raise RuntimeError(f"pilot native: state array {name} is {a.dtype}, contiguous={a.flags.c_contiguous}")
+            words[_W(name)] = a.ctypes.data
+
+    def set_previous(self, st: Any) -> None:
+        """The previous iteration's index (``FeatureState._index_previous``): its sorted keys
+        (index * 2^32 + position) as per-index segments of positions, the backward/forward ratio."""
+        keys = st._prev_keys
+        pos = np.ascontiguousarray(keys & ((1 << 32) - 1), dtype=np.int64)
+        off = np.zeros(len(st._prev_count) + 1, dtype=np.int64)
+        np.cumsum(st._prev_count.astype(np.int64), out=off[1:])
+        if off[-1] != len(keys):
+            raise RuntimeError("pilot native: previous-iteration index inconsistent")
+        self.keep_previous = {"prev_pos": (pos, np.int64), "prev_off": (off, np.int64),
+                              "prev_count": (st._prev_count, np.float32)}
+        self._point_at(self.keep_previous)
+        words = self.words
+        words[_W("nk")], words[_W("prev_len")] = len(keys), st._prev_len
+        words[_W("n_prev")] = len(st._prev_count)
+        ratio = float(st._ratio)
+        if ratio != self.ratio:
+            self.ratio = ratio
+            dbl = words.view(np.float64)
+            dbl[_W("ratio")] = ratio
+            dbl[_W("log1p_ratio")] = float(np.float32(np.log1p(ratio)))  # ctx log_bwd_fwd_ratio, as float32
+            n, self.ntab = self.ntab, 0  # the stack estimate's table depends on the ratio
+            self.ensure(n)
+        self.ensure(max(st._cap, st._prev_len, st.position) + 2)
+
+    def set_mirror(self, st: Any) -> None:
+        """The backward mirror's segments (:mod:`..mirror`)."""
+        self.keep_mirror = {"mir_pos": (st._mir_pos, np.int64), "mir_off": (st._mir_off, np.int64),
+                            "mir_sid": (st._mir_sid, np.int64)}
+        self._point_at(self.keep_mirror)
+        self.words[_W("n_mir")] = len(st._mir_sid)
 
     def op_room(self, n: int) -> None:
         """Buffers for an operator of up to ``n`` allocations and ``n`` accesses (:meth:`NativeKernel.op`)."""

@@ -1,0 +1,151 @@
+"""The pilot's fused ``on_operator`` (what the live runtime's native source calls once per
+operator) against the per-notification path it replaces: the same feature state, predictions,
+heap entries and decisions on recorded workloads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import dynn_runtime as dr
+from dynn_runtime.pilot.policy import PilotPolicy
+from dynn_runtime.policies.base import Policy
+from dynn_runtime.runtime.events import native_module
+from dynn_runtime.workload import load_workload, make_optimizer
+
+pytestmark = pytest.mark.skipif(native_module() is None, reason="the native event source is not built")
+
+#: every per-slot array of the feature state, and the policy's own per-slot arrays
+_STATE = ("active", "sid", "kind", "saved", "persistent", "log_bytes", "born", "born_phase", "last", "last_phase",
+          "count", "count_phase", "count_phase_of", "acc_phase", "producer_iv", "has_producer", "consumer_iv",
+          "stack_idx", "stack_pos", "announce", "prev", "mirror_tgt", "hint_at", "pred", "touched")
+_POLICY = ("_due", "_skip", "_away")
+
+
+class _PerNotification(PilotPolicy):
+    """The pilot told one notification at a time (the interface's default ``on_operator``)."""
+
+    name = "pilot-per-notification"
+    on_operator = Policy.on_operator
+
+
+class _Lockstep(PilotPolicy):
+    """The runtime's pilot (fused ``on_operator``) with a shadow told the same notifications one at
+    a time; after every decision point and every fifth operator both must hold the same state."""
+
+    name = "pilot-lockstep"
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)
+        self.shadow = _PerNotification(**kw)
+        self.compared = 0
+
+    def attach(self, view: object) -> None:
+        super().attach(view)
+        self.shadow.attach(view)
+
+    def begin_iteration(self, index: int, context: object = None) -> None:
+        super().begin_iteration(index, context)
+        self.shadow.begin_iteration(index, context)
+
+    def on_alloc(self, sid: int, position: int) -> None:
+        super().on_alloc(sid, position)
+        self.shadow.on_alloc(sid, position)
+
+    def on_free(self, sid: int) -> None:
+        super().on_free(sid)
+        self.shadow.on_free(sid)
+
+    def on_hint(self, hint: object) -> None:
+        super().on_hint(hint)
+        self.shadow.on_hint(hint)
+
+    def on_operator(self, position: int, op: object, accessed: object) -> None:
+        decisions = self.decisions
+        super().on_operator(position, op, accessed)
+        self.shadow.on_operator(position, op, accessed)
+        # every decision point, and every few operators between them (all of them: a slow test)
+        if self.decisions != decisions or position % 5 == 0:
+            assert_same(self, self.shadow, f"after operator {position} ({op.name})")
+            self.compared += 1
+
+
+def assert_same(a: PilotPolicy, b: PilotPolicy, where: str) -> None:
+    sa, sb = a._state, b._state
+    assert sa._slot == sb._slot, where
+    assert sa._free == sb._free, where
+    n = sa._cap
+    for name in _STATE:
+        np.testing.assert_array_equal(getattr(sa, name)[:n], getattr(sb, name)[:n], err_msg=f"{name}, {where}")
+    for name in _POLICY:
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=f"{name}, {where}")
+    np.testing.assert_array_equal(sa._hist, sb._hist, err_msg=where)
+    assert sa.replayed == sb.replayed, where
+    assert (a.decisions, a.candidates, a.ops) == (b.decisions, b.candidates, b.ops), where
+    assert _entries(a._heap) == _entries(b._heap), f"eviction heap, {where}"
+    assert sorted(a._off) == sorted(b._off), f"prefetch heap, {where}"
+    assert a._small._small == b._small._small and a._small._peak == b._small._peak, where
+
+
+def _entries(heap: object) -> list[tuple[float, int, int]]:
+    if hasattr(heap, "entries"):
+        return sorted(heap.entries())
+    return sorted((k, sid, -1) for k, sid in heap.items)
+
+
+def _run(family: str, policy: PilotPolicy, budget: object, steps: int = 3) -> tuple[list[float], list]:
+    """``steps`` steps of ``family`` (tiny) under the native source; the losses and every move made."""
+    wl = load_workload(family, preset="tiny", seed=0)
+    torch.manual_seed(0)
+    model = wl.model
+    opt = make_optimizer(wl, model.parameters())
+    moves: list[tuple[int, str, int]] = []
+    victims, after_op = policy.victims, policy.after_op
+
+    def record_victims(need: int, exclude: set[int]) -> object:
+        for sid in victims(need, exclude):
+            moves.append((policy.view.position, "evict", sid))
+            yield sid
+
+    def record_after_op(position: int) -> list:
+        actions = after_op(position)
+        moves.extend((position, a.kind, a.sid) for a in actions)
+        return actions
+
+    policy.victims, policy.after_op = record_victims, record_after_op
+    mm = dr.MemoryManager(budget, policy=policy, device="cpu", events="native").attach(model, opt)
+    losses = []
+    try:
+        for step in range(steps):
+            with mm.step():
+                loss = wl.loss(model, wl.make_batch(step))
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        assert mm.stats()["event_source"] == "native"
+    finally:
+        mm.detach()
+    return losses, moves
+
+
+@pytest.mark.parametrize(("family", "backend"), [("tree_lstm", "native"), ("moe", "native"), ("moe", "numpy")])
+def test_fused_operator_notification_keeps_the_per_notification_state(family, backend):
+    """Throughout a live run (budget above the peak: the pilot still decides every 32 operators), the
+    fused path and the per-notification path hold the same slots, feature arrays,
+    predictions, due times, heap entries and small-storage classes."""
+    pol = _Lockstep(backend=backend)
+    _run(family, pol, 1 << 40)
+    assert pol.compared > 50 and pol.decisions > 3
+
+
+@pytest.mark.parametrize("family", ["evoformer", "moe"])
+def test_fused_operator_notification_makes_the_same_moves_under_a_budget(family):
+    """Under a budget that makes the pilot evict and prefetch, the fused path makes the same moves,
+    in the same order, as the per-notification path (and training is the same)."""
+    losses, moves = _run(family, _PerNotification(), "3/4")
+    fused_losses, fused_moves = _run(family, PilotPolicy(), "3/4")
+    assert any(kind == "evict" for _, kind, _ in moves) and any(kind == "prefetch" for _, kind, _ in moves)
+    assert fused_moves == moves
+    assert fused_losses == losses
