@@ -305,11 +305,11 @@ class FeatureState(ReplayState, MirrorState):
         prev = self._prev_idx.get(sid, -1)
         announce = self._announced
         self._announced += 1
-        self.mirror_tgt[s] = -1
-        self.hint_at[s] = -1
         if self._kernel is not None:
             self._kernel.alloc(self, s, kind_idx, 1.0 if saved else 0.0, log_bytes, announce, position, prev)
             return s, kind, saved
+        self.mirror_tgt[s] = -1
+        self.hint_at[s] = -1
         self.kind[s] = kind_idx
         self.saved[s] = 1.0 if saved else 0.0
         self.log_bytes[s] = log_bytes

@@ -21,11 +21,11 @@ from pathlib import Path
 from ...trace.format import KINDS
 from ..layout import CAND_TABLE, CTX_TABLE, HINT_MAX, THRESH
 
-__all__ = ["ABI", "MAX_H", "MAX_K", "LANES", "STATE", "POINT", "POLICY", "MODEL", "OP", "Struct", "header",
+__all__ = ["ABI", "MAX_H", "MAX_K", "LANES", "STATE", "POINT", "POLICY", "MODEL", "OP", "ALLOC", "Struct", "header",
            "layout", "HEADER", "write_header"]
 
 #: bumped whenever the meaning of a structure or a call changes without changing the layout
-ABI = 10
+ABI = 11
 #: the widest hidden layer and the most (padded) outputs the kernel takes; the outputs are padded to
 #: whole blocks of LANES floats (one 512-bit or two 256-bit vectors)
 MAX_H, MAX_K, LANES = 256, 64, 16
@@ -171,7 +171,16 @@ OP = Struct("dynn_op", "one operator for dynn_pilot_op: what FeatureState.op loo
     *_f("int64_t", "n_match", c="out"),
 ))
 
-STRUCTS = (STATE, POINT, POLICY, MODEL, OP)
+#: one storage for dynn_pilot_alloc (kernel.calls.NativeKernel.alloc): passed by address, since
+#: ctypes converts nine scalar arguments at several times the cost of setting the fields
+ALLOC = Struct("dynn_alloc", "one storage for dynn_pilot_alloc: what FeatureState.alloc computed in Python", (
+    *_f("int64_t", "slot", "kind", "announce", c=""),
+    *_f("int64_t", "position", c="-1: alive when the iteration started"),
+    *_f("int64_t", "phase", "prev"),
+    *_f("double", "saved", "log_bytes"),
+))
+
+STRUCTS = (STATE, POINT, POLICY, MODEL, OP, ALLOC)
 
 
 def _starts(table: tuple[tuple[str, tuple[str, ...]], ...], prefix: str) -> list[tuple[str, int]]:

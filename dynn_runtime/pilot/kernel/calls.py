@@ -35,7 +35,7 @@ class NativeKernel:
         lib.dynn_pilot_select.restype = _I
         lib.dynn_pilot_op.argtypes = [_V, _V]
         lib.dynn_pilot_op.restype = _I
-        lib.dynn_pilot_alloc.argtypes = [_V, _I, _I, _D, _D, _I, _I, _I, _I]
+        lib.dynn_pilot_alloc.argtypes = [_V, _V]
         lib.dynn_pilot_alloc.restype = _I
         lib.dynn_pilot_finish.argtypes = [_V, _V, _I, _V, _V, _V, _D, _D, _I, _V, _V]
         lib.dynn_pilot_finish.restype = _I
@@ -185,7 +185,10 @@ class NativeKernel:
         t = st._native_tab
         if t is None:
             t = self.table(st)
-        if self._alloc(t.addr, s, kind, saved, log_bytes, announce, position, st.phase, prev):
+        a = t.alloc
+        a.slot, a.kind, a.announce, a.position, a.phase, a.prev = s, kind, announce, position, st.phase, prev
+        a.saved, a.log_bytes = saved, log_bytes
+        if self._alloc(t.addr, t.alloc_addr):
             raise IndexError(f"pilot native kernel: slot {s} is not a slot of this state (0..{st._cap - 1})")
 
     def op(self, st: Any, position: int, phase: int, iv: Any, ivk: Any, alloc_slots: list[int],

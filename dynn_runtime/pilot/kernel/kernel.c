@@ -463,14 +463,14 @@ int64_t dynn_pilot_op(const dynn_state *S, dynn_op *O)
     return 0;
 }
 
-/* FeatureState.alloc's writes for slot s (position -1: alive when the iteration started) */
-int64_t dynn_pilot_alloc(const dynn_state *S, int64_t s, int64_t kind, double saved, double log_bytes,
-                         int64_t announce, int64_t position, int64_t phase, int64_t prev)
+/* FeatureState.alloc's writes for slot A->slot (A->position -1: alive when the iteration started) */
+int64_t dynn_pilot_alloc(const dynn_state *S, const dynn_alloc *A)
 {
+    const int64_t s = A->slot, position = A->position;
     if (s < 0 || s >= S->cap) return -4;
-    ((int64_t *)S->kind)[s] = kind;
-    ((float *)S->saved)[s] = (float)saved;
-    ((float *)S->log_bytes)[s] = (float)log_bytes;  /* float64 -> float32, as numpy assigns */
+    ((int64_t *)S->kind)[s] = A->kind;
+    ((float *)S->saved)[s] = (float)A->saved;
+    ((float *)S->log_bytes)[s] = (float)A->log_bytes;  /* float64 -> float32, as numpy assigns */
     ((int64_t *)S->last)[s] = -1;
     ((int64_t *)S->last_phase)[s] = -1;
     ((float *)S->count)[s] = 0.0f;
@@ -478,14 +478,16 @@ int64_t dynn_pilot_alloc(const dynn_state *S, int64_t s, int64_t kind, double sa
     memset((float *)S->acc_phase + 3 * s, 0, 3 * sizeof(float));
     ((int64_t *)S->stack_idx)[s] = -1;
     ((int64_t *)S->stack_pos)[s] = -1;
-    ((int64_t *)S->announce)[s] = announce;
+    ((int64_t *)S->announce)[s] = A->announce;
     memset((float *)S->consumer_iv + 6 * s, 0, 6 * sizeof(float));
     memset((float *)S->producer_iv + 6 * s, 0, 6 * sizeof(float));
     ((float *)S->has_producer)[s] = 0.0f;
     ((float *)S->persistent)[s] = position < 0 ? 1.0f : 0.0f;
     ((int64_t *)S->born)[s] = position < 0 ? -1 : position;
-    ((int64_t *)S->born_phase)[s] = position < 0 ? -1 : phase;
-    ((int64_t *)S->prev)[s] = prev;
+    ((int64_t *)S->born_phase)[s] = position < 0 ? -1 : A->phase;
+    ((int64_t *)S->prev)[s] = A->prev;
+    ((int64_t *)S->mirror_tgt)[s] = -1;
+    ((int64_t *)S->hint_at)[s] = -1;
     return 0;
 }
 

@@ -5,7 +5,7 @@
 
 #include <stdint.h>
 
-#define DYNN_PILOT_ABI 10
+#define DYNN_PILOT_ABI 11
 #define MAX_H 256
 #define MAX_K 64
 #define LANES 16
@@ -206,7 +206,20 @@ typedef struct {
 } dynn_op;
 #define OP_WORDS 16
 
+/* one storage for dynn_pilot_alloc: what FeatureState.alloc computed in Python */
+typedef struct {
+    int64_t slot;
+    int64_t kind;
+    int64_t announce;
+    int64_t position;             /* -1: alive when the iteration started */
+    int64_t phase;
+    int64_t prev;
+    double saved;
+    double log_bytes;
+} dynn_alloc;
+#define ALLOC_WORDS 8
+
 /* what dynn_pilot_layout reports: abi.layout() */
-#define DYNN_PILOT_LAYOUT {10, 44, 18, 7, 16, 16, 256, 64, 16, 103, 24, 7, 8, 8, 16, 32, 48, 64, 96, 128, 256, 4095, 0, 7, 8, 9, 10, 11, 12, 13, 14, 17, 18, 19, 22, 25, 31, 32, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 61, 69, 77, 78, 79, 80, 81, 82, 90, 91, 92, 93, 94, 102, 0, 3, 4, 5, 6, 7, 8, 14, 20, 21, 22, 23}
+#define DYNN_PILOT_LAYOUT {11, 44, 18, 7, 16, 16, 8, 256, 64, 16, 103, 24, 7, 8, 8, 16, 32, 48, 64, 96, 128, 256, 4095, 0, 7, 8, 9, 10, 11, 12, 13, 14, 17, 18, 19, 22, 25, 31, 32, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 61, 69, 77, 78, 79, 80, 81, 82, 90, 91, 92, 93, 94, 102, 0, 3, 4, 5, 6, 7, 8, 14, 20, 21, 22, 23}
 
 #endif

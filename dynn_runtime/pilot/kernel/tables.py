@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .abi import LANES, MODEL, OP, POINT, POLICY, STATE
+from .abi import ALLOC, LANES, MODEL, OP, POINT, POLICY, STATE
 
 if TYPE_CHECKING:
     from .calls import NativeKernel
@@ -52,6 +52,7 @@ def _table_size(need: int) -> int:
 _Point = POINT.ctypes()
 _Policy = POLICY.ctypes()
 _Op = OP.ctypes()
+_Alloc = ALLOC.ctypes()
 _W = STATE.index
 
 
@@ -61,7 +62,8 @@ def _none() -> None:
 
 class StateTable:
     """A :class:`FeatureState`'s arrays as the kernel's address table (``dynn_state`` in
-    ``_native.c``), its per-call structure (``dynn_point``) and a buffer of rows for the policy.
+    ``_native.c``), its per-call structures (``dynn_point``, ``dynn_op``, ``dynn_alloc``) and a buffer of
+    rows for the policy.
     Holds references to every array it points to. Rebuilt when the state reallocates
     (``FeatureState._grow``); a new previous iteration (``_index_previous``) and a new backward
     mirror (:mod:`..mirror`) replace only their own entries (:meth:`set_previous`, :meth:`set_mirror`)."""
@@ -98,6 +100,8 @@ class StateTable:
         self.op_addr = ctypes.addressof(self.op)
         self.op.hist = st._hist.ctypes.data
         self.op.decay = st._hist_decay.ctypes.data
+        self.alloc = _Alloc()
+        self.alloc_addr = ctypes.addressof(self.alloc)
         self.keep.append((st._hist_decay, np.float32))
         self.op_room(64)
 
