@@ -195,6 +195,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         self.merged = self.dropped = 0
         self._pool: Any = None
         self._buf = _Job()
+        #: on_operator fuses the notifications (set in attach)
+        self._fused = False
 
     @property
     def model(self) -> Any:
@@ -239,6 +241,9 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             self._judge = RecallJudge(window=WINDOW_OPS)
             self._shadow = ReplayPolicy()
             self._shadow.attach(view)
+        cls = type(self)
+        self._fused = (self._judge is None and cls.on_alloc is PilotPolicy.on_alloc
+                       and cls.on_access is PilotPolicy.on_access)
 
     def begin_iteration(self, index: int, context: IterationContext = NO_CONTEXT) -> None:
         super().begin_iteration(index, context)
@@ -329,9 +334,10 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
     def on_operator(self, position: int, op: Any, accessed: Sequence[int]) -> None:
         """:meth:`on_alloc` for each of ``op.allocs``, :meth:`on_access` for each of ``accessed``,
         then :meth:`on_op`, fused: the same writes in the same order (slots, predictions, heap
-        entries, small-storage classes), without the per-notification calls. With ``fallback`` the
-        shadow predictors need every notification: the plain calls."""
-        if self._shadow is not None or self._judge is not None:
+        entries, small-storage classes), without the per-notification calls. The plain calls
+        where they do more: with ``fallback`` (its shadow predictors), or in a subclass that
+        overrides ``on_alloc`` or ``on_access``."""
+        if not self._fused:
             super().on_operator(position, op, accessed)
             return
         state = self._state

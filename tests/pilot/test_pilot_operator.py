@@ -40,6 +40,17 @@ class _Lockstep(PilotPolicy):
         super().__init__(**kw)
         self.shadow = _PerNotification(**kw)
         self.compared = 0
+        # what the runtime tells outside on_operator goes to both; instance attributes, so that the
+        # class's on_alloc stays the pilot's and its on_operator stays fused
+        for name in ("on_alloc", "on_free", "on_hint"):
+            setattr(self, name, self._both(getattr(self, name), getattr(self.shadow, name)))
+
+    @staticmethod
+    def _both(mine: object, shadow: object) -> object:
+        def call(*args: object) -> None:
+            mine(*args)
+            shadow(*args)
+        return call
 
     def attach(self, view: object) -> None:
         super().attach(view)
@@ -49,19 +60,8 @@ class _Lockstep(PilotPolicy):
         super().begin_iteration(index, context)
         self.shadow.begin_iteration(index, context)
 
-    def on_alloc(self, sid: int, position: int) -> None:
-        super().on_alloc(sid, position)
-        self.shadow.on_alloc(sid, position)
-
-    def on_free(self, sid: int) -> None:
-        super().on_free(sid)
-        self.shadow.on_free(sid)
-
-    def on_hint(self, hint: object) -> None:
-        super().on_hint(hint)
-        self.shadow.on_hint(hint)
-
     def on_operator(self, position: int, op: object, accessed: object) -> None:
+        assert self._fused  # the runtime's pilot takes the fused path
         decisions = self.decisions
         super().on_operator(position, op, accessed)
         self.shadow.on_operator(position, op, accessed)
@@ -149,3 +149,28 @@ def test_fused_operator_notification_makes_the_same_moves_under_a_budget(family)
     assert any(kind == "evict" for _, kind, _ in moves) and any(kind == "prefetch" for _, kind, _ in moves)
     assert fused_moves == moves
     assert fused_losses == losses
+
+
+def test_a_subclass_that_overrides_a_notification_gets_every_call():
+    """A subclass's own on_alloc and on_access are not skipped by the fused path."""
+
+    class Counting(PilotPolicy):
+        name = "pilot-counting"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.allocs = self.accesses = 0
+
+        def on_alloc(self, sid: int, position: int) -> None:
+            self.allocs += position >= 0
+            super().on_alloc(sid, position)
+
+        def on_access(self, sid: int, position: int) -> None:
+            self.accesses += 1
+            super().on_access(sid, position)
+
+    pol = Counting()
+    _run("moe", pol, 1 << 40, steps=2)
+    assert not pol._fused
+    assert pol.allocs > 50 and pol.accesses > pol.allocs
+    assert pol.ops > 50
