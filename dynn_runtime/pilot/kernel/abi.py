@@ -174,7 +174,7 @@ OP = Struct("dynn_op", "one operator for dynn_pilot_op: what FeatureState.op loo
 #: one storage for dynn_pilot_alloc (kernel.calls.NativeKernel.alloc): passed by address, since
 #: ctypes converts nine scalar arguments at several times the cost of setting the fields
 ALLOC = Struct("dynn_alloc", "one storage for dynn_pilot_alloc: what FeatureState.alloc computed in Python", (
-    *_f("int64_t", "slot", "kind", "announce", c=""),
+    *_f("int64_t", "slot", "kind", "announce"),
     *_f("int64_t", "position", c="-1: alive when the iteration started"),
     *_f("int64_t", "phase", "prev"),
     *_f("double", "saved", "log_bytes"),

@@ -1,0 +1,124 @@
+"""The pilot's host cost per operator on the native event source, and where it goes.
+
+    python tools/pilot_host_cost.py [--reps 60] [VARIANT ...]
+
+Runs the operator loop of ``dynn bench --overhead`` (small ATen operators and a small ``Linear``
+forward and backward, one thread, budget far above the peak) under one manager per variant, and
+PyTorch alone before every managed step; prints the manager's host microseconds per operator
+over PyTorch alone (thread CPU time: the median of per-repetition differences, and the minimum
+managed minus the minimum PyTorch alone, which other processes on a shared machine disturb
+less). Variants (default: all):
+
+- ``pilot``: the pilot as shipped (the fused ``on_operator``);
+- ``per-notification``: the pilot told through the interface's default ``on_operator`` (separate
+  ``on_alloc``, ``on_access``, ``on_op`` calls);
+- ``no-op-update``: the pilot without its ``on_op`` (what allocations, accesses and deaths cost);
+- ``parse-only``: a pilot that ignores every notification (what the runtime's log parse costs);
+- ``lru``, ``none``: the policies that never read the log in a step without a decision.
+
+Results are timing only: the stubbed variants make no sensible decisions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from dynn_runtime.pilot.policy import PilotPolicy
+from dynn_runtime.policies.base import Policy
+from dynn_runtime.runtime.manager import MemoryManager
+
+
+class _PerNotification(PilotPolicy):
+    name = "pilot-per-notification"
+    on_operator = Policy.on_operator
+
+
+class _NoOpUpdate(PilotPolicy):
+    name = "pilot-no-op-update"
+
+    def on_op(self, position: int, op: Any) -> None:
+        pass
+
+
+class _ParseOnly(PilotPolicy):
+    name = "pilot-parse-only"
+
+    def on_operator(self, position: int, op: Any, accessed: Any) -> None:
+        pass
+
+    def on_alloc(self, sid: int, position: int) -> None:
+        pass
+
+    def on_free(self, sid: int) -> None:
+        pass
+
+    def after_op(self, position: int) -> list:
+        return []  # still overridden: the runtime reads the log every 32 operators, as for the pilot
+
+
+VARIANTS = {"pilot": PilotPolicy, "per-notification": _PerNotification, "no-op-update": _NoOpUpdate,
+            "parse-only": _ParseOnly, "lru": lambda: "lru", "none": lambda: "none"}
+
+
+def measure(variant: str, reps: int) -> tuple[int, float, float]:
+    """(operators per step, median us per operator over PyTorch alone, min-min us per operator)."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    lin = torch.nn.Linear(16, 16)
+    inp = torch.randn(4, 16, generator=g)
+
+    def work() -> None:
+        y = x
+        for _ in range(25):
+            y = torch.relu(torch.mm(y * 0.5 + x, w))
+        lin(inp).sum().backward()
+        lin.zero_grad(set_to_none=True)
+
+    mm = MemoryManager(1 << 50, policy=VARIANTS[variant](), device="cpu", events="native")
+    mm.attach(lin)
+    try:
+        for _ in range(3):  # warm-up: the pilot's history, the allocator
+            with mm.step():
+                work()
+        diff, plain, managed = [], [], []
+        for _ in range(reps):
+            t0 = time.thread_time()
+            work()
+            p = time.thread_time() - t0
+            with mm.step():
+                t0 = time.thread_time()
+                work()
+                m = time.thread_time() - t0
+            ops = mm.steps[-1].ops
+            diff.append((m - p) / ops)
+            plain.append(p / ops)
+            managed.append(m / ops)
+        if mm.stats().get("event_source") != "native":
+            raise SystemExit("the native event source is not available in this build")
+    finally:
+        mm.detach()
+    return ops, statistics.median(diff) * 1e6, (min(managed) - min(plain)) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("variants", nargs="*", metavar="VARIANT", help=f"any of {', '.join(VARIANTS)} (default: all)")
+    ap.add_argument("--reps", type=int, default=60)
+    args = ap.parse_args()
+    bad = [v for v in args.variants if v not in VARIANTS]
+    if bad:
+        ap.error(f"unknown variant(s) {', '.join(bad)}; choose from {', '.join(VARIANTS)}")
+    torch.set_num_threads(1)
+    print("| variant | ops/step | +us/op (median) | +us/op (min-min) |\n|---|---:|---:|---:|")
+    for v in args.variants or list(VARIANTS):
+        ops, med, low = measure(v, args.reps)
+        print(f"| {v} | {ops} | {med:.1f} | {low:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
