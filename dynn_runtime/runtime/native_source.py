@@ -5,7 +5,9 @@ operator is about to read a storage that is away or in flight, and :meth:`Native
 when the budget is exceeded after an operator or on the policy's periodic turn. Both keep an error
 instead of raising it through the C++ frames; it surfaces at the next forward or at the end of the
 step. The operator log is read in batches (:meth:`NativeSource._native_parse`) and told to the policy
-as the Python source tells it, operator by operator.
+in log order: births and deaths between operators, and each operator in one
+:meth:`~dynn_runtime.policies.base.Policy.on_operator` call (the separate calls of the Python
+source, where the policy does not fuse them).
 
 State: ``_obs``, ``_names``, ``_idiom_by_name``, ``_pending_error``, ``_last_busy``, ``_last_name``,
 ``_engaged``.
