@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from dynn_runtime.pilot.features import CAND_FEATURES, FeatureState
@@ -235,3 +236,17 @@ def test_tree_batches_group_each_levels_children_by_their_level():
         assert sorted(seen) == sorted(set(seen)) and len(seen) == len(level_of) - len(b["roots"])
         flat = [v for ns in nodes for v in ns]
         assert [flat[r] for r in b["root_rows"].tolist()] == b["roots"].tolist()
+
+
+def test_extra_stages_can_be_left_out_of_the_mixture():
+    seed = next(s for s in range(200) if {"layerdrop", "graph"} <= set(describe(s)["stages"]))
+    full = describe(seed)["stages"]
+    some = describe(seed, extra=("graph", "mod"))["stages"]
+    assert "layerdrop" not in some and {"graph", "mod"} & set(some)
+    assert [k for k in some if k in STAGES] == [k for k in full if k in STAGES]  # the seed's own stages stay
+    w = SynthWorkload(seed, extra=("graph", "mod"))
+    assert not any(isinstance(m, torch.nn.ModuleList) and len(m) and type(m[0]).__name__ == "_DropLayer"
+                   for m in w.model.stage_mods)
+    w.loss(w.model, w.make_batch(0)).backward()  # the plan matches the stages that are there
+    with pytest.raises(ValueError, match="extra stages"):
+        SynthWorkload(seed, extra=("graph", "dropout"))

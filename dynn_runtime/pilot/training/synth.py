@@ -245,8 +245,11 @@ EXTRA_SALT = 7_919_000
 class SynthNet(nn.Module):
     """A random dynamic network drawn from ``seed`` (see the module docstring)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, extra: tuple[str, ...] = EXTRA_STAGES) -> None:
         super().__init__()
+        unknown = set(extra) - set(EXTRA_STAGES)
+        if unknown:
+            raise ValueError(f"synth: extra stages {sorted(unknown)} are not among {EXTRA_STAGES}")
         r = random.Random(seed)
         self.w = w = r.choice((8, 12, 16, 24))
         self.trunk = r.choice(TRUNKS)
@@ -287,7 +290,9 @@ class SynthNet(nn.Module):
         rx = random.Random(seed + EXTRA_SALT)
         self.layerdrop = rx.uniform(0.2, 0.5)
         for _ in range(rx.choice((0, 1, 1, 2))):
-            kind = rx.choice(EXTRA_STAGES)
+            kind = rx.choice(EXTRA_STAGES)  # over all of them: a kind left out of ``extra`` is skipped
+            if kind not in extra:
+                continue
             if kind == "graph":
                 n = rx.randint(1, 4)
                 m = _Graph(w, n, attention=rx.random() < 0.5)
@@ -392,11 +397,11 @@ class SynthWorkload:
 
     family = SYNTH_FAMILY
 
-    def __init__(self, seed: int, batch: int = 4) -> None:
+    def __init__(self, seed: int, batch: int = 4, extra: tuple[str, ...] = EXTRA_STAGES) -> None:
         torch.manual_seed(seed)
         self.seed = seed
         self.batch = batch
-        self.model = SynthNet(seed)
+        self.model = SynthNet(seed, extra)
 
     def _tree_batch(self, r: random.Random) -> dict[str, Any]:
         parents: list[int] = []
@@ -501,26 +506,32 @@ class SynthWorkload:
         return torch.optim.Adam(params, lr=1e-3)
 
 
-def describe(seed: int) -> dict[str, Any]:
+def describe(seed: int, extra: tuple[str, ...] = EXTRA_STAGES) -> dict[str, Any]:
     """What a seed's network is (trunk, width, stages): for tests and provenance."""
-    m = SynthNet(seed)
+    m = SynthNet(seed, extra)
     out = {"trunk": m.trunk, "width": m.w, "stages": [k for k, _ in m.stages]}
     if m.trunk == "tree":
         out["cell"] = "levels" if isinstance(m.tree, _LevelTree) else "shared"
     return out
 
 
-def synth_traces(seeds: Iterable[int], steps: int = 3, cache_dir: str | Path = ".dynn-cache/traces") -> list[Any]:
-    """Record (or reuse) one synthetic trace per seed; returns the loaded traces."""
+def synth_traces(seeds: Iterable[int], steps: int = 3, cache_dir: str | Path = ".dynn-cache/traces",
+                 extra: tuple[str, ...] = EXTRA_STAGES) -> list[Any]:
+    """Record (or reuse) one synthetic trace per seed; returns the loaded traces.
+
+    ``extra``: which of :data:`EXTRA_STAGES` the networks may hold (a drawn stage of another kind is
+    left out); part of the cached traces' names when not all of them."""
     from ...trace import SCHEMA_VERSION, read_trace, record
 
+    tag = "" if tuple(extra) == EXTRA_STAGES else "-x" + "+".join(extra)
     out = []
     for seed in seeds:
-        path = Path(cache_dir) / f"{SYNTH_FAMILY}-seed{seed}-steps{steps}-g{GENERATOR_VERSION}-v{SCHEMA_VERSION}.jsonl.gz"
+        path = (Path(cache_dir) / f"{SYNTH_FAMILY}-seed{seed}-steps{steps}-g{GENERATOR_VERSION}{tag}"
+                f"-v{SCHEMA_VERSION}.jsonl.gz")
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(".tmp-" + path.name)
-            record(SynthWorkload(seed), tmp, steps=steps, preset="synthetic", seed=seed)
+            record(SynthWorkload(seed, extra=extra), tmp, steps=steps, preset="synthetic", seed=seed)
             tmp.rename(path)
         out.append(read_trace(path))
     return out
