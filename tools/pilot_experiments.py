@@ -91,7 +91,9 @@ def lofo() -> None:
     # rows are built once per family (what train() does for the traces it is given) and reused
     # `lofo --no-synthetic`: the zoo minus the left-out family only (the shipped weights' recipe)
     with_synth = "--no-synthetic" not in sys.argv
-    train_tr = _traces(TRAIN) + depth_traces(TRAIN_DEPTH) + (synthetic() if with_synth else [])
+    # `lofo --synth-extra graph,mod`: the synthetic networks with those extra stages (default: the shipped recipe's)
+    extra = tuple(sys.argv[sys.argv.index("--synth-extra") + 1].split(",")) if "--synth-extra" in sys.argv else None
+    train_tr = _traces(TRAIN) + depth_traces(TRAIN_DEPTH) + (synthetic(extra=extra) if with_synth else [])
     test_tr = _traces(HELD_OUT)
     rows = {}
     for i, name in enumerate(dict.fromkeys(trace_family(t) for t in train_tr)):
@@ -128,7 +130,7 @@ def lofo() -> None:
                   f"(min {100 * np.min(recalls):.1f}, max {100 * np.max(recalls):.1f}) over seeds {seeds}", flush=True)
     _dump("lofo" if with_synth else "lofo_zoo_only", {
                    "config": dataclasses.asdict(cfg), "train": TRAIN, "train_depth": TRAIN_DEPTH,
-                   "synthetic": {"seeds": list(SYNTH[0]), "steps": SYNTH[1]} if with_synth else None,
+                   "synthetic": {"seeds": list(SYNTH[0]), "steps": SYNTH[1], "extra_stages": extra} if with_synth else None,
                    "repeated_families": REPEAT, "held_out": HELD_OUT, "evaluated_every_nth_decision": 2, "training_seeds": seeds,
                    "results": res})
 

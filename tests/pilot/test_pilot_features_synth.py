@@ -248,5 +248,6 @@ def test_extra_stages_can_be_left_out_of_the_mixture():
     assert not any(isinstance(m, torch.nn.ModuleList) and len(m) and type(m[0]).__name__ == "_DropLayer"
                    for m in w.model.stage_mods)
     w.loss(w.model, w.make_batch(0)).backward()  # the plan matches the stages that are there
+    assert describe(seed, extra=())["stages"] == [k for k in full if k in STAGES]  # generator 2's network
     with pytest.raises(ValueError, match="extra stages"):
         SynthWorkload(seed, extra=("graph", "dropout"))

@@ -523,7 +523,7 @@ def synth_traces(seeds: Iterable[int], steps: int = 3, cache_dir: str | Path = "
     left out); part of the cached traces' names when not all of them."""
     from ...trace import SCHEMA_VERSION, read_trace, record
 
-    tag = "" if tuple(extra) == EXTRA_STAGES else "-x" + "+".join(extra)
+    tag = "" if tuple(extra) == EXTRA_STAGES else "-x" + ("+".join(extra) or "none")
     out = []
     for seed in seeds:
         path = (Path(cache_dir) / f"{SYNTH_FAMILY}-seed{seed}-steps{steps}-g{GENERATOR_VERSION}{tag}"
