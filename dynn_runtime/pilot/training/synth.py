@@ -12,7 +12,8 @@ architectures:
 * then 1-4 random stages: gated residual blocks skipped per step (MLP or conv), early-exit heads
   (later stages skipped when an exit fires), recycling loops with a per-step pass count (earlier
   passes optionally without gradient), top-1 routing of rows among experts, plain layers;
-* and, for three networks in four, 1-2 more stages inserted among those (:data:`EXTRA_STAGES`):
+* and, for three networks in four, 1-2 more stages inserted among those (:data:`EXTRA_STAGES`,
+  those of the kinds named by ``extra``; with none, a network is generator 2's):
   message passing over a random graph drawn per step (each row a graph of its own, node and edge
   counts drawn per step; messages gathered along the edge list and scattered to their targets with
   ``index_add`` / ``scatter_add``, degree-normalised or with attention weights normalised per
@@ -22,15 +23,18 @@ architectures:
   that the optimizer updates a different subset of many parameters every step).
 
 Half of the networks (drawn per seed) tell what they know of their near future through
-:mod:`dynn_runtime.hints` (tree levels, skipped and exited blocks, idle experts, recycling passes),
-so the pilot learns to use hints from architectures no zoo family has and to do without them.
+:mod:`dynn_runtime.hints` (tree levels, skipped and exited blocks, dropped layers, idle experts,
+recycling passes), so the pilot learns to use hints from architectures no zoo family has and to do
+without them; the graph and token-dropping stages give none.
 
-Every dynamic choice (tree shapes, skips, exits, passes, routes, graphs, capacities, dropped layers) is drawn per step from the batch's
-seeded generator, so a seed gives the same traces on every run and different steps differ. Sizes
-are tiny (width 8-24, batch 4): a 3-step trace records in well under a second on a CPU.
+Every dynamic choice (tree shapes, skips, exits, passes, routes, graphs, capacities, dropped
+layers) is drawn per step from the batch's seeded generators, so a seed gives the same traces on
+every run and different steps differ. Sizes are tiny (width 8-24, batch 4): a 4-step trace
+records in a few seconds on a CPU.
 
-    from dynn_runtime.pilot.synth import SynthWorkload, synth_traces
+    from dynn_runtime.pilot.training.synth import SynthWorkload, synth_traces
     traces = synth_traces(range(16), steps=3)         # recorded once, cached like the zoo's
+    zoo_like = synth_traces(range(16), steps=3, extra=())   # generator 2's networks
 """
 
 from __future__ import annotations
@@ -175,7 +179,6 @@ class _Graph(nn.Module):
 
     def __init__(self, w: int, n: int, attention: bool) -> None:
         super().__init__()
-        self.attention = attention
         self.inp = nn.Linear(w, w)
         self.msg = nn.ModuleList(nn.Linear(w, w) for _ in range(n))
         self.att = nn.ModuleList(nn.Linear(2 * w, 1) for _ in range(n)) if attention else None
