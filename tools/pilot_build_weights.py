@@ -34,9 +34,9 @@ HELD_OUT = [("tiny", (10,), 3), ("small", (0,), 2), ("small", (10,), 3)]
 #: per-level-state tree cells, leave-tree_lstm-out recall rose from 80.7% to 84.4% (one seed)
 SYNTH = (tuple(range(64)), 4)
 #: the synthetic networks' extra stages (synth.EXTRA_STAGES) in the shipped weights' training data:
-#: none (with none, generator 3's networks are generator 2's). `--synth-extra graph,mod` builds the
-#: candidate of docs/benchmarks.md, session 21 (better out of the zoo, slower on the validation
-#: cases); LayerDrop stages cost the zoo 2 points of held-out recall and 11 on deeper models
+#: none, so generator 3's networks are generator 2's. With `--synth-extra graph,mod` the pilot is
+#: better out of the zoo but regresses the zoo's tree_lstm and the validation cases' simulated time;
+#: with LayerDrop too, the zoo regresses further (figures: docs/benchmarks.md, session 21)
 SYNTH_EXTRA: tuple[str, ...] = ()
 #: families whose training traces count more than once. tree_lstm, whose order of accesses the
 #: batch's trees decide, is the hardest family and gave 6.5% of the training rows (evoformer 30%);
