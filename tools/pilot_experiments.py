@@ -81,6 +81,13 @@ def metrics() -> None:
                       "held_out_deeper": HELD_OUT_DEPTH, "deeper": {k: v.as_dict() for k, v in deeper.items()}})
 
 
+def _synth_extra() -> tuple[str, ...] | None:
+    """``--synth-extra graph,mod``: the synthetic networks' extra stages (None: the shipped recipe's)."""
+    if "--synth-extra" not in sys.argv:
+        return None
+    return tuple(k for k in sys.argv[sys.argv.index("--synth-extra") + 1].split(",") if k)
+
+
 def lofo() -> None:
     from dynn_runtime.pilot.model import fit
     from dynn_runtime.pilot.training.data import Rows, build_rows, trace_family
@@ -92,7 +99,7 @@ def lofo() -> None:
     # `lofo --no-synthetic`: the zoo minus the left-out family only (the shipped weights' recipe)
     with_synth = "--no-synthetic" not in sys.argv
     # `lofo --synth-extra graph,mod`: the synthetic networks with those extra stages (default: the shipped recipe's)
-    extra = tuple(sys.argv[sys.argv.index("--synth-extra") + 1].split(",")) if "--synth-extra" in sys.argv else None
+    extra = _synth_extra()
     train_tr = _traces(TRAIN) + depth_traces(TRAIN_DEPTH) + (synthetic(extra=extra) if with_synth else [])
     test_tr = _traces(HELD_OUT)
     rows = {}
@@ -262,7 +269,7 @@ def seeds() -> None:
         cands = [int(x) for x in sys.argv[sys.argv.index("--candidates") + 1].split(",")]
     specs, budgets = VALIDATION
     val = _traces(specs)
-    train_tr = training_traces()
+    train_tr = training_traces(extra=_synth_extra())
     oracle = {}
     for i, t in enumerate(val):
         for b in budgets:
