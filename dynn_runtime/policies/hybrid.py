@@ -48,15 +48,15 @@ _PERSISTENT = frozenset({"param", "buffer", "opt_state"})
 class RecomputeOrCopy:
     """Mixin: each victim of a next-use policy is dropped or offloaded, whichever is cheaper.
 
-    Rebuilds stay one operator deep: a victim is dropped only if every input of its producer is
-    still held (on the device or the host, not dropped nor freed) and still held when the rebuild
-    runs: predicted to be read again no earlier than the victim, or held across the whole iteration
-    (parameters, optimizer state), or, during the forward pass, saved by autograd (held until the
-    backward pass, where the victim's next read is), and a storage that the rebuild of a dropped one reads is not dropped
-    itself while that one is away. A wrong prediction makes a deeper rebuild, not a wrong one. Chains of drops would make one
-    read re-run many operators and pin every input along the chain on the device while it runs (the
-    failure mode that stops ``dtr`` at low budgets); with one level, a rebuild costs its producer and
-    at most the fetch of inputs on the host.
+    Rebuilds stay short. A victim is dropped only if its rebuild re-creates at most ``max_chain``
+    storages (it and the ancestors that are dropped or freed now) and every held storage the rebuild
+    reads (its *leaves*, on the device or the host) will still be held when it runs: predicted to be
+    read again no earlier than the victim, or held across iterations (parameters, optimizer state),
+    or, in the forward pass, saved by autograd (held into the backward pass, where the victim's next
+    read is). A leaf of a storage dropped now is not dropped itself while that one is away. Unbounded
+    chains would make one read re-run many operators and pin every input along them on the device
+    while they run (what stops ``dtr`` at low budgets); a wrong prediction here makes a longer
+    rebuild, never a wrong one (the engine rebuilds whatever is missing).
     """
 
     recomputes: ClassVar[Literal["operators"]] = "operators"
