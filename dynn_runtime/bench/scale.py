@@ -37,8 +37,9 @@ from ..results import strict_json
 __all__ = ["ScaleConfig", "ScaleReport", "run_scale", "SCALE_POLICIES", "render_scale_markdown",
            "write_scale_outputs", "plot_scale"]
 
-#: the policies the issue compares, in the order tables list them
-SCALE_POLICIES = ("none", "checkpoint", "save_on_cpu", "uvm", "dtr", "lru", "replay", "oracle", "pilot")
+#: the policies the issue compares and the recompute-or-copy hybrids, in the order tables list them
+SCALE_POLICIES = ("none", "checkpoint", "save_on_cpu", "uvm", "dtr", "lru", "replay", "oracle", "pilot", "hybrid",
+                  "hybrid_oracle")
 
 
 @dataclass(kw_only=True)

@@ -8,15 +8,17 @@ by comparing two estimates of the seconds the compute stream loses:
 
 * **recompute**: :meth:`~dynn_runtime.policies.base.MemoryView.recompute_cost`, the victim's producer
   plus every dropped or freed ancestor the rebuild would have to re-run first (its chain), at the
-  device profile's operator times. Paid once, on the compute stream, when the storage is next read.
-  A storage predicted never to be read again costs nothing to drop.
-* **copy**: a victim is chosen because memory is short now, and an offload frees its bytes only when
-  its copy lands, so the operator waits for the offload engine's backlog plus the copy
-  (:meth:`~dynn_runtime.policies.base.MemoryView.link_backlog`,
-  :meth:`~dynn_runtime.policies.base.MemoryView.copy_seconds`); the fetch back is hidden when a
-  prefetch can start early enough, so only the part of the fetch longer than the time until the
-  predicted next use (at most ``lookahead`` operators, at the iteration's mean operator time so far)
-  is counted. A busy link makes copies dear and drops likely: "move when the link is free".
+  device profile's operator times, plus fetching the rebuild's inputs that are on the host. Paid
+  once, on the compute stream, when the storage is next read. A storage predicted never to be read
+  again costs nothing to drop. Only short rebuilds are allowed (:class:`RecomputeOrCopy`).
+* **copy**: a victim is chosen because memory is short now, and an offload frees its bytes only
+  when its copy lands, so the copy out counts whole
+  (:meth:`~dynn_runtime.policies.base.MemoryView.copy_seconds`). The fetch back counts whole while
+  a copy engine has a backlog (:meth:`~dynn_runtime.policies.base.MemoryView.link_backlog`: the
+  link is the bottleneck, and a round trip costs its link time whatever the prefetch hides), else
+  only its part longer than the time until the predicted next use (at most ``lookahead``
+  operators, at the iteration's mean operator time so far). So a busy link makes copies dear and
+  drops likely: "move when the link is free".
 
 It drops (``"drop"``) when the recompute estimate is at most the copy estimate and the storage may
 be rebuilt (:meth:`~dynn_runtime.policies.base.MemoryView.recomputable`: an activation or temporary
@@ -26,8 +28,8 @@ the program never reads again; such a storage is dropped where it may be, at no 
 
 Where it runs: rematerialising arbitrary ATen operators is the simulator's only (``recomputes =
 "operators"``, as ``dtr``): the live manager refuses these policies with a message naming the
-alternatives. Not modelled by the estimates: fetching a rebuilt storage's inputs that are on the
-host, and the memory a rebuild needs while it runs (the engine charges both when they happen).
+alternatives. Not modelled by the estimates: the memory a rebuild needs while it runs, and an
+input of the rebuild freed against the prediction (the engine charges both when they happen).
 """
 
 from __future__ import annotations
@@ -173,21 +175,30 @@ class RecomputeOrCopy:
         return view.recompute_cost(sid) + fetch
 
     def copy_estimate(self, sid: int) -> float:
-        """Seconds the compute stream waits for an offload of ``sid`` now and its fetch back."""
+        """Seconds the compute stream loses to an offload of ``sid`` now and its fetch back.
+
+        Memory is short now and an offload frees its bytes only when its copy lands: the copy out
+        counts whole. The fetch back counts whole while a copy engine has a backlog (the link is
+        the bottleneck: every byte on it delays the copies the compute stream waits for, so a
+        round trip costs its link time whatever the prefetch hides), else only its part longer than
+        the time until the predicted next use (at most ``lookahead`` operators, at the iteration's
+        mean operator time so far), which a prefetch cannot hide. The backlog itself is not added:
+        the copies queued ahead are waited for whether this one is dropped or not."""
         view = self.view
         nbytes = view.nbytes(sid)
         out = view.copy_seconds(nbytes, "d2h")
         if out is None:
             return 0.0  # the link is not modelled: offloading is the default
-        wait = (view.link_backlog("d2h") or 0.0) + out
         nu = self._nu(sid)
         if nu == _INF:
-            return wait
+            return out
+        fetch = view.copy_seconds(nbytes, "h2d") or 0.0
+        if (view.link_backlog("d2h") or 0.0) > 0.0 or (view.link_backlog("h2d") or 0.0) > 0.0:
+            return out + fetch
         pos = max(view.position, 0)
         ahead = nu - pos if self.lookahead is None else min(nu - pos, self.lookahead)
         mean_op = view.now() / (pos + 1)
-        fetch = view.copy_seconds(nbytes, "h2d") or 0.0
-        return wait + max(0.0, fetch - ahead * mean_op)
+        return out + max(0.0, fetch - ahead * mean_op)
 
     def evict_mode(self, sid: int) -> Literal["offload", "drop", "discard"]:
         # the base policy's "discard" (never read again) is not taken: a rebuild may read what the

@@ -85,11 +85,12 @@ def test_copy_when_the_recompute_is_dear(policy):
 
 
 def test_a_busy_link_turns_a_copy_into_a_recompute():
-    # A alone: a 3 s copy against a 6 s rebuild: offloaded. Behind G's 10 s offload on the same
-    # link, A's copy would wait 13 s: dropped instead.
-    alone = _run("hybrid_oracle", _trace(a_bytes=300, a_flops=5), 10 + 10 + 300)[1]
+    # A alone: a 3 s copy out (the fetch back hidden by the prefetch) against a 5 s rebuild:
+    # offloaded. Behind G's 10 s offload the link is the bottleneck and A's round trip costs its
+    # 6 s of link time: dropped instead.
+    alone = _run("hybrid_oracle", _trace(a_bytes=300, a_flops=4), 10 + 10 + 300)[1]
     assert alone.choices == {"drop": 0, "offload": 1}
-    r, busy = _run("hybrid_oracle", _trace(a_bytes=300, a_flops=5, big_first=True), 10 + 10 + 1000 + 300)
+    r, busy = _run("hybrid_oracle", _trace(a_bytes=300, a_flops=4, big_first=True), 10 + 10 + 1000 + 300)
     assert busy.choices == {"drop": 1, "offload": 1}
     assert r.bytes_offloaded == 1000 and r.recomputed_ops == 1
 
