@@ -91,3 +91,30 @@ def test_bad_input_and_cli(tmp_path, capsys):
                  "--steps", "1", "--out", str(tmp_path / "dir"), "-q"]) == 0
     assert (tmp_path / "dir" / "overhead.json").exists() and (tmp_path / "dir" / "overhead.md").exists()
 
+
+
+def test_counting_wrapper_keeps_a_lazy_policy_lazy():
+    """The bench's counting wrapper must not make the native source call Python every few operators for a
+    policy that never acts ahead of need (it did: the bench then measured a manager no user runs)."""
+    import torch
+
+    from dynn_runtime.bench.overhead import _BIG, _counting, _manager, available_sources
+    from dynn_runtime.policies import Policy
+
+    assert type(_counting("lru")).after_op is Policy.after_op
+    assert type(_counting("none")).after_op is Policy.after_op
+    pilot = _counting("pilot")
+    assert type(pilot).after_op is not Policy.after_op
+    if "native" not in available_sources():
+        pytest.skip("the native event source is not built here")
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(12)])
+    mm = _manager(_BIG, _counting("lru"), "native")
+    mm.attach(model)
+    try:
+        for _ in range(2):
+            with mm.step():
+                model(torch.randn(4, 8)).sum().backward()
+        assert mm.steps[-1].ops > 64  # more than two periodic turns' worth of operators
+        assert mm.stats()["decision_points"] == 0  # Python never entered: nothing to decide
+    finally:
+        mm.detach()
