@@ -318,9 +318,11 @@ class Steps:
             self._obs.set_phase(-1)
 
     def _mark_kind_of_grads(self) -> None:
-        for p in self.model.parameters():
-            if p.grad is not None:
-                self._track(p.grad, "grad", fresh=False)
+        track = self._track
+        for p in self._grad_params:
+            g = p.grad
+            if g is not None:
+                track(g, "grad", fresh=False)
 
     def _mark_optimizer_state(self) -> None:
         """Label the optimizer's state tensors. One already labelled is skipped while the same tensor
