@@ -226,7 +226,9 @@ def _machine() -> dict[str, Any]:
 
 # ---- 1: the operator microbenchmark ---------------------------------------------------------------
 
-def _micro(cfg: OverheadConfig, source: str, policy: str, bar: Any) -> dict[str, Any]:
+def _micro(cfg: OverheadConfig, source: str, policy: str, bar: Any,
+           probe: Any = None) -> dict[str, Any]:
+    """``probe``, if given, is called at the start of every run of the loop (tests: who observes it)."""
     import torch
 
     g = torch.Generator().manual_seed(cfg.seed)
@@ -235,6 +237,8 @@ def _micro(cfg: OverheadConfig, source: str, policy: str, bar: Any) -> dict[str,
     inp = torch.randn(4, 16, generator=g)
 
     def work() -> None:
+        if probe is not None:
+            probe()
         y = x
         for _ in range(25):
             y = torch.relu(torch.mm(y * 0.5 + x, w))
@@ -242,30 +246,36 @@ def _micro(cfg: OverheadConfig, source: str, policy: str, bar: Any) -> dict[str,
         lin.zero_grad(set_to_none=True)
 
     mm = _manager(_BIG, policy, source)
-    mm.attach(lin)
     per_op: list[float] = []
     ratio: list[float] = []
     plain_op: list[float] = []
+    work()  # warm-up: allocator, the manager's caches
+    mm.attach(lin)
     try:
-        work()  # warm-up: allocator, the manager's caches
         with mm.step():
             work()
-        used = _source_used(mm)
-        for _ in range(cfg.reps):
-            t0 = time.perf_counter()
-            work()
-            t1 = time.perf_counter()
+    finally:
+        mm.detach()
+    used = _source_used(mm)
+    for _ in range(cfg.reps):
+        # PyTorch alone runs detached: an attached manager observes every operator on its thread, in a step
+        # or not (the native source's dispatch key stays included until detach)
+        t0 = time.perf_counter()
+        work()
+        t1 = time.perf_counter()
+        mm.attach(lin)
+        try:
             with mm.step():
                 t2 = time.perf_counter()
                 work()
                 t3 = time.perf_counter()
-            ops = max(mm.steps[-1].ops, 1)
-            per_op.append(((t3 - t2) - (t1 - t0)) / ops)
-            ratio.append((t3 - t2) / (t1 - t0))
-            plain_op.append((t1 - t0) / ops)
-            bar.update(1)
-    finally:
-        mm.detach()
+        finally:
+            mm.detach()
+        ops = max(mm.steps[-1].ops, 1)
+        per_op.append(((t3 - t2) - (t1 - t0)) / ops)
+        ratio.append((t3 - t2) / (t1 - t0))
+        plain_op.append((t1 - t0) / ops)
+        bar.update(1)
     return {"source": source, "source_used": used, "policy": policy, "ops": mm.steps[-1].ops, "reps": cfg.reps,
             "plain_us_per_op": statistics.median(plain_op) * 1e6,
             "overhead_us_per_op": statistics.median(per_op) * 1e6, "ratio": statistics.median(ratio)}

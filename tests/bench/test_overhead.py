@@ -118,3 +118,27 @@ def test_counting_wrapper_keeps_a_lazy_policy_lazy():
         assert mm.stats()["decision_points"] == 0  # Python never entered: nothing to decide
     finally:
         mm.detach()
+
+
+@pytest.mark.parametrize("source", ["python", "native"])
+def test_micro_runs_pytorch_alone_unobserved(source):
+    """The operator microbenchmark's PyTorch-alone runs happen with no manager attached (an attached manager
+    observes every operator on its thread, in a step or not), its managed runs inside a step."""
+    import torch
+
+    from dynn_runtime.bench.overhead import _micro, available_sources
+    from dynn_runtime.runtime.events import QUIET
+
+    if source not in available_sources():
+        pytest.skip(f"the {source} event source is not usable here")
+    seen: list[bool] = []
+    probe = lambda: seen.append(bool(QUIET) or torch._C._len_torch_dispatch_stack() > 0)  # noqa: E731
+
+    class Bar:
+        def update(self, n: int) -> None:
+            pass
+
+    cfg = OverheadConfig(workloads=["tree_lstm"], sources=[source], reps=3).resolved()
+    rec = _micro(cfg, source, "lru", Bar(), probe=probe)
+    assert rec["source_used"] == source
+    assert seen == [False, True] + [False, True] * 3  # warm-up alone, warm-up managed, then the pairs
