@@ -141,4 +141,5 @@ def test_micro_runs_pytorch_alone_unobserved(source):
     cfg = OverheadConfig(workloads=["tree_lstm"], sources=[source], reps=3).resolved()
     rec = _micro(cfg, source, "lru", Bar(), probe=probe)
     assert rec["source_used"] == source
-    assert seen == [False, True] + [False, True] * 3  # warm-up alone, warm-up managed, then the pairs
+    # warm-up alone; then per block (up to 5 pairs): each run alone, one unmeasured managed step, the managed runs
+    assert seen == [False] + [False] * 3 + [True] * 4
