@@ -200,9 +200,11 @@ class Steps:
         with no_mode():
             ctx = IterationContext(history=list(self.history), trace=self._trace)
             self.policy.begin_iteration(self._step_index, ctx)
-            for sid, s in list(self.st.items()):
-                if s.status != ABSENT:
-                    self.policy.on_alloc(sid, -1)
+            if type(self.policy).on_alloc is not Policy.on_alloc:  # what the program holds, told to a policy that listens
+                on_alloc = self.policy.on_alloc
+                for sid, s in list(self.st.items()):
+                    if s.status != ABSENT:
+                        on_alloc(sid, -1)
             self._map_oracle_persistent()
             if not self._measure_step and self.used > self.budget:
                 # what the program holds between steps may exceed the budget (after the measuring
