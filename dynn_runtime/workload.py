@@ -62,6 +62,8 @@ from .errors import DynnError, WorkloadError
 
 __all__ = [
     "Workload",
+    "SeededBatches",
+    "SEED_STRIDE",
     "load_workload",
     "to_device",
     "make_optimizer",
@@ -86,7 +88,44 @@ class Workload(Protocol):
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor: ...
 
 
-def _load_from_file(spec: str, preset: str, **kwargs: Any) -> Any:
+#: under seed s, a user workload whose function takes no ``seed`` yields for step k the batch it
+#: would give for step ``k + s * SEED_STRIDE`` (a prime far beyond any run's step count, so the
+#: streams of two seeds do not overlap in practice)
+SEED_STRIDE = 1_000_003
+
+
+class SeededBatches:
+    """A user workload whose ``function(preset)`` takes no ``seed``, under seed ``seed``: batch
+    ``step`` is the workload's batch ``step + seed * SEED_STRIDE``; every other member is the
+    workload's own. Seed 0 is not wrapped (the workload as written)."""
+
+    def __init__(self, inner: Any, seed: int) -> None:
+        self.inner = inner
+        self.seed = seed
+        self.offset = seed * SEED_STRIDE
+
+    def make_batch(self, step: int) -> Any:
+        return self.inner.make_batch(step + self.offset)
+
+    def __getattr__(self, name: str) -> Any:
+        # only called for names the wrapper lacks: model, loss, optimizer, step_facts, ...
+        inner = self.__dict__.get("inner")
+        if inner is None:  # (being copied or unpickled: no inner yet)
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+
+def _takes_seed(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
+    return any((p.name == "seed" and p.kind is not p.POSITIONAL_ONLY) or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _load_from_file(spec: str, preset: str, seed: int = 0, **kwargs: Any) -> Any:
     path_str, _, func_name = spec.rpartition(":")
     path = Path(path_str)
     if not path.is_file():
@@ -110,6 +149,10 @@ def _load_from_file(spec: str, preset: str, **kwargs: Any) -> Any:
         raise WorkloadError(
             f"workload: {str(path)!r} has no function {func_name!r}. Callables defined there: {public}."
         )
+    takes_seed = _takes_seed(fn)
+    if takes_seed:
+        kwargs = {**kwargs, "seed": seed}
+    torch.manual_seed(seed)  # weights a function draws from the global generator follow the seed too
     try:
         wl = fn(preset, **kwargs) if kwargs else fn(preset)
     except Exception as exc:
@@ -117,7 +160,7 @@ def _load_from_file(spec: str, preset: str, **kwargs: Any) -> Any:
             f"workload: {spec}({preset!r}) raised {type(exc).__name__}: {exc}"
         ) from exc
     _check_workload(wl, spec)
-    return wl
+    return SeededBatches(wl, seed) if seed and not takes_seed else wl
 
 
 def _check_workload(wl: Any, spec: str) -> None:
@@ -138,20 +181,28 @@ def load_workload(spec: str, preset: str = "tiny", seed: int = 0, **overrides: A
     """Build a workload from a zoo name or ``path/to/file.py:function``.
 
     ``overrides`` set fields of a zoo family's config (for example ``batch=8``);
-    they are not passed to user functions unless given.
+    they are not passed to user functions unless given. ``seed`` reaches a user function as its
+    ``seed`` keyword where it takes one (``def build(preset, seed=0)``); otherwise a nonzero seed
+    shifts the steps its ``make_batch`` is asked for (:class:`SeededBatches`), so two seeds give
+    different batches and one seed the same ones. The global torch generator is seeded with it
+    before the function runs.
     """
     if ".py:" in spec:
-        return _load_from_file(spec, preset, **overrides)
+        return _load_from_file(spec, preset, seed, **overrides)
     from . import models
 
     return models.build(spec, preset=preset, seed=seed, **overrides)
 
 
 def workload_name(spec: str) -> str:
-    """A short, file-name-safe name for a workload spec."""
+    """A short, file-name-safe name for a workload spec (or a recorded trace file's path: its name
+    without ``.jsonl.gz``)."""
     if ".py:" in spec:
         path, _, fn = spec.rpartition(":")
         return f"{Path(path).stem}.{fn}"
+    for ext in (".jsonl.gz", ".jsonl"):
+        if spec.endswith(ext):
+            return Path(spec).name[: -len(ext)]
     return spec
 
 

@@ -69,6 +69,18 @@ def test_readme_example_is_the_shipped_file_and_runs(capsys):
     assert len(re.findall(r"^step", capsys.readouterr().out, re.M)) == 3
 
 
+def test_readme_example_trains_to_finite_losses_at_small():
+    """The benches measure the example at ``small``; a loss that overflows there times NaN arithmetic."""
+    import math
+
+    from dynn_runtime.workload import load_workload, make_optimizer, train_step
+
+    wl = load_workload(f"{ROOT / 'examples' / 'my_workload.py'}:build", preset="small", seed=0)
+    opt = make_optimizer(wl, wl.model.parameters())
+    losses = [train_step(wl, wl.model, opt, wl.make_batch(i)).item() for i in range(12)]
+    assert all(math.isfinite(x) for x in losses), losses
+
+
 def test_demo_reports_every_family(capsys):
     assert main(["demo", "--steps", "2", "--families", "moe", "varlen"]) == 0
     out = capsys.readouterr().out

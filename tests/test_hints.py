@@ -187,12 +187,14 @@ def test_the_tree_lstm_hints_are_true(tree_trace):
 
 def test_the_synthetic_networks_hints_are_true(tmp_path):
     """The synthetic training networks that hint (a tree trunk of each cell, recycling, skip and
-    exit stages, an image trunk whose skip blocks cannot all run) tell the truth: the pilot learns
-    from them what a hint is worth."""
+    exit stages, LayerDrop stages, an image trunk whose skip blocks cannot all run) tell the truth: the
+    pilot learns from them what a hint is worth."""
     from dynn_runtime.pilot.training.synth import SynthNet, describe, synth_traces
 
-    seeds = [4, 5, 8, 24]  # conv: moe, skip, recycle, exit; tree (levels); conv: exit, skip; tree (shared)
-    assert all(SynthNet(s).tell for s in seeds)
+    # conv: moe, skip, recycle, exit; tree (levels); conv: exit, skip, layerdrop; tree (shared); tree
+    # (shared): layerdrop first
+    seeds = [4, 5, 8, 24, 37]
+    assert all(SynthNet(s).tell for s in seeds) and describe(37)["stages"][0] == "layerdrop"
     assert {describe(s).get("cell") for s in seeds} == {None, "levels", "shared"}
     for seed, tr in zip(seeds, synth_traces(seeds, steps=2, cache_dir=tmp_path)):
         assert _check_hints_true(tr) > 20, seed

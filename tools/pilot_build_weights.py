@@ -26,13 +26,18 @@ from pathlib import Path
 
 from dynn_runtime import models
 from dynn_runtime.pilot import PilotConfig, evaluate, render_table, save_model, train, zoo_traces
-from dynn_runtime.pilot.training.synth import SYNTH_FAMILY, synth_traces
+from dynn_runtime.pilot.training.synth import EXTRA_STAGES, GENERATOR_VERSION, SYNTH_FAMILY, synth_traces
 
 TRAIN = [("tiny", (1, 2, 3), 4), ("small", (1,), 3)]
 HELD_OUT = [("tiny", (10,), 3), ("small", (0,), 2), ("small", (10,), 3)]
 #: synthetic networks (training data only): seeds, steps. 64 since session 15 (32 before): with the
 #: per-level-state tree cells, leave-tree_lstm-out recall rose from 80.7% to 84.4% (one seed)
 SYNTH = (tuple(range(64)), 4)
+#: the synthetic networks' extra stages (synth.EXTRA_STAGES) in the shipped weights' training data:
+#: none, so generator 3's networks are generator 2's. With `--synth-extra graph,mod` the pilot is
+#: better out of the zoo but regresses the zoo's tree_lstm and the validation cases' simulated time;
+#: with LayerDrop too, the zoo regresses further (figures: docs/benchmarks.md, session 21)
+SYNTH_EXTRA: tuple[str, ...] = ()
 #: families whose training traces count more than once. tree_lstm, whose order of accesses the
 #: batch's trees decide, is the hardest family and gave 6.5% of the training rows (evoformer 30%);
 #: counted three times its held-out recall rose by 1.5-2 points (seed 2: 93.0 -> 94.7%, same
@@ -69,19 +74,21 @@ def depth_traces(spec: tuple, cache_dir: str = ".dynn-cache/traces") -> list:
             for k in scales for seed in seeds for fam in models.FAMILIES if models.family(fam).depth_knob]
 
 
-def synthetic(cache_dir: str = ".dynn-cache/traces") -> list:
-    """The synthetic training traces (recorded on first use, then read from the cache)."""
-    return synth_traces(SYNTH[0], steps=SYNTH[1], cache_dir=cache_dir)
+def synthetic(cache_dir: str = ".dynn-cache/traces", extra: tuple[str, ...] | None = None) -> list:
+    """The synthetic training traces (recorded on first use, then read from the cache); ``extra``:
+    the extra stages they may hold (None: :data:`SYNTH_EXTRA`)."""
+    return synth_traces(SYNTH[0], steps=SYNTH[1], cache_dir=cache_dir, extra=SYNTH_EXTRA if extra is None else extra)
 
 
-def training_traces(with_synthetic: bool = True, cache_dir: str = ".dynn-cache/traces") -> list:
+def training_traces(with_synthetic: bool = True, cache_dir: str = ".dynn-cache/traces",
+                    extra: tuple[str, ...] | None = None) -> list:
     """The shipped weights' training traces: the zoo splits, the depth-scaled models, tree_lstm's
-    repeats (REPEAT) and, with ``with_synthetic``, the synthetic networks."""
+    repeats (REPEAT) and, with ``with_synthetic``, the synthetic networks (``extra``: see :func:`synthetic`)."""
     fams = list(models.FAMILIES)
     out = [t for p, seeds, steps in TRAIN for _, t in zoo_traces(fams, [p], seeds, steps, cache_dir)]
     out += depth_traces(TRAIN_DEPTH, cache_dir)
     out += [t for t in out for _ in range(REPEAT.get(t.header.get("workload"), 1) - 1)]
-    return out + (synthetic(cache_dir) if with_synthetic else [])
+    return out + (synthetic(cache_dir, extra) if with_synthetic else [])
 
 
 def main() -> None:
@@ -94,9 +101,16 @@ def main() -> None:
                     help="add the synthetic networks to the training data (the shipped weights do)")
     ap.add_argument("--seed", type=int, default=SHIPPED_SEED,
                     help=f"initialisation and shuffling seed (default {SHIPPED_SEED}: see SHIPPED_SEED)")
+    ap.add_argument("--synth-extra", default=",".join(SYNTH_EXTRA), metavar="KINDS",
+                    help=f"comma-separated extra stages of the synthetic networks, among {','.join(EXTRA_STAGES)} "
+                         f"(default: {','.join(SYNTH_EXTRA) or 'none'}, the shipped weights')")
     args = ap.parse_args()
+    extra = tuple(k for k in args.synth_extra.split(",") if k)
+    unknown = set(extra) - set(EXTRA_STAGES)
+    if unknown:
+        ap.error(f"--synth-extra: {sorted(unknown)} not among {EXTRA_STAGES}")
     fams = list(models.FAMILIES)
-    train_tr = training_traces(args.synthetic, args.cache_dir)
+    train_tr = training_traces(args.synthetic, args.cache_dir, extra)
     test_tr = [t for p, seeds, steps in HELD_OUT for _, t in zoo_traces(fams, [p], seeds, steps, args.cache_dir)]
     t0 = time.time()
     model, info = train(train_tr, PilotConfig(epochs=args.epochs, seed=args.seed), log=print,
@@ -114,7 +128,8 @@ def main() -> None:
         "weights": "zoo.npz",
         "training_data": [{"preset": p, "seeds": list(s), "steps": n, "families": fams} for p, s, n in TRAIN],
         "synthetic_data": ({"workload": SYNTH_FAMILY, "generator": "dynn_runtime/pilot/synth.py",
-                            "seeds": list(SYNTH[0]), "steps": SYNTH[1], "evaluated": False}
+                            "seeds": list(SYNTH[0]), "steps": SYNTH[1], "evaluated": False,
+                            "generator_version": GENERATOR_VERSION, "extra_stages": list(extra)}
                            if args.synthetic else None),
         "repeated_families": REPEAT,
         "held_out_data": [{"preset": p, "seeds": list(s), "steps": n, "families": fams} for p, s, n in HELD_OUT],
@@ -127,7 +142,8 @@ def main() -> None:
         "held_out_deeper_metrics": {k: v.as_dict() for k, v in deeper.items()},
         "evaluated_every_nth_decision": args.every,
         "command": "python tools/pilot_build_weights.py " + f"--epochs {args.epochs} --seed {args.seed}"
-                   + (" --synthetic" if args.synthetic else ""),
+                   + (" --synthetic" if args.synthetic else "")
+                   + (f" --synth-extra {','.join(extra)}" if extra != SYNTH_EXTRA else ""),
         "seed_selection": SEED_SELECTION if args.seed == SHIPPED_SEED else None,
         **{k: v for k, v in info.items() if k != "data"},
         "trace_files": [d["path"].split("/")[-1] for d in info["data"]],

@@ -81,6 +81,13 @@ def metrics() -> None:
                       "held_out_deeper": HELD_OUT_DEPTH, "deeper": {k: v.as_dict() for k, v in deeper.items()}})
 
 
+def _synth_extra() -> tuple[str, ...] | None:
+    """``--synth-extra graph,mod``: the synthetic networks' extra stages (None: the shipped recipe's)."""
+    if "--synth-extra" not in sys.argv:
+        return None
+    return tuple(k for k in sys.argv[sys.argv.index("--synth-extra") + 1].split(",") if k)
+
+
 def lofo() -> None:
     from dynn_runtime.pilot.model import fit
     from dynn_runtime.pilot.training.data import Rows, build_rows, trace_family
@@ -91,7 +98,9 @@ def lofo() -> None:
     # rows are built once per family (what train() does for the traces it is given) and reused
     # `lofo --no-synthetic`: the zoo minus the left-out family only (the shipped weights' recipe)
     with_synth = "--no-synthetic" not in sys.argv
-    train_tr = _traces(TRAIN) + depth_traces(TRAIN_DEPTH) + (synthetic() if with_synth else [])
+    # `lofo --synth-extra graph,mod`: the synthetic networks with those extra stages (default: the shipped recipe's)
+    extra = _synth_extra()
+    train_tr = _traces(TRAIN) + depth_traces(TRAIN_DEPTH) + (synthetic(extra=extra) if with_synth else [])
     test_tr = _traces(HELD_OUT)
     rows = {}
     for i, name in enumerate(dict.fromkeys(trace_family(t) for t in train_tr)):
@@ -128,7 +137,7 @@ def lofo() -> None:
                   f"(min {100 * np.min(recalls):.1f}, max {100 * np.max(recalls):.1f}) over seeds {seeds}", flush=True)
     _dump("lofo" if with_synth else "lofo_zoo_only", {
                    "config": dataclasses.asdict(cfg), "train": TRAIN, "train_depth": TRAIN_DEPTH,
-                   "synthetic": {"seeds": list(SYNTH[0]), "steps": SYNTH[1]} if with_synth else None,
+                   "synthetic": {"seeds": list(SYNTH[0]), "steps": SYNTH[1], "extra_stages": extra} if with_synth else None,
                    "repeated_families": REPEAT, "held_out": HELD_OUT, "evaluated_every_nth_decision": 2, "training_seeds": seeds,
                    "results": res})
 
@@ -260,7 +269,7 @@ def seeds() -> None:
         cands = [int(x) for x in sys.argv[sys.argv.index("--candidates") + 1].split(",")]
     specs, budgets = VALIDATION
     val = _traces(specs)
-    train_tr = training_traces()
+    train_tr = training_traces(extra=_synth_extra())
     oracle = {}
     for i, t in enumerate(val):
         for b in budgets:

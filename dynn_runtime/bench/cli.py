@@ -61,7 +61,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="simulate every policy on every family under shrinking budgets",
                        description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", nargs="+", default=[], metavar="FAMILY",
-                   help="zoo families or path/to/file.py:function workloads (default: every zoo family)")
+                   help="zoo families, path/to/file.py:function workloads or recorded trace files (*.jsonl.gz) "
+                        "(default: every zoo family)")
     p.add_argument("--policies", nargs="+", default=[], metavar="POLICY",
                    help="policies (default: every registered policy the simulator can run)")
     p.add_argument("--budgets", type=_budgets, default=None, metavar="F,F,...",

@@ -40,6 +40,7 @@ from ..budget import Budget
 from ..errors import BudgetError, ConfigError, PolicyError
 from ..results import strict_json
 from ..trace.cache import TraceCache  # re-exported: it moved to trace/
+from ..trace.format import read_trace
 from .quality import window_recall
 
 __all__ = [
@@ -64,8 +65,9 @@ class BenchConfig:
     :meth:`resolved` fills them in, and that resolved config is what the results file stores."""
 
     families: list[str] = field(default_factory=list)
-    """Zoo families or ``path/to/file.py:function`` workloads (no size or depth knob: left out of the
-    max-size scan and of a deeper grid) to run; empty means all of ``models.FAMILIES``."""
+    """Zoo families, ``path/to/file.py:function`` workloads or recorded trace files (``*.jsonl.gz``,
+    simulated as recorded) to run; the last two have no size or depth knob and are left out of the
+    max-size scan and of a deeper grid. Empty means all of ``models.FAMILIES``."""
     policies: list[str] = field(default_factory=list)
     """Policies to simulate; empty means every policy registered in ``POLICIES`` at run time that the
     simulator can serve (one that needs e.g. trained pilot weights that are missing is skipped, logged)."""
@@ -136,11 +138,15 @@ class BenchConfig:
         from ..policies import POLICIES
         from ..sim import PROFILES
 
-        bad = [f for f in self.families if f not in models.FAMILIES and ".py:" not in f]
+        bad = [f for f in self.families if f not in models.FAMILIES and ".py:" not in f and not is_trace_file(f)]
         if bad:
             raise ConfigError(f"bench: unknown famil{'y' if len(bad) == 1 else 'ies'} {', '.join(map(repr, bad))}; "
-                              f"choices: {', '.join(models.FAMILIES)}, or a workload of your own as "
-                              "path/to/file.py:function.")
+                              f"choices: {', '.join(models.FAMILIES)}, a workload of your own as "
+                              "path/to/file.py:function, or a recorded trace file (.jsonl.gz).")
+        missing = [f for f in self.families if is_trace_file(f) and not Path(f).is_file()]
+        if missing:
+            raise ConfigError(f"bench: trace file {', '.join(map(repr, missing))} does not exist; record one with "
+                              "`dynn trace WORKLOAD -o FILE.jsonl.gz`.")
         bad = [p for p in self.policies if p not in POLICIES]
         if bad:
             raise ConfigError(f"bench: unknown polic{'y' if len(bad) == 1 else 'ies'} {', '.join(map(repr, bad))}; "
@@ -218,6 +224,12 @@ def available_policies() -> tuple[list[str], dict[str, str]]:
         else:
             ok.append(name)
     return ok, skipped
+
+
+def is_trace_file(family: str) -> bool:
+    """``family`` names a recorded trace file (``.jsonl.gz`` or ``.jsonl``: simulated as recorded; no
+    size or depth knob) rather than a zoo family or a ``file.py:function`` workload."""
+    return family.endswith((".jsonl.gz", ".jsonl"))
 
 
 def scan_knob(family: str, which: str = "size") -> str | None:
@@ -363,6 +375,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> BenchReport:
 
     def trace_for(family: str, preset: str, overrides: dict) -> Any:
         bar.set_postfix_str(f"trace {family} {preset} {overrides or ''}".strip())
+        if is_trace_file(family):  # recorded already: simulated as it is (its own preset, seed and steps)
+            return read_trace(family), Path(family)
         trace = cache.get(family, preset, cfg.seed, cfg.steps, overrides)
         return trace, cache.path(family, preset, cfg.seed, cfg.steps, overrides)
 

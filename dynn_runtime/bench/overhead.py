@@ -1,7 +1,7 @@
 """``dynn bench --overhead``: what the live memory manager costs on the host, measured against PyTorch alone.
 
-Three measurements, each interleaving managed and unmanaged runs in one process on the same inputs
-(the machine's noise hits both alike; ratios are taken within a repetition, then the median):
+Three measurements, each pairing managed and unmanaged runs in one process on the same inputs
+(the machine's noise hits both alike; ratios are taken within a pair, then the median):
 
 1. **Operators.** A loop of small ATen operators (``mul``, ``add``, ``mm``, ``relu`` on 8x8 tensors)
    and a small ``Linear`` forward and backward, one intra-op thread, alone and inside a
@@ -10,7 +10,8 @@ Three measurements, each interleaving managed and unmanaged runs in one process 
    operator over PyTorch alone (median over repetitions).
 2. **Workloads.** Every zoo family at ``preset`` and the README's example
    (``examples/my_workload.py:build``): step time managed (budget above the peak) over unmanaged,
-   per policy; and ``lru`` at half the peak: the ratio and where the time goes (the manager's
+   per policy, the manager attached once for its run (as a user attaches it), PyTorch alone on a
+   copy of the same initial model in the block before, step ``i`` paired with step ``i``; and ``lru`` at half the peak: the ratio and where the time goes (the manager's
    ``stall_seconds``, ``copy_seconds``, ``policy_seconds``; the rest is its event path), with the
    decision points (``victims()`` calls and ``after_op()`` calls that returned actions, counted by
    a wrapper around the policy: the definition of :mod:`dynn_runtime.sim.hostcost`).
@@ -52,6 +53,7 @@ __all__ = ["OverheadConfig", "OverheadReport", "run_overhead", "render_overhead_
            "calibration_from", "write_calibration", "ZOO_AND_EXAMPLE"]
 
 _BIG = 1 << 50  # a budget far above any peak here: nothing moves
+_BLOCK = 5  # the operator microbenchmark's pairs per attach
 
 
 @dataclass(kw_only=True)
@@ -169,7 +171,7 @@ def available_sources() -> list[str]:
 def _counting(policy: str) -> Any:
     """``policy`` with its decision points counted (as the simulator's host cost counts them): ``victims()`` calls, and
     ``after_op()`` calls that return actions."""
-    from ..policies import POLICIES
+    from ..policies import POLICIES, Policy
 
     base = POLICIES[policy]
 
@@ -181,13 +183,18 @@ def _counting(policy: str) -> Any:
             self.decision_points += 1
             return super().victims(need_bytes, exclude)
 
-        def after_op(self, position: int) -> Any:
-            actions = super().after_op(position)
-            if actions:
-                self.decision_points += 1
-                self.prefetches += sum(a.kind == "prefetch" for a in actions)
-            return actions
+    def after_op(self: Any, position: int) -> Any:
+        actions = base.after_op(self, position)
+        if actions:
+            self.decision_points += 1
+            self.prefetches += sum(a.kind == "prefetch" for a in actions)
+        return actions
 
+    # Only a policy that acts ahead of need overrides after_op, and the native event source calls Python
+    # every ``decide_every`` operators for such a policy alone (runtime/steps.py): wrapping it on the
+    # others would measure a manager the user does not run.
+    if base.after_op is not Policy.after_op:
+        Counting.after_op = after_op
     Counting.__name__ = Counting.__qualname__ = f"Counting{base.__name__}"
     return Counting()
 
@@ -220,7 +227,9 @@ def _machine() -> dict[str, Any]:
 
 # ---- 1: the operator microbenchmark ---------------------------------------------------------------
 
-def _micro(cfg: OverheadConfig, source: str, policy: str, bar: Any) -> dict[str, Any]:
+def _micro(cfg: OverheadConfig, source: str, policy: str, bar: Any,
+           probe: Any = None) -> dict[str, Any]:
+    """``probe``, if given, is called at the start of every run of the loop (tests: who observes it)."""
     import torch
 
     g = torch.Generator().manual_seed(cfg.seed)
@@ -229,6 +238,8 @@ def _micro(cfg: OverheadConfig, source: str, policy: str, bar: Any) -> dict[str,
     inp = torch.randn(4, 16, generator=g)
 
     def work() -> None:
+        if probe is not None:
+            probe()
         y = x
         for _ in range(25):
             y = torch.relu(torch.mm(y * 0.5 + x, w))
@@ -236,30 +247,40 @@ def _micro(cfg: OverheadConfig, source: str, policy: str, bar: Any) -> dict[str,
         lin.zero_grad(set_to_none=True)
 
     mm = _manager(_BIG, policy, source)
-    mm.attach(lin)
     per_op: list[float] = []
     ratio: list[float] = []
     plain_op: list[float] = []
-    try:
-        work()  # warm-up: allocator, the manager's caches
-        with mm.step():
-            work()
-        used = _source_used(mm)
-        for _ in range(cfg.reps):
+    work()  # warm-up: allocator
+    used = source
+    done = 0
+    while done < cfg.reps:
+        # Blocks of up to _BLOCK pairs: PyTorch alone runs detached (an attached manager observes every
+        # operator on its thread, in a step or not), then the manager, attached once for the block, runs
+        # one unmeasured step (its caches, as a user's first step fills them) and the block's steps.
+        k = min(_BLOCK, cfg.reps - done)
+        alone = []
+        for _ in range(k):
             t0 = time.perf_counter()
             work()
-            t1 = time.perf_counter()
+            alone.append(time.perf_counter() - t0)
+        mm.attach(lin)
+        try:
             with mm.step():
-                t2 = time.perf_counter()
                 work()
-                t3 = time.perf_counter()
-            ops = max(mm.steps[-1].ops, 1)
-            per_op.append(((t3 - t2) - (t1 - t0)) / ops)
-            ratio.append((t3 - t2) / (t1 - t0))
-            plain_op.append((t1 - t0) / ops)
-            bar.update(1)
-    finally:
-        mm.detach()
+            for a in alone:
+                with mm.step():
+                    t0 = time.perf_counter()
+                    work()
+                    m = time.perf_counter() - t0
+                ops = max(mm.steps[-1].ops, 1)
+                per_op.append((m - a) / ops)
+                ratio.append(m / a)
+                plain_op.append(a / ops)
+                bar.update(1)
+        finally:
+            mm.detach()
+        used = _source_used(mm)
+        done += k
     return {"source": source, "source_used": used, "policy": policy, "ops": mm.steps[-1].ops, "reps": cfg.reps,
             "plain_us_per_op": statistics.median(plain_op) * 1e6,
             "overhead_us_per_op": statistics.median(per_op) * 1e6, "ratio": statistics.median(ratio)}
@@ -274,63 +295,80 @@ def _one_step(wl: Any, model: Any, opt: Any, batch: Any) -> None:
 
 
 def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dict[str, Any]]:
-    """One workload on one event source: per step, PyTorch alone, then each policy above the peak,
-    then lru at ``half``, each on the same batch (step 0 is a warm-up and the half run's measuring step)."""
+    """One workload on one event source, per manager (each policy above the peak, then lru at ``half``):
+    PyTorch alone trains a fresh copy of the model for ``steps + 1`` steps, then the manager, attached
+    once as a user attaches it, trains another fresh copy on the same batches; step ``i`` of one is
+    paired with step ``i`` of the other (step 0 is a warm-up and the half run's measuring step). One
+    native observer serves a process and the thread it is attached to, so PyTorch alone cannot run
+    between two managed steps without being observed: the two alternate by blocks."""
+    import copy
+
     import torch
 
     from ..workload import load_workload, make_optimizer, workload_name
 
     torch.manual_seed(cfg.seed)
     wl = load_workload(spec, preset=cfg.preset, seed=cfg.seed)
-    model = wl.model
-    opt = make_optimizer(wl, model.parameters())
-    variants: list[tuple[str, str, Any]] = [(p, "above", _manager(_BIG, _counting(p), source))
-                                            for p in cfg.policies]
-    variants.append(("lru", "half", _manager(cfg.half, _counting("lru"), source)))
-    plain: list[float] = []
+    initial = copy.deepcopy(wl.model)
+    batches = [wl.make_batch(step) for step in range(cfg.steps + 1)]
+    variants = [*((p, "above", _BIG) for p in cfg.policies), ("lru", "half", cfg.half)]
     rows: dict[tuple[str, str], list[dict[str, float]]] = {(p, b): [] for p, b, _ in variants}
-    for step in range(cfg.steps + 1):
-        batch = wl.make_batch(step)
-        t0 = time.perf_counter()
-        _one_step(wl, model, opt, batch)
-        dt_plain = time.perf_counter() - t0
-        if step:
-            plain.append(dt_plain)
-        for policy, where, mm in variants:
-            pol = mm.policy
-            before_dp, before_pf, before = pol.decision_points, pol.prefetches, _pilot_counters(pol)
-            before_rt = _runtime_decision_points(mm)
-            mm.attach(model, opt)
-            try:
-                t0 = time.perf_counter()  # the step's own start and end are the user's time too
+    plain: list[float] = []
+    used: dict[str, str] = {}
+    for policy, where, budget in variants:
+        model = copy.deepcopy(initial)
+        opt = make_optimizer(wl, model.parameters())
+        alone, alone_cpu = [], []
+        for batch in batches:
+            c0, t0 = time.process_time(), time.perf_counter()
+            _one_step(wl, model, opt, batch)
+            alone.append(time.perf_counter() - t0)
+            alone_cpu.append(time.process_time() - c0)
+        plain.extend(alone[1:])
+        model = copy.deepcopy(initial)
+        opt = make_optimizer(wl, model.parameters())
+        mm = _manager(budget, _counting(policy), source)
+        pol = mm.policy
+        mm.attach(model, opt)
+        try:
+            for step, batch in enumerate(batches):
+                before_dp, before_pf, before = pol.decision_points, pol.prefetches, _pilot_counters(pol)
+                before_rt = _runtime_decision_points(mm)
+                c0, t0 = time.process_time(), time.perf_counter()  # the step's start and end are the user's too
                 with mm.step():
                     _one_step(wl, model, opt, batch)
                 dt = time.perf_counter() - t0
-            finally:
-                mm.detach()
-            if not step:
-                continue
-            s = mm.steps[-1]
-            after = _pilot_counters(pol)
-            rows[(policy, where)].append({
-                "plain_s": dt_plain, "managed_s": dt, "ops": s.ops, "stall_s": s.stall_seconds,
-                "copy_s": s.copy_seconds, "policy_s": s.policy_seconds, "evictions": s.evictions,
-                "decision_points": pol.decision_points - before_dp,
-                # storages moved: evictions, demand fetches, prefetches asked for (an upper bound)
-                "moves": s.evictions + s.prefetch_misses + pol.prefetches - before_pf,
-                # the runtime's own count where it reports one (the native event path's Python entries)
-                "runtime_decision_points": _runtime_decision_points(mm) - before_rt,
-                **{f"pilot_{k}": after[k] - before[k] for k in after},
-            })
-        bar.update(1)
+                dt_cpu = time.process_time() - c0
+                bar.update(1)
+                if not step:
+                    continue
+                s = mm.steps[-1]
+                after = _pilot_counters(pol)
+                rows[(policy, where)].append({
+                    "plain_s": alone[step], "managed_s": dt, "plain_cpu_s": alone_cpu[step], "managed_cpu_s": dt_cpu,
+                    "ops": s.ops, "stall_s": s.stall_seconds,
+                    "copy_s": s.copy_seconds, "policy_s": s.policy_seconds, "evictions": s.evictions,
+                    "decision_points": pol.decision_points - before_dp,
+                    # storages moved: evictions, demand fetches, prefetches asked for (an upper bound)
+                    "moves": s.evictions + s.prefetch_misses + pol.prefetches - before_pf,
+                    # the runtime's own count where it reports one (the native event path's Python entries)
+                    "runtime_decision_points": _runtime_decision_points(mm) - before_rt,
+                    **{f"pilot_{k}": after[k] - before[k] for k in after},
+                })
+        finally:
+            mm.detach()
+        used[where] = _source_used(mm)
     out = []
     name = workload_name(spec)
-    used = {where: _source_used(mm) for _, where, mm in variants}
     for (policy, where), rs in rows.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         ratio = statistics.median(r["managed_s"] / r["plain_s"] for r in rs)
+        # the process's CPU time (every thread of it): what the manager costs the host, less exposed than the wall
+        # clock to other processes sharing the cores
+        cpu_ratio = statistics.median(r["managed_cpu_s"] / max(r["plain_cpu_s"], 1e-9) for r in rs)
         rec = {"workload": name, "spec": spec, "source": source, "source_used": used[where], "policy": policy,
                "budget": "above peak" if where == "above" else cfg.half, "steps": len(rs), "ratio": ratio,
+               "cpu_ratio": cpu_ratio,
                "plain_s": statistics.median(plain), **med}
         # on the CPU copies are synchronous: stall_seconds includes them (copy_seconds is that part)
         rec["other_s"] = med["managed_s"] - med["plain_s"] - med["stall_s"] - med["policy_s"]
@@ -375,7 +413,8 @@ def run_overhead(cfg: OverheadConfig, progress: bool = True) -> OverheadReport:
     t_start = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
-    total = len(cfg.sources) * (len(cfg.policies) * cfg.reps + len(cfg.workloads) * (cfg.steps + 1))
+    total = len(cfg.sources) * (len(cfg.policies) * cfg.reps
+                                 + len(cfg.workloads) * (len(cfg.policies) + 1) * (cfg.steps + 1))
     bar = tqdm(total=total, desc="bench --overhead", unit="rep", disable=not progress, leave=False,
                dynamic_ncols=True)
     micro: list[dict[str, Any]] = []
@@ -405,6 +444,11 @@ def _x(v: float | None) -> str:
     return "" if v is None or not math.isfinite(v) else f"{v:.2f}x"
 
 
+def _pair(r: dict[str, Any]) -> str:
+    """A workload record's wall-clock and CPU-time ratios, ``1.05x / 1.02x``."""
+    return f"{_x(r['ratio'])} / {_x(r['cpu_ratio'])}" if "cpu_ratio" in r else _x(r["ratio"])
+
+
 def render_overhead_markdown(report: OverheadReport) -> str:
     cfg, m = report.config, report.meta["machine"]
     lines = [f"# dynn bench --overhead ({report.meta['date']}): {m['host_cpu']}, {m['cores']} cores, torch "
@@ -419,6 +463,8 @@ def render_overhead_markdown(report: OverheadReport) -> str:
     names = list(dict.fromkeys(r["workload"] for r in report.workloads))
     for source in cfg.sources:
         lines += ["", f"## Workloads ({source}): step time managed / PyTorch alone, budget above the peak", "",
+                  "Each cell: wall-clock ratio / process CPU-time ratio (the second is less exposed to other "
+                  "processes on the machine).", "",
                   "| workload | ops/step | PyTorch ms | " + " | ".join(cfg.policies) + " | lru +us/op |",
                   "|---|---:|---:|" + "---:|" * (len(cfg.policies) + 1)]
         for w in names:
@@ -426,7 +472,7 @@ def render_overhead_markdown(report: OverheadReport) -> str:
             if first is None:
                 continue
             lru = by.get((source, w, "lru", "above peak"))
-            cells = [_x(by[(source, w, p, "above peak")]["ratio"]) if (source, w, p, "above peak") in by else ""
+            cells = [_pair(by[(source, w, p, "above peak")]) if (source, w, p, "above peak") in by else ""
                      for p in cfg.policies]
             tail = f" | {lru['overhead_us_per_op']:.1f} |" if lru else " | |"
             lines.append(f"| {w} | {first['ops']:.0f} | {first['plain_s'] * 1e3:.1f} | " + " | ".join(cells) + tail)
@@ -438,7 +484,7 @@ def render_overhead_markdown(report: OverheadReport) -> str:
             r = by.get((source, w, "lru", cfg.half))
             if r is None:
                 continue
-            lines.append(f"| {w} | {_x(r['ratio'])} | {r['plain_s'] * 1e3:.1f} | {r['managed_s'] * 1e3:.1f} | "
+            lines.append(f"| {w} | {_pair(r)} | {r['plain_s'] * 1e3:.1f} | {r['managed_s'] * 1e3:.1f} | "
                          f"{r['stall_s'] * 1e3:.1f} | {r['copy_s'] * 1e3:.1f} | {r['policy_s'] * 1e3:.1f} | "
                          f"{r['other_s'] * 1e3:.1f} | {r['decision_points']:.0f} | {r['moves']:.0f} |")
         pil = [by[(source, w, "pilot", "above peak")] for w in names if (source, w, "pilot", "above peak") in by]

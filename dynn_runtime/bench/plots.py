@@ -13,8 +13,11 @@ __all__ = ["plot_overhead", "plot_max_size"]
 
 def _colors(policies: list[str]) -> dict[str, Any]:
     plt = pyplot()
-    cmap = plt.get_cmap("tab10")
-    return {p: cmap(i % 10) for i, p in enumerate(policies)}
+    if len(policies) <= 10:
+        cmap = plt.get_cmap("tab10")
+        return {p: cmap(i) for i, p in enumerate(policies)}
+    cmap = plt.get_cmap("tab20")  # more lines than tab10 has colours: each its own, none repeated
+    return {p: cmap(i % 20) for i, p in enumerate(policies)}
 
 
 def _frac_tick(f: float) -> str:

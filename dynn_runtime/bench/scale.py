@@ -37,8 +37,9 @@ from ..results import strict_json
 __all__ = ["ScaleConfig", "ScaleReport", "run_scale", "SCALE_POLICIES", "render_scale_markdown",
            "write_scale_outputs", "plot_scale"]
 
-#: the policies the issue compares, in the order tables list them
-SCALE_POLICIES = ("none", "checkpoint", "save_on_cpu", "uvm", "dtr", "lru", "replay", "oracle", "pilot")
+#: the policies the issue compares and the recompute-or-copy hybrids, in the order tables list them
+SCALE_POLICIES = ("none", "checkpoint", "save_on_cpu", "uvm", "dtr", "lru", "replay", "oracle", "pilot", "hybrid",
+                  "hybrid_oracle")
 
 
 @dataclass(kw_only=True)
@@ -96,6 +97,11 @@ class ScaleConfig:
 
         BenchConfig(families=self.families, policies=self.policies, budgets=self.budgets,
                     device_profile=self.device_profile, steps=self.steps, host_cost=self.host_cost).validate()
+        bad = [f for f in self.families if f not in models.FAMILIES]
+        if bad:
+            raise ConfigError(f"bench --scale: {', '.join(map(repr, bad))} is not a zoo family; the scan records each "
+                              f"size from a family's size knob (choices: {', '.join(models.FAMILIES)}). Workloads of "
+                              "your own and trace files run in `dynn bench` without --scale.")
         if self.preset not in models.PRESETS:
             raise ConfigError(f"bench --scale: unknown preset {self.preset!r}; choices: {', '.join(models.PRESETS)}.")
         if not self.knob_scales or any(not s > 0 for s in self.knob_scales):

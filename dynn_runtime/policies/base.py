@@ -31,7 +31,7 @@ trace of earlier iterations (``history``), knowledge of the future (``future``: 
 a trained pilot model (``pilot``), or a GPU (``gpu``). :func:`make_policy` checks those against
 what the caller can provide and says what is missing. What a mechanism must do differently for a
 policy is declared on its class too (``recomputes``, ``moves_nothing``, ``sync_copies``,
-``page_bytes``, ``reads_modules``, ``reads_saved``): mechanisms read those, never a policy's name. A policy that lives outside this package
+``page_bytes``, ``reads_modules``, ``reads_saved``, ``host_cost_as``): mechanisms read those, never a policy's name. A policy that lives outside this package
 (the pilot) is named with :func:`register_lazy`: its module is imported on the first lookup of its
 name, so this interface never imports its plug-ins.
 """
@@ -180,6 +180,17 @@ class MemoryView(Protocol):
         where that is not known (no host timeline in the simulator, a CPU device live)."""
         ...
 
+    def copy_seconds(self, nbytes: int, direction: Literal["d2h", "h2d"]) -> float | None:
+        """Seconds a copy of ``nbytes`` takes on its copy engine once it starts (``"d2h"``: an offload,
+        ``"h2d"``: a fetch): the link's fixed latency plus the bytes over its bandwidth; None where the
+        link is not modelled (live)."""
+        ...
+
+    def link_backlog(self, direction: Literal["d2h", "h2d"]) -> float | None:
+        """Seconds until the copy engine of ``direction`` has finished the copies queued on it now (0:
+        idle); None where that is not known (live)."""
+        ...
+
 
 class Policy:
     """Base class: keeps everything resident and never moves anything (that is ``none``)."""
@@ -202,6 +213,9 @@ class Policy:
     #: never moves anything (PyTorch alone): the mechanism need not engage it even over budget
     moves_nothing: ClassVar[bool] = False
     description: ClassVar[str] = ""
+    #: the registered policy whose calibrated host cost (:mod:`dynn_runtime.sim.hostcost`) stands for
+    #: this one's, where it would run the same bookkeeping in the live manager; None: its own name
+    host_cost_as: ClassVar[str | None] = None
     #: host (CPU) seconds this policy has spent deciding so far, cumulative. The simulator's host
     #: timeline (:mod:`dynn_runtime.sim.engine`) puts it on the clock that issues the
     #: operators; a policy that does not account for itself reports 0.

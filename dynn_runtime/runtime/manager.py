@@ -256,6 +256,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._hints: dict[int, list[Hint]] = {}
         #: id of an optimizer state tensor -> (weak reference to it, its storage id): labelled already
         self._opt_marked: dict[int, tuple[Any, int]] = {}
+        self._grad_params: list[torch.nn.Parameter] = []
         self._meta_cache: dict[Any, int | None] = {}
         self._idiom_cache: dict[str, tuple[int, ...]] = {}
         self._handles: list[Any] = []
@@ -321,6 +322,8 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
                                                  else self.device.index)
         self.provider = select_provider(str(self.device), self.event_source, self.event_reason,
                                         hooks=self._hooks_requested)
+        # the parameters the model has at attach, the ones whose gradients each step labels "grad"
+        self._grad_params = list(model.parameters())
         for name, p in model.named_parameters():
             sid = self._track(p, "param", fresh=False)
             if sid is not None:

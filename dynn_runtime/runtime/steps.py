@@ -200,9 +200,11 @@ class Steps:
         with no_mode():
             ctx = IterationContext(history=list(self.history), trace=self._trace)
             self.policy.begin_iteration(self._step_index, ctx)
-            for sid, s in list(self.st.items()):
-                if s.status != ABSENT:
-                    self.policy.on_alloc(sid, -1)
+            if type(self.policy).on_alloc is not Policy.on_alloc:  # what the program holds, told to a policy that listens
+                on_alloc = self.policy.on_alloc
+                for sid, s in list(self.st.items()):
+                    if s.status != ABSENT:
+                        on_alloc(sid, -1)
             self._map_oracle_persistent()
             if not self._measure_step and self.used > self.budget:
                 # what the program holds between steps may exceed the budget (after the measuring
@@ -318,9 +320,11 @@ class Steps:
             self._obs.set_phase(-1)
 
     def _mark_kind_of_grads(self) -> None:
-        for p in self.model.parameters():
-            if p.grad is not None:
-                self._track(p.grad, "grad", fresh=False)
+        track = self._track
+        for p in self._grad_params:
+            g = p.grad
+            if g is not None:
+                track(g, "grad", fresh=False)
 
     def _mark_optimizer_state(self) -> None:
         """Label the optimizer's state tensors. One already labelled is skipped while the same tensor

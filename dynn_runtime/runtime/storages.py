@@ -242,6 +242,14 @@ class StorageTable:
         """None: the host is real here (a policy's worker thread takes real time; nothing is modelled)."""
         return None
 
+    def copy_seconds(self, nbytes: int, direction: str) -> None:
+        """None: the live link is not modelled (its copies take real time)."""
+        return None
+
+    def link_backlog(self, direction: str) -> None:
+        """None: the copies queued on the live streams are not timed."""
+        return None
+
     def device_slack(self) -> float | None:
         """Roughly how many seconds of issued work the GPU has still to run (the pilot decides on the
         issuing thread when that hides the decision), or None on a CPU device, where the

@@ -18,6 +18,8 @@ Invariants the engine keeps (tests and docs/simulator.md name them in bold):
 - **Clean copies.** Evicting a storage whose host copy is still valid (fetched and not written
   since) costs no copy; a policy that sees the future (the oracle) may *discard* a storage that is
   never read again, also without a copy, and the engine checks the future before it honours that.
+  A policy that also recomputes operators never discards: a rebuild may read what the program does
+  not, so such a storage is dropped where it is recomputable and offloaded otherwise.
 - **Recomputable.** A storage can be dropped for recompute only if it is an activation or temporary
   produced in this iteration, outside the optimizer step, and not written in place since.
 - **Engagement.** The manager engages only when the iteration does not fit: if the unmanaged peak
@@ -189,6 +191,10 @@ class Simulator(IterationView, Residency):
         if s.status is not S.RESIDENT:
             return False
         mode = self.policy.evict_mode(sid)
+        if mode == "discard" and self.policy.recomputes == "operators":
+            # the program never reads it again, but a rebuild of a dropped descendant may: a
+            # recomputable storage is dropped (rebuilt if so), any other kept on the host
+            mode = "drop" if self.recomputable(sid) else "offload"
         if mode == "discard":
             # only a policy that sees the future may discard, and only what the future never reads
             if "future" not in self.policy.requires or self.next_use(sid) is not None:
@@ -306,6 +312,10 @@ class Simulator(IterationView, Residency):
         for x in rebuilt:
             if self.st[x].status not in _HOLDS_DEVICE:
                 self._set(x, S.RESIDENT)
+                if not self.st[x].chain_temp:
+                    # back on the device, written by the rebuild: the policy sees it as accessed, so
+                    # one that keeps its own candidates (the pilot's heaps) may evict it again
+                    self.policy.on_access(x, self.position)
         if depth == 0:  # chain temporaries the program had freed go again once the chain is done
             for x, s in self.st.items():
                 if s.chain_temp:

@@ -48,7 +48,7 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["HostCost", "CALIBRATION_PATH", "SOURCES", "load_calibration", "host_cost_for", "policy_options_for",
+__all__ = ["HostCost", "CALIBRATION_PATH", "SOURCES", "load_calibration", "charged_as", "host_cost_for", "policy_options_for",
            "parse_host_cost"]
 
 #: the calibration data shipped with the package (written by ``dynn bench --overhead --write-calibration``)
@@ -114,10 +114,21 @@ def _source(data: dict[str, Any], source: str) -> str:
     return source
 
 
+def charged_as(policy: str) -> str:
+    """The name whose calibration figures ``policy`` is charged: its class's ``host_cost_as`` (a
+    simulator-only policy that would run another's bookkeeping live, as ``hybrid`` the pilot's), else
+    its own name (also for a name no policy is registered under)."""
+    from ..policies.base import policy_class
+
+    cls = policy_class(policy)
+    return (cls.host_cost_as if cls is not None else None) or policy
+
+
 def host_cost_for(policy: str, source: str = "auto", calibration: dict[str, Any] | None = None) -> HostCost | None:
     """The calibrated :class:`HostCost` of running ``policy`` in the live manager, or None for a
     policy that does not run in it (listed as uncharged in the calibration)."""
     data = calibration if calibration is not None else load_calibration()
+    policy = charged_as(policy)
     if policy in data.get("uncharged", {}):
         return None
     src = _source(data, source)
@@ -131,6 +142,7 @@ def policy_options_for(policy: str, source: str = "auto", calibration: dict[str,
     """Options that make ``policy`` charge its own host time from the calibration (deterministic
     simulations): the pilot's ``host_cost`` model. Empty for every other policy."""
     data = calibration if calibration is not None else load_calibration()
+    policy = charged_as(policy)
     if policy in data.get("uncharged", {}):
         return {}
     row = data["sources"][_source(data, source)]

@@ -45,6 +45,8 @@ class IterationView:
     host_timeline: bool
     h: float
     t: float
+    d2h_free: float
+    h2d_free: float
 
     # ---- static analysis of the iteration ---------------------------------------------------
     def _prepare(self) -> None:
@@ -106,6 +108,17 @@ class IterationView:
         host's time is not modelled). The pilot decides on the issuing thread when
         that hides the decision."""
         return max(0.0, self.t - self.h) if self.host_timeline else None
+
+    def copy_seconds(self, nbytes: int, direction: str) -> float:
+        """A copy's time on its engine once started: the profile's latency plus bytes over the link
+        (the engine's ``_copy_d2h``/``_copy_h2d``, unified memory's fault path aside)."""
+        p = self.profile
+        return p.copy_latency_s + nbytes / (p.d2h_bytes_per_s if direction == "d2h" else p.h2d_bytes_per_s)
+
+    def link_backlog(self, direction: str) -> float:
+        """Seconds until the copy engine of ``direction`` is free of the copies queued on it now."""
+        free = self.d2h_free if direction == "d2h" else self.h2d_free
+        return max(0.0, free - self.t)
 
     def forward_done(self, sid: int) -> bool:
         """The forward pass will not touch ``sid`` again (its Python references are gone)."""

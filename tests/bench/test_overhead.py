@@ -91,3 +91,55 @@ def test_bad_input_and_cli(tmp_path, capsys):
                  "--steps", "1", "--out", str(tmp_path / "dir"), "-q"]) == 0
     assert (tmp_path / "dir" / "overhead.json").exists() and (tmp_path / "dir" / "overhead.md").exists()
 
+
+
+def test_counting_wrapper_keeps_a_lazy_policy_lazy():
+    """The bench's counting wrapper must not make the native source call Python every few operators for a
+    policy that never acts ahead of need (it did: the bench then measured a manager no user runs)."""
+    import torch
+
+    from dynn_runtime.bench.overhead import _BIG, _counting, _manager, available_sources
+    from dynn_runtime.policies import Policy
+
+    assert type(_counting("lru")).after_op is Policy.after_op
+    assert type(_counting("none")).after_op is Policy.after_op
+    pilot = _counting("pilot")
+    assert type(pilot).after_op is not Policy.after_op
+    if "native" not in available_sources():
+        pytest.skip("the native event source is not built here")
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(12)])
+    mm = _manager(_BIG, _counting("lru"), "native")
+    mm.attach(model)
+    try:
+        for _ in range(2):
+            with mm.step():
+                model(torch.randn(4, 8)).sum().backward()
+        assert mm.steps[-1].ops > 64  # more than two periodic turns' worth of operators
+        assert mm.stats()["decision_points"] == 0  # Python never entered: nothing to decide
+    finally:
+        mm.detach()
+
+
+@pytest.mark.parametrize("source", ["python", "native"])
+def test_micro_runs_pytorch_alone_unobserved(source):
+    """The operator microbenchmark's PyTorch-alone runs happen with no manager attached (an attached manager
+    observes every operator on its thread, in a step or not), its managed runs inside a step."""
+    import torch
+
+    from dynn_runtime.bench.overhead import _micro, available_sources
+    from dynn_runtime.runtime.events import QUIET
+
+    if source not in available_sources():
+        pytest.skip(f"the {source} event source is not usable here")
+    seen: list[bool] = []
+    probe = lambda: seen.append(bool(QUIET) or torch._C._len_torch_dispatch_stack() > 0)  # noqa: E731
+
+    class Bar:
+        def update(self, n: int) -> None:
+            pass
+
+    cfg = OverheadConfig(workloads=["tree_lstm"], sources=[source], reps=3).resolved()
+    rec = _micro(cfg, source, "lru", Bar(), probe=probe)
+    assert rec["source_used"] == source
+    # warm-up alone; then per block (up to 5 pairs): each run alone, one unmeasured managed step, the managed runs
+    assert seen == [False] + [False] * 3 + [True] * 4

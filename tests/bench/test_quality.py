@@ -115,3 +115,26 @@ def test_the_simulated_grid_takes_a_users_workload(tmp_path):
     paths = write_outputs(report)
     assert [p.name for p in paths["plots"]] == ["overhead_my_workload.build.png"]
     assert f"## {EXAMPLE} (tiny)" in paths["markdown"].read_text()
+
+
+def test_the_simulated_grid_takes_a_recorded_trace_file(tmp_path):
+    from dynn_runtime.bench import write_outputs
+    from dynn_runtime.bench.scale import ScaleConfig
+    from dynn_runtime.errors import ConfigError
+    from dynn_runtime.sim import simulate
+    from dynn_runtime.trace import read_trace, record
+
+    path = tmp_path / "mine.jsonl.gz"
+    record(EXAMPLE, path, steps=2, preset="tiny", seed=3)
+    cfg = BenchConfig(families=[str(path)], policies=["none", "lru"], budgets=[1.0, 0.5], preset="tiny", host_cost="none",
+                      max_scale=2, cache_dir=str(tmp_path / "cache"), out_dir=str(tmp_path / "out"))
+    report = run_bench(cfg, progress=False)
+    assert {r["family"] for r in report.results} == {str(path)} and report.max_size == []  # no size knob
+    half = next(r for r in report.results if r["policy"] == "lru" and r["budget_fraction"] == 0.5)
+    assert half["iter_time_s"] == simulate(read_trace(path), "lru", 0.5, "h100").iter_time_s  # that file, as recorded
+    assert report.meta["traces_recorded"] == 0 and not (tmp_path / "cache").exists()  # nothing recorded again
+    assert [p.name for p in write_outputs(report)["plots"]] == ["overhead_mine.png"]
+    with pytest.raises(ConfigError, match="does not exist; record one"):
+        BenchConfig(families=[str(tmp_path / "nope.jsonl.gz")]).validate()
+    with pytest.raises(ConfigError, match="is not a zoo family"):
+        ScaleConfig(families=[str(path)]).validate()

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from dynn_runtime.pilot.features import CAND_FEATURES, FeatureState
-from dynn_runtime.pilot.training.synth import SynthWorkload, describe, synth_traces
+from dynn_runtime.pilot.training.synth import EXTRA_STAGES, STAGES, SynthWorkload, describe, synth_traces
 from dynn_runtime.trace.format import Iteration, Op
 
 C = {n: i for i, n in enumerate(CAND_FEATURES)}
@@ -82,7 +83,7 @@ def test_synthetic_networks_are_deterministic_and_varied(tmp_path):
     assert repr(ba["plan"]) == repr(bb["plan"])
     kinds = [describe(s) for s in range(24)]
     assert {k["trunk"] for k in kinds} == {"mlp", "conv", "tree"}
-    assert {s for k in kinds for s in k["stages"]} == {"skip", "exit", "recycle", "moe", "plain"}
+    assert {s for k in kinds for s in k["stages"]} == {*STAGES, *EXTRA_STAGES}
     assert {k.get("cell") for k in kinds if k["trunk"] == "tree"} == {"levels", "shared"}
     tr = synth_traces([1], steps=3, cache_dir=tmp_path)[0]
     assert tr.header["workload"] == "synthetic"
@@ -91,6 +92,63 @@ def test_synthetic_networks_are_deterministic_and_varied(tmp_path):
     again = synth_traces([1], steps=3, cache_dir=tmp_path / "again")[0]
     assert [[(o.name, o.module) for o in it.ops] for it in again.iterations] == \
         [[(o.name, o.module) for o in it.ops] for it in tr.iterations]
+
+
+def _synth_seed(*stages: str) -> int:
+    """The first seed whose network has an MLP trunk, ``stages`` and no early exit (every stage runs)."""
+    return next(s for s in range(200) if describe(s)["trunk"] == "mlp" and "exit" not in describe(s)["stages"]
+                and set(stages) <= set(describe(s)["stages"]))
+
+
+def test_synthetic_graph_and_token_dropping_stages_vary_per_step(tmp_path):
+    # message passing over a graph drawn per step: gathers and scatters whose sizes change from one
+    # step to the next; token dropping: a top-k whose k (capacity x a drawn length) changes too
+    seed = _synth_seed("graph", "mod")
+    tr = synth_traces([seed], steps=3, cache_dir=tmp_path)[0]
+    groups = {"gather": ("aten::index_select",), "scatter": ("aten::index_add", "aten::scatter_add"),
+              "top-k": ("aten::topk",)}
+    sizes: dict[str, list[tuple[int, ...]]] = {g: [] for g in groups}
+    for it in tr.iterations:
+        for g, names in groups.items():
+            ops = [o for o in it.ops if o.name in names and o.phase == "forward"]
+            assert ops, f"no {g} op in an iteration of seed {seed}"
+            sizes[g].append(tuple(tr.storages[o.outputs[0]].nbytes for o in ops))
+    for g, per_step in sizes.items():
+        assert len(set(per_step)) > 1, f"the {g} ops' sizes are the same every step: {per_step}"
+    w = SynthWorkload(seed)
+    a, b = w.make_batch(0), SynthWorkload(seed).make_batch(0)
+    k = [kind for kind, _ in w.model.stages].index("graph")
+    assert all(torch.equal(a["plan"][k][t], b["plan"][k][t]) for t in ("src", "dst", "owner", "feat"))
+    edges = [len(w.make_batch(s)["plan"][k]["src"]) for s in range(4)]
+    assert len(set(edges)) > 1
+
+
+def test_synthetic_layerdrop_updates_a_different_subset_every_step():
+    w = SynthWorkload(_synth_seed("layerdrop"))
+    k = [kind for kind, _ in w.model.stages].index("layerdrop")
+    layers = w.model.stage_mods[k]
+    with_grad = []
+    for step in range(6):
+        w.model.zero_grad(set_to_none=True)
+        batch = w.make_batch(step)
+        w.loss(w.model, batch).backward()
+        ran = batch["plan"][k]
+        assert [layer.up.weight.grad is not None for layer in layers] == ran  # a dropped layer runs nothing
+        with_grad.append(tuple(ran))
+    assert len(set(with_grad)) > 1 and not all(all(r) for r in with_grad)
+
+
+def test_extra_stages_leave_the_earlier_draws_alone():
+    # the extra stages come from a stream of their own: the other stages' kinds and per-step plans
+    # are what the seed drew without them
+    seed = _synth_seed("mod")
+    w = SynthWorkload(seed)
+    kinds = [kind for kind, _ in w.model.stages]
+    assert [kd for kd in kinds if kd in STAGES] and any(kd in EXTRA_STAGES for kd in kinds)
+    w.model.stages = [(kd, n) for kd, n in w.model.stages if kd in STAGES]
+    kept = w.make_batch(2)["plan"]
+    full = SynthWorkload(seed).make_batch(2)["plan"]
+    assert repr(kept) == repr([p for p, kd in zip(full, kinds) if kd in STAGES])
 
 
 def test_prior_ignores_synthetic_rows_when_real_ones_exist():
@@ -178,3 +236,18 @@ def test_tree_batches_group_each_levels_children_by_their_level():
         assert sorted(seen) == sorted(set(seen)) and len(seen) == len(level_of) - len(b["roots"])
         flat = [v for ns in nodes for v in ns]
         assert [flat[r] for r in b["root_rows"].tolist()] == b["roots"].tolist()
+
+
+def test_extra_stages_can_be_left_out_of_the_mixture():
+    seed = next(s for s in range(200) if {"layerdrop", "graph"} <= set(describe(s)["stages"]))
+    full = describe(seed)["stages"]
+    some = describe(seed, extra=("graph", "mod"))["stages"]
+    assert "layerdrop" not in some and {"graph", "mod"} & set(some)
+    assert [k for k in some if k in STAGES] == [k for k in full if k in STAGES]  # the seed's own stages stay
+    w = SynthWorkload(seed, extra=("graph", "mod"))
+    assert not any(isinstance(m, torch.nn.ModuleList) and len(m) and type(m[0]).__name__ == "_DropLayer"
+                   for m in w.model.stage_mods)
+    w.loss(w.model, w.make_batch(0)).backward()  # the plan matches the stages that are there
+    assert describe(seed, extra=())["stages"] == [k for k in full if k in STAGES]  # generator 2's network
+    with pytest.raises(ValueError, match="extra stages"):
+        SynthWorkload(seed, extra=("graph", "dropout"))

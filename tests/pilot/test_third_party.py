@@ -52,3 +52,20 @@ def test_steps_to_recover():
     assert tool.steps_to_recover(per_step, "pilot") is None
     per_step["pilot"] = steps((0, 10, 2.0), (1, 10, 2.0), (0, 0, 0.0))  # a last step that needed nothing back
     assert tool.steps_to_recover(per_step, "pilot") is None
+
+
+def test_candidate_weights_run_beside_each_shipped_variant():
+    tool = _tool()
+    assert tool.methods() == tool.METHODS
+    m = tool.methods("w.npz")
+    assert list(m) == ["pilot (shipped)", "candidate", "pilot (fallback)", "candidate (fallback)", "pilot (adapted)",
+                       "candidate (adapted)", "replay", "lru"]
+    assert m["candidate (adapted)"] == ("pilot", {**tool.METHODS["pilot (adapted)"][1], "weights": "w.npz"})
+    assert all("weights" not in (opts or {}) for k, (_, opts) in m.items() if not k.startswith("candidate"))
+    runs = [{"prefetch_hits": 3, "prefetch_misses": 1, "stall_seconds": 0.5, "bytes_moved": 10, "wall_s": 1.0,
+             "bit_identical": True, "hit_rate": 0.75},
+            {"prefetch_hits": 1, "prefetch_misses": 3, "stall_seconds": 0.25, "bytes_moved": 6, "wall_s": 1.0,
+             "bit_identical": False, "hit_rate": 0.25}]
+    both = tool._combine(runs)
+    assert (both["prefetch_hits"], both["prefetch_misses"], both["hit_rate"], both["bytes_moved"]) == (4, 4, 0.5, 16)
+    assert both["stall_seconds"] == 0.75 and not both["bit_identical"] and both["rounds"] == runs

@@ -116,7 +116,9 @@ def test_mechanisms_read_capabilities_not_names():
 def test_capabilities_declared():
     assert POLICIES["dtr"].recomputes == "operators" and POLICIES["checkpoint"].recomputes == "blocks"
     assert POLICIES["none"].moves_nothing and not POLICIES["lru"].moves_nothing
-    assert all(cls.recomputes is None for name, cls in POLICIES.items() if name not in ("dtr", "checkpoint"))
+    remat = ("dtr", "hybrid", "hybrid_oracle")
+    assert all(POLICIES[name].recomputes == "operators" for name in remat)
+    assert all(cls.recomputes is None for name, cls in POLICIES.items() if name not in (*remat, "checkpoint"))
     assert policy_class("oracle") is POLICIES["oracle"] and policy_class("no such policy") is None
 
 

@@ -24,12 +24,13 @@ def test_importing_the_interface_does_not_import_the_pilot():
         "from dynn_runtime.policies import POLICIES\n"
         "print(sorted(POLICIES), 'pilot' in POLICIES, 'dynn_runtime.pilot.policy' in sys.modules)\n"
         "cls = POLICIES['pilot']\n"
-        "print(cls.__module__, list(POLICIES)[-1], 'dynn_runtime.pilot.policy' in sys.modules)\n"
+        "print(cls.__module__, *list(POLICIES)[-2:], 'dynn_runtime.pilot.policy' in sys.modules)\n"
     )
     listed, looked_up = out.splitlines()
-    assert listed == ("['checkpoint', 'dtr', 'lru', 'none', 'oracle', 'pilot', 'replay', 'save_on_cpu', 'uvm'] "
-                      "True False")
-    assert looked_up == "dynn_runtime.pilot.policy pilot True"  # resolved in place: still registered last
+    assert listed == ("['checkpoint', 'dtr', 'hybrid', 'hybrid_oracle', 'lru', 'none', 'oracle', 'pilot', 'replay', "
+                      "'save_on_cpu', 'uvm'] True False")
+    # resolved in place: still registered in its place, before the other lazy entry (hybrid)
+    assert looked_up == "dynn_runtime.pilot.policy pilot hybrid True"
 
 
 def test_make_policy_resolves_the_lazy_entry():

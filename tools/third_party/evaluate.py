@@ -21,11 +21,18 @@ For each network of this folder (each a ``file.py:build`` workload, evaluation o
    profile, per method but the adapted one (a refit needs iterations the simulator does not run):
    prefetch hits, misses, stall time, the modelled counterpart of the CPU's noisy wall times.
 
+``--candidate W.npz`` evaluates other weights beside the shipped ones: the methods ``candidate``,
+``candidate (fallback)`` and ``candidate (adapted)``, each run right after its shipped counterpart.
+``--rounds 2`` runs every method twice per network, the second time in the reverse order, so that
+each method's stall time is paired in time with every other's on a shared machine (counts and
+stalls are summed over the rounds; steps to recover is the worse round's).
+
 Writes JSON (``--json``) and prints the markdown rows of docs/pilot.md's table. Needs the networks'
 packages (``transformers``, ``torch-geometric``; see docs/pilot.md, "Networks outside the zoo").
 Run from the repository root::
 
     python tools/third_party/evaluate.py --fraction 0.25 --steps 8 --json out/third_party/eval.json
+    python tools/third_party/evaluate.py --candidate mine.npz --rounds 2 --json out/third_party/cand.json
 """
 
 from __future__ import annotations
@@ -52,6 +59,22 @@ METHODS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "lru": ("lru", None),
 }
 BASELINES = ("replay", "lru")
+#: the pilot variants that ``--candidate`` repeats with the candidate weights, named with this prefix
+CANDIDATE = "candidate"
+
+
+def methods(candidate: str | None = None) -> dict[str, tuple[str, dict[str, Any] | None]]:
+    """The methods to run, in order: :data:`METHODS`, and with ``candidate`` (a weights file) each
+    pilot variant again with those weights right after it."""
+    if candidate is None:
+        return dict(METHODS)
+    out: dict[str, tuple[str, dict[str, Any] | None]] = {}
+    for name, (policy, options) in METHODS.items():
+        out[name] = (policy, options)
+        if policy == "pilot":
+            variant = "" if name == "pilot (shipped)" else name[len("pilot"):]
+            out[CANDIDATE + variant] = (policy, {**(options or {}), "weights": candidate})
+    return out
 
 
 def _spec(name: str) -> str:
@@ -83,57 +106,79 @@ def steps_to_recover(per_step: dict[str, list[dict[str, Any]]], method: str, sta
     return None
 
 
-def live(name: str, fraction: float, steps: int) -> dict[str, Any]:
-    from dynn_runtime.runtime.train import train_managed, train_unmanaged
+def _one_run(name: str, spec: str, cap: int, method: str, policy: str, options: dict[str, Any] | None,
+             steps: int, ref_digest: str) -> dict[str, Any]:
+    from dynn_runtime.policies import make_policy
+    from dynn_runtime.runtime.train import train_managed
+
+    t0 = time.perf_counter()
+    pol = make_policy(policy, **(options or {}))
+    r = train_managed(spec, cap, pol, steps=steps, preset="tiny")
+    st = r.stats
+    rows = [{k: s[k] for k in ("prefetch_hits", "prefetch_misses", "stall_seconds", "bytes_offloaded",
+                               "bytes_prefetched", "bytes_fetched_on_demand")} for s in st["per_step"]]
+    out = {
+        "prefetch_hits": st["prefetch_hits"], "prefetch_misses": st["prefetch_misses"],
+        "hit_rate": _rate(st["prefetch_hits"], st["prefetch_misses"]), "stall_seconds": st["stall_seconds"],
+        "bytes_moved": st["bytes_offloaded"] + st["bytes_prefetched"] + st["bytes_fetched_on_demand"],
+        "bit_identical": r.digest == ref_digest, "wall_s": time.perf_counter() - t0, "per_step": rows,
+    }
+    if policy == "pilot" and pol.judged_recall:  # the fallback's judge: recall of each predictor, live
+        out["live_window_recall"] = pol.judged_recall
+        out["followed"] = dict(pol.followed)
+    print(f"  {name} {method}: {st['prefetch_hits']} / {st['prefetch_misses']}, "
+          f"stalls {st['stall_seconds']:.3f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One method's rounds as one record: counts, stalls and bytes summed; every round kept."""
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    for k in ("prefetch_hits", "prefetch_misses", "stall_seconds", "bytes_moved", "wall_s"):
+        out[k] = sum(r[k] for r in runs)
+    out["hit_rate"] = _rate(out["prefetch_hits"], out["prefetch_misses"])
+    out["bit_identical"] = all(r["bit_identical"] for r in runs)
+    out["rounds"] = runs
+    return out
+
+
+def live(name: str, fraction: float, steps: int, candidate: str | None = None, rounds: int = 1) -> dict[str, Any]:
+    from dynn_runtime.runtime.train import train_unmanaged
 
     spec = _spec(name)
     ref = train_unmanaged(spec, steps=steps, preset="tiny")
     cap = int(max(ref.peak_bytes) * fraction)
-    out: dict[str, Any] = {"cap_bytes": cap, "peak_bytes": max(ref.peak_bytes), "methods": {}}
-    per_step = {}
-    from dynn_runtime.policies import make_policy
-
-    for method, (policy, options) in METHODS.items():
-        t0 = time.perf_counter()
-        pol = make_policy(policy, **(options or {}))
-        r = train_managed(spec, cap, pol, steps=steps, preset="tiny")
-        st = r.stats
-        rows = [{k: s[k] for k in ("prefetch_hits", "prefetch_misses", "stall_seconds", "bytes_offloaded",
-                                   "bytes_prefetched", "bytes_fetched_on_demand")} for s in st["per_step"]]
-        per_step[method] = rows
-        out["methods"][method] = {
-            "prefetch_hits": st["prefetch_hits"], "prefetch_misses": st["prefetch_misses"],
-            "hit_rate": _rate(st["prefetch_hits"], st["prefetch_misses"]), "stall_seconds": st["stall_seconds"],
-            "bytes_moved": st["bytes_offloaded"] + st["bytes_prefetched"] + st["bytes_fetched_on_demand"],
-            "bit_identical": r.digest == ref.digest, "wall_s": time.perf_counter() - t0, "per_step": rows,
-        }
-        if policy == "pilot" and pol.judged_recall:  # the fallback's judge: recall of each predictor, live
-            out["methods"][method]["live_window_recall"] = pol.judged_recall
-            out["methods"][method]["followed"] = dict(pol.followed)
-        print(f"  {name} {method}: {st['prefetch_hits']} / {st['prefetch_misses']}, "
-              f"stalls {st['stall_seconds']:.3f} s", file=sys.stderr, flush=True)
-    for method in METHODS:
-        if method.startswith("pilot"):
-            out["methods"][method]["steps_to_recover"] = steps_to_recover(per_step, method)
-            out["methods"][method]["steps_to_recover_with_stalls"] = steps_to_recover(per_step, method, stalls=True)
+    out: dict[str, Any] = {"cap_bytes": cap, "peak_bytes": max(ref.peak_bytes), "rounds": rounds, "methods": {}}
+    todo = methods(candidate)
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in todo}
+    for k in range(rounds):
+        order = list(todo) if k % 2 == 0 else list(reversed(todo))  # pairs every method with every other in time
+        for method in order:
+            policy, options = todo[method]
+            runs[method].append(_one_run(name, spec, cap, method, policy, options, steps, ref.digest))
+    for method in todo:
+        out["methods"][method] = _combine(runs[method])
+    for method in todo:
+        if todo[method][0] == "pilot":
+            for key, stalls in (("steps_to_recover", False), ("steps_to_recover_with_stalls", True)):
+                per_round = [steps_to_recover({m: runs[m][k]["per_step"] for m in todo}, method, stalls)
+                             for k in range(rounds)]
+                out["methods"][method][key] = None if None in per_round else max(per_round)
     return out
 
 
-def trace_metrics(name: str, trace_steps: int, out_dir: Path, fraction: float) -> dict[str, Any]:
+def _recall_and_adapted(trace: Any, model: Any) -> dict[str, Any]:
+    """Window recall of ``model`` (and replay, lru) on ``trace``, and of the model refit online on the
+    trace's own iterations over the iterations after its first validated swap."""
     import numpy as np
 
     from dynn_runtime.bench.quality import window_recall
-    from dynn_runtime.pilot.config import cached_model, default_weights_path
     from dynn_runtime.pilot.training.online import OnlineRefit, _iteration_metrics
-    from dynn_runtime.trace import read_trace, record
 
-    path = out_dir / f"{name}-tiny-seed0-steps{trace_steps}.jsonl.gz"
-    if not path.exists():
-        record(_spec(name), path, steps=trace_steps, preset="tiny", seed=0)
-    trace = read_trace(path)
-    shipped = cached_model(default_weights_path())
-    recall = window_recall(trace, shipped)
-    refit = OnlineRefit(shipped.copy(), refit_every=1)
+    recall = window_recall(trace, model)
+    refit = OnlineRefit(model.copy(), refit_every=1)
     current, per_iter, first = refit.model, [], None
     for i in range(1, len(trace.iterations)):
         per_iter.append(_iteration_metrics(current, trace, i, refit)["window_recall"])
@@ -142,20 +187,36 @@ def trace_metrics(name: str, trace_steps: int, out_dir: Path, fraction: float) -
             current = new
             first = i if first is None else first
     adapted = [r for k, r in enumerate(per_iter, start=1) if first is not None and k > first and r is not None]
+    return {"window_recall": recall, "adapted_window_recall": float(np.mean(adapted)) if adapted else None,
+            "adapted_per_iteration": per_iter, "first_swap_after_iteration": first,
+            "refits": refit.refits, "swaps": refit.swaps, "rejected": refit.rejected}
+
+
+def trace_metrics(name: str, trace_steps: int, out_dir: Path, fraction: float,
+                  candidate: str | None = None) -> dict[str, Any]:
+    from dynn_runtime.pilot.config import cached_model, default_weights_path
+    from dynn_runtime.trace import read_trace, record
+
+    path = out_dir / f"{name}-tiny-seed0-steps{trace_steps}.jsonl.gz"
+    if not path.exists():
+        record(_spec(name), path, steps=trace_steps, preset="tiny", seed=0)
+    trace = read_trace(path)
+    out = {"trace": str(path), **_recall_and_adapted(trace, cached_model(default_weights_path()))}
+    if candidate is not None:
+        out[CANDIDATE] = _recall_and_adapted(trace, cached_model(Path(candidate)))
     from dynn_runtime.bench.quality import sim_quality
     from dynn_runtime.policies import make_policy
     from dynn_runtime.sim import simulate
 
     simulated = {}
-    for method, (policy, options) in METHODS.items():
+    for method, (policy, options) in methods(candidate).items():
         if options and options.get("online"):
             continue
         r = simulate(trace, make_policy(policy, **(options or {})), fraction, "h100")
         simulated[method] = {"feasible": r.feasible, "iter_time_s": r.iter_time_s if r.feasible else None,
                              **sim_quality(r.as_dict())}
-    return {"trace": str(path), "window_recall": recall, "adapted_window_recall": float(np.mean(adapted))
-            if adapted else None, "adapted_per_iteration": per_iter, "first_swap_after_iteration": first,
-            "refits": refit.refits, "swaps": refit.swaps, "rejected": refit.rejected, "simulated": simulated}
+    out["simulated"] = simulated
+    return out
 
 
 def _pct(v: float | None) -> str:
@@ -171,19 +232,23 @@ def _sim(r: dict[str, Any] | None) -> str:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| network | method | window recall | hits / misses | hit rate | stalls | steps to recover (hit rate / and stalls) "
-             "| simulated hits / misses | simulated stalls |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| network | method | window recall | hits / misses | hit rate | stalls | bytes moved "
+             "| steps to recover (hit rate / and stalls) | simulated hits / misses | simulated stalls |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, res in results.items():
-        rec = res["trace"]["window_recall"]
+        tr = res["trace"]
+        rec, cand = tr["window_recall"], tr.get(CANDIDATE, {})
         for method, m in res["live"]["methods"].items():
             wr = {"pilot (shipped)": rec.get("pilot"), "replay": rec.get("replay"), "lru": rec.get("lru"),
-                  "pilot (adapted)": res["trace"]["adapted_window_recall"]}.get(method)
+                  "pilot (adapted)": tr["adapted_window_recall"],
+                  CANDIDATE: cand.get("window_recall", {}).get("pilot"),
+                  f"{CANDIDATE} (adapted)": cand.get("adapted_window_recall")}.get(method)
             rec_s = " / ".join("not reached" if m.get(k) is None else str(m[k])
                                for k in ("steps_to_recover", "steps_to_recover_with_stalls"))
+            pilot = method.startswith(("pilot", CANDIDATE))
             lines.append(f"| {name} | {method} | {_pct(wr)} | {m['prefetch_hits']} / {m['prefetch_misses']} | "
-                         f"{_pct(m['hit_rate'])} | {m['stall_seconds']:.3f} s | {rec_s if method.startswith('pilot') else ''} "
-                         f"| {_sim(res['trace'].get('simulated', {}).get(method))} |")
+                         f"{_pct(m['hit_rate'])} | {m['stall_seconds']:.3f} s | {m['bytes_moved'] / 2**20:.1f} MiB | "
+                         f"{rec_s if pilot else ''} | {_sim(tr.get('simulated', {}).get(method))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -193,8 +258,10 @@ def rescore(path: str) -> dict[str, Any]:
     for res in data["results"].values():
         methods = res["live"]["methods"]
         per_step = {k: v["per_step"] for k, v in methods.items()}
+        if res["live"].get("rounds", 1) > 1:
+            continue  # per-round figures: kept as computed
         for k, v in methods.items():
-            if k.startswith("pilot"):
+            if k.startswith(("pilot", CANDIDATE)):
                 v["steps_to_recover"] = steps_to_recover(per_step, k)
                 v["steps_to_recover_with_stalls"] = steps_to_recover(per_step, k, stalls=True)
     return data
@@ -208,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-steps", type=int, default=5, help="iterations of the recorded trace")
     p.add_argument("--json", default="out/third_party/eval.json")
     p.add_argument("--table", metavar="JSON", help="print the table of an earlier results file (nothing runs)")
+    p.add_argument("--candidate", metavar="WEIGHTS", help="also evaluate these weights (methods 'candidate ...')")
+    p.add_argument("--rounds", type=int, default=1, help="runs per method, alternating the order (paired stalls)")
     args = p.parse_args(argv)
     if args.table:
         print(table(rescore(args.table)["results"]))
@@ -220,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     for name in args.networks:
         print(f"{name}: {NETWORKS[name]}", file=sys.stderr, flush=True)
-        results[name] = {"description": NETWORKS[name], "trace": trace_metrics(name, args.trace_steps, out_dir, args.fraction),
-                         "live": live(name, args.fraction, args.steps)}
+        results[name] = {"description": NETWORKS[name],
+                         "trace": trace_metrics(name, args.trace_steps, out_dir, args.fraction, args.candidate),
+                         "live": live(name, args.fraction, args.steps, args.candidate, args.rounds)}
     data = {"config": vars(args), "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
             "results": results}
     Path(args.json).write_text(json.dumps(data, indent=1) + "\n")

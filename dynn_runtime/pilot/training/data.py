@@ -99,6 +99,12 @@ class _WalkView:
     def device_slack(self) -> float | None:
         return None
 
+    def copy_seconds(self, nbytes: int, direction: str) -> float | None:
+        return None
+
+    def link_backlog(self, direction: str) -> float | None:
+        return None
+
 
 @dataclass
 class Decision:

@@ -11,18 +11,30 @@ architectures:
   read later by whichever levels the batch's trees say;
 * then 1-4 random stages: gated residual blocks skipped per step (MLP or conv), early-exit heads
   (later stages skipped when an exit fires), recycling loops with a per-step pass count (earlier
-  passes optionally without gradient), top-1 routing of rows among experts, plain layers.
+  passes optionally without gradient), top-1 routing of rows among experts, plain layers;
+* and, for three networks in four, 1-2 more stages inserted among those (:data:`EXTRA_STAGES`,
+  those of the kinds named by ``extra``; with none, a network is generator 2's):
+  message passing over a random graph drawn per step (each row a graph of its own, node and edge
+  counts drawn per step; messages gathered along the edge list and scattered to their targets with
+  ``index_add`` / ``scatter_add``, degree-normalised or with attention weights normalised per
+  target), token dropping (Mixture-of-Depths: rows become sequences of a length drawn per step, and
+  in each block a router keeps the top-k tokens, k from a capacity drawn per step, the others skip
+  the block), and LayerDrop over 6-16 layers (each dropped with a probability drawn per network, so
+  that the optimizer updates a different subset of many parameters every step).
 
 Half of the networks (drawn per seed) tell what they know of their near future through
-:mod:`dynn_runtime.hints` (tree levels, skipped and exited blocks, idle experts, recycling passes),
-so the pilot learns to use hints from architectures no zoo family has and to do without them.
+:mod:`dynn_runtime.hints` (tree levels, skipped and exited blocks, dropped layers, idle experts,
+recycling passes), so the pilot learns to use hints from architectures no zoo family has and to do
+without them; the graph and token-dropping stages give none.
 
-Every dynamic choice (tree shapes, skips, exits, passes, routes) is drawn per step from the batch's
-seeded generator, so a seed gives the same traces on every run and different steps differ. Sizes
-are tiny (width 8-24, batch 4): a 3-step trace records in well under a second on a CPU.
+Every dynamic choice (tree shapes, skips, exits, passes, routes, graphs, capacities, dropped
+layers) is drawn per step from the batch's seeded generators, so a seed gives the same traces on
+every run and different steps differ. Sizes are tiny (width 8-24, batch 4): a 4-step trace
+records in a few seconds on a CPU.
 
-    from dynn_runtime.pilot.synth import SynthWorkload, synth_traces
+    from dynn_runtime.pilot.training.synth import SynthWorkload, synth_traces
     traces = synth_traces(range(16), steps=3)         # recorded once, cached like the zoo's
+    zoo_like = synth_traces(range(16), steps=3, extra=())   # generator 2's networks
 """
 
 from __future__ import annotations
@@ -38,14 +50,18 @@ from torch import nn
 
 from ... import hints
 
-__all__ = ["SynthNet", "SynthWorkload", "synth_traces", "SYNTH_FAMILY"]
+__all__ = ["SynthNet", "SynthWorkload", "synth_traces", "SYNTH_FAMILY", "STAGES", "EXTRA_STAGES"]
 
 #: the workload name synthetic traces carry (never one of the zoo's families)
 SYNTH_FAMILY = "synthetic"
-#: the generator's version, part of the cached traces' names (2: tree trunks with per-level states)
-GENERATOR_VERSION = 2
+#: the generator's version, part of the cached traces' names (2: tree trunks with per-level states;
+#: 3: the extra stages)
+GENERATOR_VERSION = 3
 TRUNKS = ("mlp", "conv", "tree")
 STAGES = ("skip", "exit", "recycle", "moe", "plain")
+#: stages drawn from a random stream of their own (architecture and per-step plans), so that the
+#: stages, weights and plans of :data:`STAGES` stay what each seed drew before these existed
+EXTRA_STAGES = ("graph", "mod", "layerdrop")
 
 
 class _Tree(nn.Module):
@@ -153,11 +169,90 @@ class _Recycle(nn.Module):
         return h + self.o(att.squeeze(-1))
 
 
+class _Graph(nn.Module):
+    """Message passing over a graph drawn per step (the plan, :meth:`SynthWorkload._graph_plan`):
+    every batch row is a graph of its own whose nodes start from the row's vector plus a node
+    feature; each layer gathers messages along the edge list (``index_select`` by source) and
+    scatters them to their targets, degree-normalised (``scatter_add``, GCN-like) or weighted by a
+    softmax over each target's incoming edges (``index_add``, GAT-like); then each graph's nodes are
+    mean-pooled back to its row (``index_add`` by owner)."""
+
+    def __init__(self, w: int, n: int, attention: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(w, w)
+        self.msg = nn.ModuleList(nn.Linear(w, w) for _ in range(n))
+        self.att = nn.ModuleList(nn.Linear(2 * w, 1) for _ in range(n)) if attention else None
+
+    def forward(self, h: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+        owner, src, dst = p["owner"], p["src"], p["dst"]
+        n_nodes, w = len(owner), h.shape[1]
+        x = torch.relu(self.inp(h.index_select(0, owner)) + p["feat"])
+        for i, lin in enumerate(self.msg):
+            m = lin(x).index_select(0, src)
+            if self.att is not None:
+                s = self.att[i](torch.cat([x.index_select(0, dst), m], dim=1)).squeeze(1)
+                s = torch.exp(s - s.max().detach())
+                # every node has a self-loop, so no target's sum is zero
+                den = s.new_zeros(n_nodes).index_add(0, dst, s)
+                agg = x.new_zeros(n_nodes, w).index_add(0, dst, m * (s / den.index_select(0, dst)).unsqueeze(1))
+            else:
+                agg = x.new_zeros(n_nodes, w).scatter_add(0, dst.unsqueeze(1).expand(-1, w), m) * p["inv_deg"]
+            x = x + torch.relu(agg)
+        pooled = h.new_zeros(h.shape).index_add(0, owner, x) * p["inv_size"]
+        return h + pooled
+
+
+class _MoD(nn.Module):
+    """Mixture-of-Depths token dropping: each row becomes a sequence of ``T`` tokens (``T`` drawn per
+    step); in each block a router scores every token and only the top ``k`` (``k`` = a capacity drawn
+    per step and block x the tokens) run the block, their output scaled by the router's gate and
+    added back in place (``index_add``); the other tokens skip the block."""
+
+    def __init__(self, w: int, n: int) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(0.1 * torch.randn(MAX_TOKENS, w))
+        self.router = nn.ModuleList(nn.Linear(w, 1) for _ in range(n))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(w), nn.Linear(w, 2 * w), nn.GELU(), nn.Linear(2 * w, w))
+                                    for _ in range(n))
+
+    def forward(self, h: torch.Tensor, p: tuple[int, list[float]]) -> torch.Tensor:
+        tokens, caps = p
+        rows, w = h.shape
+        x = (h.unsqueeze(1) + self.pos[:tokens]).reshape(rows * tokens, w)
+        for router, blk, cap in zip(self.router, self.blocks, caps):
+            s = router(x).squeeze(1)
+            top = torch.topk(s, max(1, round(cap * len(s)))).indices
+            x = x.index_add(0, top, blk(x.index_select(0, top)) * torch.sigmoid(s.index_select(0, top)).unsqueeze(1))
+        return h + x.view(rows, tokens, w).mean(dim=1)
+
+
+class _DropLayer(nn.Module):
+    """A pre-norm residual MLP layer (a transformer layer's parameter count and shape, no attention)."""
+
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(w)
+        self.up = nn.Linear(w, 2 * w)
+        self.down = nn.Linear(2 * w, w)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(F.gelu(self.up(self.norm(h))))
+
+
+#: the longest token sequence of a token-dropping stage
+MAX_TOKENS = 12
+#: offset of the extra stages' random streams from the seed's own
+EXTRA_SALT = 7_919_000
+
+
 class SynthNet(nn.Module):
     """A random dynamic network drawn from ``seed`` (see the module docstring)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, extra: tuple[str, ...] = EXTRA_STAGES) -> None:
         super().__init__()
+        unknown = set(extra) - set(EXTRA_STAGES)
+        if unknown:
+            raise ValueError(f"synth: extra stages {sorted(unknown)} are not among {EXTRA_STAGES}")
         r = random.Random(seed)
         self.w = w = r.choice((8, 12, 16, 24))
         self.trunk = r.choice(TRUNKS)
@@ -193,6 +288,26 @@ class SynthNet(nn.Module):
         self.tell = r.random() < 0.5  # drawn after the architecture: seeds kept theirs when hints came
         if self.trunk == "tree" and r.random() < 0.5:  # drawn last, for the same reason
             self.tree = _LevelTree(32, w)
+        # the extra stages come from a stream of their own and are built last (the global generator
+        # has initialised every earlier module), so that everything above stays what the seed drew
+        rx = random.Random(seed + EXTRA_SALT)
+        self.layerdrop = rx.uniform(0.2, 0.5)
+        for _ in range(rx.choice((0, 1, 1, 2))):
+            kind = rx.choice(EXTRA_STAGES)  # over all of them: a kind left out of ``extra`` is skipped
+            if kind not in extra:
+                continue
+            if kind == "graph":
+                n = rx.randint(1, 4)
+                m = _Graph(w, n, attention=rx.random() < 0.5)
+            elif kind == "mod":
+                n = rx.randint(2, 6)
+                m = _MoD(w, n)
+            else:
+                n = rx.randint(6, 16)
+                m = nn.ModuleList(_DropLayer(w) for _ in range(n))
+            at = rx.randint(0, len(self.stages))
+            self.stages.insert(at, (kind, n))
+            mods.insert(at, m)
 
     def forward(self, b: dict[str, Any]) -> torch.Tensor:
         tell = self.tell and hints.listening()
@@ -218,6 +333,14 @@ class SynthNet(nn.Module):
                         if blk.conv != (h.dim() == 4):
                             continue
                         h = blk(h)
+            elif kind == "layerdrop":
+                for layer, run in zip(m, p):
+                    if tell:
+                        hints.step()
+                    if run:
+                        h = layer(h)
+            elif kind in ("graph", "mod"):
+                h = m(h, p)
             elif kind == "exit":
                 for i, e in enumerate(m):
                     if tell:
@@ -260,6 +383,9 @@ def _tell_stage(kind: str, m: nn.Module, p: Any, images: bool) -> None:
     if kind == "skip":
         for i, (blk, run) in enumerate(zip(m, p)):
             hints.next_use(*blk.parameters(), steps=i + 1 if run and blk.conv == images else None)
+    elif kind == "layerdrop":
+        for i, (layer, run) in enumerate(zip(m, p)):
+            hints.next_use(*layer.parameters(), steps=i + 1 if run else None)
     elif kind == "exit":
         for i, e in enumerate(m):
             hints.next_use(*e.parameters(), steps=i + 1 if i <= p else None)
@@ -274,11 +400,11 @@ class SynthWorkload:
 
     family = SYNTH_FAMILY
 
-    def __init__(self, seed: int, batch: int = 4) -> None:
+    def __init__(self, seed: int, batch: int = 4, extra: tuple[str, ...] = EXTRA_STAGES) -> None:
         torch.manual_seed(seed)
         self.seed = seed
         self.batch = batch
-        self.model = SynthNet(seed)
+        self.model = SynthNet(seed, extra)
 
     def _tree_batch(self, r: random.Random) -> dict[str, Any]:
         parents: list[int] = []
@@ -320,6 +446,27 @@ class SynthWorkload:
         return {"tokens": torch.tensor([r.randrange(32) for _ in parents]), "levels": levels, "edges": edges,
                 "roots": torch.tensor(roots), "root_rows": torch.tensor(root_rows, dtype=torch.long)}
 
+    def _graph_plan(self, r: random.Random, g: torch.Generator) -> dict[str, torch.Tensor]:
+        """One graph per batch row, 2-12 nodes each, a self-loop on every node and each other
+        ordered pair linked with a probability drawn per graph: node and edge counts vary per step."""
+        owner: list[int] = []
+        src: list[int] = []
+        dst: list[int] = []
+        sizes = []
+        for row in range(self.batch):
+            n, base, q = r.randint(2, 12), len(owner), r.uniform(0.1, 0.5)
+            sizes.append(n)
+            owner += [row] * n
+            for a in range(n):
+                for b in range(n):
+                    if a == b or r.random() < q:
+                        src.append(base + b)
+                        dst.append(base + a)
+        deg = torch.zeros(len(owner)).index_add_(0, torch.tensor(dst), torch.ones(len(dst)))
+        return {"owner": torch.tensor(owner), "src": torch.tensor(src), "dst": torch.tensor(dst),
+                "feat": torch.randn(len(owner), self.model.w, generator=g), "inv_deg": (1 / deg).unsqueeze(1),
+                "inv_size": (1 / torch.tensor(sizes, dtype=torch.float32)).unsqueeze(1)}
+
     def make_batch(self, step: int) -> dict[str, Any]:
         r = random.Random(self.seed * 1000 + step)
         m = self.model
@@ -332,8 +479,15 @@ class SynthWorkload:
         else:
             b = {"x": torch.randn(self.batch, m.w, generator=g)}
         plan: list[Any] = []
+        rx = random.Random((self.seed + EXTRA_SALT) * 1000 + step)  # the extra stages' plans (see SynthNet)
         for kind, n in m.stages:
-            if kind == "skip":
+            if kind == "graph":
+                plan.append(self._graph_plan(rx, g))
+            elif kind == "mod":
+                plan.append((rx.randint(2, MAX_TOKENS), [rx.uniform(0.125, 0.75) for _ in range(n)]))
+            elif kind == "layerdrop":
+                plan.append([rx.random() >= m.layerdrop for _ in range(n)])
+            elif kind == "skip":
                 plan.append([r.random() < 0.6 for _ in range(n)])
             elif kind == "exit":
                 plan.append(r.randrange(n + 1))  # n: no exit fires
@@ -355,26 +509,32 @@ class SynthWorkload:
         return torch.optim.Adam(params, lr=1e-3)
 
 
-def describe(seed: int) -> dict[str, Any]:
+def describe(seed: int, extra: tuple[str, ...] = EXTRA_STAGES) -> dict[str, Any]:
     """What a seed's network is (trunk, width, stages): for tests and provenance."""
-    m = SynthNet(seed)
+    m = SynthNet(seed, extra)
     out = {"trunk": m.trunk, "width": m.w, "stages": [k for k, _ in m.stages]}
     if m.trunk == "tree":
         out["cell"] = "levels" if isinstance(m.tree, _LevelTree) else "shared"
     return out
 
 
-def synth_traces(seeds: Iterable[int], steps: int = 3, cache_dir: str | Path = ".dynn-cache/traces") -> list[Any]:
-    """Record (or reuse) one synthetic trace per seed; returns the loaded traces."""
+def synth_traces(seeds: Iterable[int], steps: int = 3, cache_dir: str | Path = ".dynn-cache/traces",
+                 extra: tuple[str, ...] = EXTRA_STAGES) -> list[Any]:
+    """Record (or reuse) one synthetic trace per seed; returns the loaded traces.
+
+    ``extra``: which of :data:`EXTRA_STAGES` the networks may hold (a drawn stage of another kind is
+    left out); part of the cached traces' names when not all of them."""
     from ...trace import SCHEMA_VERSION, read_trace, record
 
+    tag = "" if tuple(extra) == EXTRA_STAGES else "-x" + ("+".join(extra) or "none")
     out = []
     for seed in seeds:
-        path = Path(cache_dir) / f"{SYNTH_FAMILY}-seed{seed}-steps{steps}-g{GENERATOR_VERSION}-v{SCHEMA_VERSION}.jsonl.gz"
+        path = (Path(cache_dir) / f"{SYNTH_FAMILY}-seed{seed}-steps{steps}-g{GENERATOR_VERSION}{tag}"
+                f"-v{SCHEMA_VERSION}.jsonl.gz")
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(".tmp-" + path.name)
-            record(SynthWorkload(seed), tmp, steps=steps, preset="synthetic", seed=seed)
+            record(SynthWorkload(seed, extra=extra), tmp, steps=steps, preset="synthetic", seed=seed)
             tmp.rename(path)
         out.append(read_trace(path))
     return out
