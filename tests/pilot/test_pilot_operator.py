@@ -12,7 +12,7 @@ import dynn_runtime as dr
 from dynn_runtime.pilot.policy import PilotPolicy
 from dynn_runtime.policies.base import Policy
 from dynn_runtime.runtime.events import native_module
-from dynn_runtime.workload import load_workload, make_optimizer
+from dynn_runtime.workload import load_workload, make_optimizer, train_step
 
 pytestmark = pytest.mark.skipif(native_module() is None, reason="the native event source is not built")
 
@@ -119,10 +119,7 @@ def _run(family: str, policy: PilotPolicy, budget: object, steps: int = 3) -> tu
     try:
         for step in range(steps):
             with mm.step():
-                loss = wl.loss(model, wl.make_batch(step))
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                loss = train_step(wl, model, opt, wl.make_batch(step))
             losses.append(loss.item())
         assert mm.stats()["event_source"] == "native"
     finally:
