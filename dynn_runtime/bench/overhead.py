@@ -10,8 +10,9 @@ Three measurements, each pairing managed and unmanaged runs in one process on th
    operator over PyTorch alone (median over repetitions).
 2. **Workloads.** Every zoo family at ``preset`` and the README's example
    (``examples/my_workload.py:build``): step time managed (budget above the peak) over unmanaged,
-   per policy, the manager attached once for its run (as a user attaches it), PyTorch alone on a
-   copy of the same initial model in the block before, step ``i`` paired with step ``i``; and ``lru`` at half the peak: the ratio and where the time goes (the manager's
+   per policy, the manager attached once per block of steps (as a user attaches it), PyTorch alone on
+   a copy of the same initial model in the block beside it (before it, then after it), step ``i``
+   paired with step ``i``; and ``lru`` at half the peak: the ratio and where the time goes (the manager's
    ``stall_seconds``, ``copy_seconds``, ``policy_seconds``; the rest is its event path), with the
    decision points (``victims()`` calls and ``after_op()`` calls that returned actions, counted by
    a wrapper around the policy: the definition of :mod:`dynn_runtime.sim.hostcost`).
@@ -54,6 +55,7 @@ __all__ = ["OverheadConfig", "OverheadReport", "run_overhead", "render_overhead_
 
 _BIG = 1 << 50  # a budget far above any peak here: nothing moves
 _BLOCK = 5  # the operator microbenchmark's pairs per attach
+_ROUNDS = 2  # the workloads' block pairs per manager, PyTorch alone first in one and second in the other
 
 
 @dataclass(kw_only=True)
@@ -295,12 +297,14 @@ def _one_step(wl: Any, model: Any, opt: Any, batch: Any) -> None:
 
 
 def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dict[str, Any]]:
-    """One workload on one event source, per manager (each policy above the peak, then lru at ``half``):
-    PyTorch alone trains a fresh copy of the model for ``steps + 1`` steps, then the manager, attached
-    once as a user attaches it, trains another fresh copy on the same batches; step ``i`` of one is
-    paired with step ``i`` of the other (step 0 is a warm-up and the half run's measuring step). One
-    native observer serves a process and the thread it is attached to, so PyTorch alone cannot run
-    between two managed steps without being observed: the two alternate by blocks."""
+    """One workload on one event source, per manager (each policy above the peak, then lru at ``half``),
+    in ``_ROUNDS`` rounds: PyTorch alone trains a fresh copy of the model for ``steps + 1`` steps, and the
+    manager, attached once for the round as a user attaches it, trains another fresh copy on the same
+    batches; step ``i`` of one is paired with step ``i`` of the other (step 0 is a warm-up and the half
+    run's measuring step). One native observer serves a process and observes every operator on the
+    thread it is attached to, so PyTorch alone cannot run between two managed steps: the two run in
+    blocks, PyTorch alone first in even rounds and second in odd ones, so that what one block leaves
+    the next (the allocator's pools, the caches) favours neither side."""
     import copy
 
     import torch
@@ -315,23 +319,27 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dic
     rows: dict[tuple[str, str], list[dict[str, float]]] = {(p, b): [] for p, b, _ in variants}
     plain: list[float] = []
     used: dict[str, str] = {}
-    for policy, where, budget in variants:
+
+    def alone_block() -> tuple[list[float], list[float]]:
         model = copy.deepcopy(initial)
         opt = make_optimizer(wl, model.parameters())
-        alone, alone_cpu = [], []
+        wall, cpu = [], []
         for batch in batches:
             c0, t0 = time.process_time(), time.perf_counter()
             _one_step(wl, model, opt, batch)
-            alone.append(time.perf_counter() - t0)
-            alone_cpu.append(time.process_time() - c0)
-        plain.extend(alone[1:])
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        return wall, cpu
+
+    def managed_block(policy: str, budget: Any) -> tuple[list[dict[str, float]], str]:
         model = copy.deepcopy(initial)
         opt = make_optimizer(wl, model.parameters())
         mm = _manager(budget, _counting(policy), source)
         pol = mm.policy
+        out: list[dict[str, float]] = []
         mm.attach(model, opt)
         try:
-            for step, batch in enumerate(batches):
+            for batch in batches:
                 before_dp, before_pf, before = pol.decision_points, pol.prefetches, _pilot_counters(pol)
                 before_rt = _runtime_decision_points(mm)
                 c0, t0 = time.process_time(), time.perf_counter()  # the step's start and end are the user's too
@@ -340,13 +348,10 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dic
                 dt = time.perf_counter() - t0
                 dt_cpu = time.process_time() - c0
                 bar.update(1)
-                if not step:
-                    continue
                 s = mm.steps[-1]
                 after = _pilot_counters(pol)
-                rows[(policy, where)].append({
-                    "plain_s": alone[step], "managed_s": dt, "plain_cpu_s": alone_cpu[step], "managed_cpu_s": dt_cpu,
-                    "ops": s.ops, "stall_s": s.stall_seconds,
+                out.append({
+                    "managed_s": dt, "managed_cpu_s": dt_cpu, "ops": s.ops, "stall_s": s.stall_seconds,
                     "copy_s": s.copy_seconds, "policy_s": s.policy_seconds, "evictions": s.evictions,
                     "decision_points": pol.decision_points - before_dp,
                     # storages moved: evictions, demand fetches, prefetches asked for (an upper bound)
@@ -357,7 +362,18 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dic
                 })
         finally:
             mm.detach()
-        used[where] = _source_used(mm)
+        return out, _source_used(mm)
+
+    for policy, where, budget in variants:
+        for r in range(_ROUNDS):
+            if r % 2 == 0:
+                (wall, cpu), (managed, src) = alone_block(), managed_block(policy, budget)
+            else:
+                (managed, src), (wall, cpu) = managed_block(policy, budget), alone_block()
+            used[where] = src
+            plain.extend(wall[1:])
+            for step in range(1, len(batches)):
+                rows[(policy, where)].append({"plain_s": wall[step], "plain_cpu_s": cpu[step], **managed[step]})
     out = []
     name = workload_name(spec)
     for (policy, where), rs in rows.items():
@@ -414,7 +430,7 @@ def run_overhead(cfg: OverheadConfig, progress: bool = True) -> OverheadReport:
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     total = len(cfg.sources) * (len(cfg.policies) * cfg.reps
-                                 + len(cfg.workloads) * (len(cfg.policies) + 1) * (cfg.steps + 1))
+                                 + len(cfg.workloads) * (len(cfg.policies) + 1) * (cfg.steps + 1) * _ROUNDS)
     bar = tqdm(total=total, desc="bench --overhead", unit="rep", disable=not progress, leave=False,
                dynamic_ncols=True)
     micro: list[dict[str, Any]] = []

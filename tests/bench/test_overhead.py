@@ -37,6 +37,7 @@ def test_records_cover_every_policy_source_and_workload(report):
         assert {(w, p, "above peak") for p in ("none", "lru", "pilot")} | {(w, "lru", 0.5)} <= keys
     for r in report.workloads:
         assert r["ops"] > 0 and r["managed_s"] > 0 and r["plain_s"] > 0 and r["ratio"] > 0
+        assert r["steps"] == 2 and r["cpu_ratio"] > 0  # one measured step in each of the two block orders
         if r["budget"] == "above peak":
             assert r["evictions"] == 0 and r["decision_points"] == 0  # nothing moves above the peak
         else:  # half the peak: lru is consulted and moves storages
