@@ -9,7 +9,9 @@ over PyTorch alone (thread CPU time: the median of per-repetition differences, a
 managed minus the minimum PyTorch alone, which other processes on a shared machine disturb
 less). Variants (default: all):
 
-- ``pilot``: the pilot as shipped (the fused ``on_operator``);
+- ``pilot``: the pilot as shipped (the fused ``on_operator``: one native kernel call per operator);
+- ``python-fused``: the fused ``on_operator`` with its per-storage writes in Python (the native
+  kernel's per-operator call off: the path without ``dynn_pilot_operator``);
 - ``per-notification``: the pilot told through the interface's default ``on_operator`` (separate
   ``on_alloc``, ``on_access``, ``on_op`` calls);
 - ``no-op-update``: the pilot without its ``on_op`` (what allocations, accesses and deaths cost);
@@ -38,6 +40,14 @@ class _PerNotification(PilotPolicy):
     on_operator = Policy.on_operator
 
 
+class _PythonFused(PilotPolicy):
+    name = "pilot-python-fused"
+
+    def attach(self, view: Any) -> None:
+        super().attach(view)
+        self._fused_native = None
+
+
 class _NoOpUpdate(PilotPolicy):
     name = "pilot-no-op-update"
 
@@ -61,7 +71,7 @@ class _ParseOnly(PilotPolicy):
         return []  # still overridden: the runtime reads the log every 32 operators, as for the pilot
 
 
-VARIANTS = {"pilot": PilotPolicy, "per-notification": _PerNotification, "no-op-update": _NoOpUpdate,
+VARIANTS = {"pilot": PilotPolicy, "python-fused": _PythonFused, "per-notification": _PerNotification, "no-op-update": _NoOpUpdate,
             "parse-only": _ParseOnly, "lru": lambda: "lru", "none": lambda: "none"}
 
 

@@ -136,9 +136,9 @@ class FeatureState(ReplayState, MirrorState):
         self._prev_count = np.zeros(0, dtype=np.float32)
         self._prev_allocs: dict[int, tuple[int, ...]] = {}
         self._prev_lists: list[list[int]] = []
-        #: replayed next uses: after :meth:`op`, the storages it accessed whose counterpart in the previous
-        #: iteration was accessed again after the same occurrence: sid -> that next use replayed here
-        self.replayed: dict[int, int] = {}
+        # replayed next uses (the ``replayed`` property): the dict, or what it is built from on demand
+        self._replayed: dict[int, int] = {}
+        self._replayed_from: tuple[list[int], Any] | None = None
         self.begin_iteration(0, [])
 
     def _set_decays(self) -> None:
@@ -339,8 +339,32 @@ class FeatureState(ReplayState, MirrorState):
             self.sid[s] = -1
             self._free.append(s)
 
+    @property
+    def replayed(self) -> dict[int, int]:
+        """After :meth:`op`, the storages it accessed whose counterpart in the previous iteration was
+        accessed again after the same occurrence: sid -> that next use replayed here (built on
+        demand after the policy's fused native update, which predicts from the kernel's output)."""
+        lazy = self._replayed_from
+        if lazy is not None:
+            self._replayed_from = None
+            acc, rep = lazy
+            d = self._replayed
+            d.clear()
+            for sid, r in zip(acc, rep[: len(acc)]):
+                if r >= 0:
+                    d[sid] = r
+        return self._replayed
+
     def op(self, position: int, op: Any) -> bool:
         """``on_op``: operator ``position`` ran. Returns whether this is a decision point."""
+        ph, new_phase = self.enter(position, op)
+        if self._kernel is not None:
+            return self._op_native(position, op, ph, new_phase)
+        return self._op_python(position, op, ph, new_phase)
+
+    def enter(self, position: int, op: Any) -> tuple[int, bool]:
+        """:meth:`op`'s first part: the phase (a new one resets the hints), the position, and the
+        backward mirror's move. Returns the phase index and whether it is a new phase."""
         ph = _PHASE_IDX.get(op.phase, 0)
         if ph != self.phase:
             self.phase = ph
@@ -363,8 +387,10 @@ class FeatureState(ReplayState, MirrorState):
                     self._pass_through(hit[0])
                 if op.allocs:
                     self._link(op.allocs, hit[1])
-        if self._kernel is not None:
-            return self._op_native(position, op, ph, new_phase)
+        return ph, new_phase
+
+    def _op_python(self, position: int, op: Any, ph: int, new_phase: bool) -> bool:
+        """:meth:`op`'s per-storage update in numpy (the reference of the native kernel's)."""
         iv = _IV_CACHE.get(op.idiom)
         if iv is None:
             iv = _IV_CACHE[op.idiom] = np.asarray(op.idiom, dtype=np.float32) / 3.0
@@ -382,7 +408,8 @@ class FeatureState(ReplayState, MirrorState):
         self._hist_allocs = self._hist_allocs * sl + len(op.allocs) * (1 - sl)
         prev_allocs = self._align(position, op)
         slot = self._slot
-        replayed = self.replayed
+        self._replayed_from = None
+        replayed = self._replayed
         replayed.clear()
         for i, sid in enumerate(op.allocs):
             s = slot.get(sid)
@@ -424,9 +451,9 @@ class FeatureState(ReplayState, MirrorState):
             return True
         return False
 
-    def _op_native(self, position: int, op: Any, ph: int, new_phase: bool) -> bool:
-        """:meth:`op` with the per-storage writes in the native kernel (``dynn_pilot_op``): the same
-        arrays, stack and replayed next uses (tested against the Python path at every operator)."""
+    def native_iv(self, op: Any) -> tuple[tuple[np.ndarray, int], tuple[np.ndarray, int]]:
+        """For the native kernel: ``op``'s idiom vector / 3 and the histories' increment (the vector
+        twice times one minus the decays), each as (array, address); the decays made current."""
         if self.decays is not self._hist_decays:
             self._set_decays()
         f, sl = self.decays
@@ -436,7 +463,13 @@ class FeatureState(ReplayState, MirrorState):
             iv = np.asarray(op.idiom, dtype=np.float32) / 3.0
             ivk = np.concatenate([iv, iv]) * self._hist_keep
             hit = _NATIVE_IV[key] = ((iv, iv.ctypes.data), (ivk, ivk.ctypes.data))
-        self._hist_allocs = self._hist_allocs * sl + len(op.allocs) * (1 - sl)
+        return hit
+
+    def _op_native(self, position: int, op: Any, ph: int, new_phase: bool) -> bool:
+        """:meth:`op` with the per-storage writes in the native kernel (``dynn_pilot_op``): the same
+        arrays, stack and replayed next uses (tested against the Python path at every operator)."""
+        hit = self.native_iv(op)
+        self._hist_allocs = self._hist_allocs * self.decays[1] + len(op.allocs) * (1 - self.decays[1])
         prev_allocs = self._align(position, op)
         slot = self._slot
         a_slots, a_prev = [], []
@@ -451,7 +484,8 @@ class FeatureState(ReplayState, MirrorState):
         acc = list({*op.inputs, *op.outputs, *op.writes})
         rep, match = self._kernel.op(self, position, ph, hit[0], hit[1], a_slots, a_prev,
                                      [slot.get(sid, -1) for sid in acc])
-        replayed = self.replayed
+        self._replayed_from = None
+        replayed = self._replayed
         replayed.clear()
         for sid, r in zip(acc, rep):
             if r >= 0:

@@ -80,7 +80,7 @@ from ..errors import PolicyError
 from ..policies.base import NO_CONTEXT, Action, IterationContext, register
 from ..policies.nextuse import NextUsePolicy
 from .config import PilotPolicyConfig, cached_model, default_weights_path
-from .features import BUCKET_EDGES, FeatureState
+from .features import _KIND_IDX, BUCKET_EDGES, FeatureState
 from .heaps import PredictionHeaps, PyHeap
 from .scheduling import HANDOFF_COST, WORKER_COST, Scheduling, _Job
 
@@ -90,6 +90,7 @@ _CLASS_OF_KIND = {"param": 1, "buffer": 1, "opt_state": 1, "grad": 3, "activatio
 #: lower end (operators) of each fine bucket's distances; "not again" counted as twice the last edge
 _LOWER = np.asarray((1,) + BUCKET_EDGES[:-1] + (BUCKET_EDGES[-1], 2 * BUCKET_EDGES[-1]), dtype=np.float64)
 _PHASES = {"forward": 0, "backward": 1, "optimizer": 2}
+_TEMP = _KIND_IDX["temp"]
 
 
 def storage_class(kind: str, saved: bool, fresh: bool) -> int:
@@ -244,6 +245,14 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         cls = type(self)
         self._fused = (self._judge is None and cls.on_alloc is PilotPolicy.on_alloc
                        and cls.on_access is PilotPolicy.on_access)
+        # on the native kernel, a fused operator is one kernel call (dynn_pilot_operator), unless a
+        # subclass changes on_op or the provisional rule
+        self._fused_native = None
+        if (self._fused and self._kernel is not None and cls.on_op is PilotPolicy.on_op
+                and cls.replay_provisional and self.replay_provisional):
+            from .kernel import FusedTable
+
+            self._fused_native = FusedTable()
 
     def begin_iteration(self, index: int, context: IterationContext = NO_CONTEXT) -> None:
         super().begin_iteration(index, context)
@@ -340,6 +349,9 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         if not self._fused:
             super().on_operator(position, op, accessed)
             return
+        if self._fused_native is not None and not self._pending:
+            self._operator_native(position, op, accessed)
+            return
         state = self._state
         small = self._small
         fraction = self.small_fraction
@@ -373,6 +385,134 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                     skip_of[s] = small.small(sid)
         self.on_op(position, op)
 
+    def _operator_native(self, position: int, op: Any, accessed: Sequence[int]) -> None:
+        """The fused :meth:`on_operator` and :meth:`on_op`'s per-operator update in one kernel call
+        (``dynn_pilot_operator``): Python finds the slots, classes the small storages, aligns the
+        operator and moves the backward mirror; the kernel writes the feature state, the
+        predictions, the flags and the heap entries. The same state as the Python fused path
+        (tests/pilot/test_pilot_operator.py checks it at every decision point)."""
+        self.ops += 1
+        timer = self._timer
+        t0 = timer()
+        state = self._state
+        view = self.view
+        small = self._small
+        fraction = self.small_fraction
+        slot = state._slot
+        allocs = op.allocs
+        words: list[int] = []
+        prior = 0.0
+        born_phase = state.phase
+        prev_allocs = state._align(position, op)
+        if allocs:
+            prior = max(position, 0) + self._prior_rows[_PHASES.get(view.phase, 0)][0]
+            prev_idx = state._prev_idx
+            n_prev = len(prev_allocs)
+            top = -1
+            for i, sid in enumerate(allocs):
+                s = slot.get(sid)
+                if s is None:
+                    s = state._new_slot(sid)
+                if s > top:
+                    top = s
+                nb = view.nbytes(sid)
+                words += (s, sid, _KIND_IDX.get(view.kind(sid), _TEMP), 1 if view.saved(sid) else 0, nb,
+                          prev_idx.get(sid, -1), prev_idx.get(prev_allocs[i], -1) if i < n_prev else -2,
+                          small.alloc(sid, nb) if fraction else small.small(sid))
+            if top >= len(self._skip):
+                self._grow_due()
+        for sid in accessed:
+            if fraction:
+                small.access(sid)
+            s = slot.get(sid)
+            if s is None:
+                words += (-1, sid, 0)
+            else:
+                words += (s, sid, small.small(sid))
+        acc = list({*op.inputs, *op.outputs, *op.writes})
+        words += [slot.get(sid, -1) for sid in acc]
+        (_, iv), (_, ivk) = state.native_iv(op)  # before the table: new decays rebuild it
+        kern = self._kernel
+        ft = self._fused_native
+        n = max(len(allocs), len(accessed), len(acc))
+        if n > ft.n:
+            ft.room(max(n, 2 * ft.n))
+        ft.words[: len(words)] = words
+        f = ft.f
+        f.position = position
+        f.born_phase = born_phase
+        f.iv, f.ivk = iv, ivk
+        f.n_alloc, f.n_told, f.n_acc = len(allocs), len(accessed), len(acc)
+        f.prior = prior
+        f.announced = state._announced
+        if allocs and op.phase == "backward":
+            # the mirror links the allocations by their sizes and indexes every live slot: after
+            # their writes (a first call), as in the Python path
+            f.stage = 1
+            self._operator_call(kern, state, ft)
+            f.stage = 2
+            ph, new_phase = state.enter(position, op)
+        else:
+            f.stage = 3
+            ph, new_phase = state.enter(position, op)
+        sl = state.decays[1]
+        state._hist_allocs = state._hist_allocs * sl + len(allocs) * (1 - sl)
+        f.phase = ph
+        f.frontier, f.stack_counter = state._frontier, state._stack_counter
+        rc = self._operator_call(kern, state, ft)
+        state._frontier, state._stack_counter, state._announced = f.frontier, f.stack_counter, f.announced
+        state._replayed_from = (acc, ft.replay)
+        if rc == 1:  # an external storage's first access: matched and replayed in Python, then predicted here
+            replayed = state.replayed
+            for i in ft.match[: f.n_match]:
+                sid = acc[i]
+                s = slot[sid]
+                state._match_external(s)
+                state._replay(sid, s, position)
+            self._predict_pending(position, accessed, replayed)
+        elif f.n_need:
+            pred = state.pred
+            push = self._heap.push
+            for i in ft.need[: f.n_need]:
+                sid = accessed[i]
+                s = slot[sid]
+                pred[s] = v = float(self._provisional(position, view.kind(sid), view.saved(sid), False))
+                push(-v, sid, s)
+        tick = state._tick(position, new_phase)
+        self.bookkeeping_s += timer() - t0
+        self._after_update(position, tick)
+
+    def _operator_call(self, kern: Any, state: FeatureState, ft: Any) -> int:
+        t = state._native_tab
+        if t is None:
+            t = kern.table(state)
+        ft.point(t, self._away, self._skip, self._heap, state._cap)
+        rc = kern.operator(t.addr, ft.addr)
+        if rc < 0:
+            if rc == -2:
+                raise MemoryError("pilot native: no memory for the eviction heap")
+            raise IndexError(f"pilot native kernel: a slot or counterpart is out of range (code {rc})")
+        return rc
+
+    def _predict_pending(self, position: int, sids: Sequence[int], rep: dict[int, int]) -> None:
+        """The provisional predictions of the storages just accessed: the counterpart's next use
+        in the previous iteration replayed from this access (``rep``), else the prior; each with its
+        eviction heap entry."""
+        state = self._state
+        pred = state.pred
+        slot = state._slot
+        push = self._heap.push
+        follow = self.following
+        for sid in sids:
+            s = slot.get(sid)
+            if s is None:
+                continue  # freed since its access
+            v = rep.get(sid) if follow == "pilot" else self._fallback_prediction(follow, sid, position)
+            if v is None:
+                v = self._provisional(position, self.view.kind(sid), self.view.saved(sid), False)
+            pred[s] = v = float(v)
+            push(-v, sid, s)
+
     def on_op(self, position: int, op: Any) -> None:
         self.ops += 1
         timer = self._timer
@@ -382,22 +522,15 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         pending = self._pending
         if pending:
             # the counterpart's next use in the previous iteration, replayed from this access
-            rep = state.replayed if self.replay_provisional else {}
-            pred = state.pred
-            slot = state._slot
-            push = self._heap.push
-            follow = self.following
-            for sid in pending:
-                s = slot.get(sid)
-                if s is None:
-                    continue  # freed since its access
-                v = rep.get(sid) if follow == "pilot" else self._fallback_prediction(follow, sid, position)
-                if v is None:
-                    v = self._provisional(position, self.view.kind(sid), self.view.saved(sid), False)
-                pred[s] = v = float(v)
-                push(-v, sid, s)
+            self._predict_pending(position, pending, state.replayed if self.replay_provisional else {})
             pending.clear()
         self.bookkeeping_s += timer() - t0
+        self._after_update(position, tick)
+
+    def _after_update(self, position: int, tick: bool) -> None:
+        """:meth:`on_op` once the state is updated: the worker's results, and the decision point."""
+        timer = self._timer
+        state = self._state
         if self._job is not None:
             self._poll()
         if not self._decide(position, tick):

@@ -62,6 +62,8 @@ class _Lockstep(PilotPolicy):
 
     def on_operator(self, position: int, op: object, accessed: object) -> None:
         assert self._fused  # the runtime's pilot takes the fused path
+        # on the native kernel, in one kernel call per operator (dynn_pilot_operator)
+        assert (self._fused_native is not None) == (self.backend == "native")
         decisions = self.decisions
         super().on_operator(position, op, accessed)
         self.shadow.on_operator(position, op, accessed)

@@ -21,11 +21,11 @@ from pathlib import Path
 from ...trace.format import KINDS
 from ..layout import CAND_TABLE, CTX_TABLE, HINT_MAX, THRESH
 
-__all__ = ["ABI", "MAX_H", "MAX_K", "LANES", "STATE", "POINT", "POLICY", "MODEL", "OP", "ALLOC", "Struct", "header",
-           "layout", "HEADER", "write_header"]
+__all__ = ["ABI", "MAX_H", "MAX_K", "LANES", "STATE", "POINT", "POLICY", "MODEL", "OP", "ALLOC", "FUSED",
+           "FUSED_ALLOC_WORDS", "FUSED_ACCESS_WORDS", "Struct", "header", "layout", "HEADER", "write_header"]
 
 #: bumped whenever the meaning of a structure or a call changes without changing the layout
-ABI = 11
+ABI = 12
 #: the widest hidden layer and the most (padded) outputs the kernel takes; the outputs are padded to
 #: whole blocks of LANES floats (one 512-bit or two 256-bit vectors)
 MAX_H, MAX_K, LANES = 256, 64, 16
@@ -180,7 +180,33 @@ ALLOC = Struct("dynn_alloc", "one storage for dynn_pilot_alloc: what FeatureStat
     *_f("double", "saved", "log_bytes"),
 ))
 
-STRUCTS = (STATE, POINT, POLICY, MODEL, OP, ALLOC)
+#: words per allocation and per told access in dynn_fused's ``words`` (the order of the fields in FUSED's comment)
+FUSED_ALLOC_WORDS, FUSED_ACCESS_WORDS = 8, 3
+
+#: one operator for dynn_pilot_operator (PilotPolicy's fused on_operator on the native backend)
+FUSED = Struct("dynn_fused", "one operator for dynn_pilot_operator: PilotPolicy.on_operator's notifications and "
+               "on_op's per-operator update in one call. words: per allocation (slot, sid, kind, saved, nbytes, "
+               "prev, cprev, skip), then per access told to the policy (slot or -1, sid, skip), then per storage "
+               "the operator read or wrote (slot or -1)", (
+    *_f("int64_t", "position", "phase"),
+    *_f("int64_t", "born_phase", c="the state's phase before this operator"),
+    *_f("int64_t", "stage", c="1: the allocations' writes, 2: the rest, 3: both"),
+    *_f("const float *", "iv", "ivk", "decay"),
+    *_f("float *", "hist"),
+    *_f("const int64_t *", "words"),
+    *_f("int64_t", "n_alloc", "n_told", "n_acc"),
+    *_f("double", "prior", c="a fresh storage's provisional prediction"),
+    *_f("int64_t", "announced", "frontier", "stack_counter", c="in and out"),
+    *_f("uint8_t *", "away", "skip", c="the policy's, per slot"),
+    *_f("int64_t *", "where", c="per slot scratch (any contents)"),
+    *_f("void *", "heap", c="the policy's eviction heap"),
+    *_f("int64_t *", "replay", c="out, per access (-1: none)"),
+    *_f("int64_t *", "match", c="out: indices into the accesses"),
+    *_f("int64_t *", "need", c="out: indices into the told accesses that need the prior"),
+    *_f("int64_t", "n_match", "n_need", c="out"),
+))
+
+STRUCTS = (STATE, POINT, POLICY, MODEL, OP, ALLOC, FUSED)
 
 
 def _starts(table: tuple[tuple[str, tuple[str, ...]], ...], prefix: str) -> list[tuple[str, int]]:
@@ -193,7 +219,7 @@ def _starts(table: tuple[tuple[str, tuple[str, ...]], ...], prefix: str) -> list
 
 def layout() -> list[int]:
     """What a library built from the current header reports (``dynn_pilot_layout``)."""
-    return [ABI, *(s.words for s in STRUCTS), MAX_H, MAX_K, LANES,
+    return [ABI, *(s.words for s in STRUCTS), FUSED_ALLOC_WORDS, FUSED_ACCESS_WORDS, MAX_H, MAX_K, LANES,
             sum(len(c) for _, c in CAND_TABLE), sum(len(c) for _, c in CTX_TABLE), len(KINDS), len(THRESH),
             *THRESH, HINT_MAX, *(i for _, i in _starts(CAND_TABLE, "F_")), *(i for _, i in _starts(CTX_TABLE, "X_"))]
 
@@ -204,6 +230,7 @@ def header() -> str:
            " * Regenerate with `python -m dynn_runtime.pilot.kernel.abi`. */",
            "#ifndef DYNN_PILOT_KERNEL_H", "#define DYNN_PILOT_KERNEL_H", "", "#include <stdint.h>", "",
            f"#define DYNN_PILOT_ABI {ABI}", f"#define MAX_H {MAX_H}", f"#define MAX_K {MAX_K}", f"#define LANES {LANES}",
+           f"#define FUSED_ALLOC {FUSED_ALLOC_WORDS}", f"#define FUSED_ACCESS {FUSED_ACCESS_WORDS}",
            "", "/* ---- feature columns: a group's columns are F_<GROUP> + i ---- */",
            f"#define NF {sum(len(c) for _, c in CAND_TABLE)}", f"#define NC {sum(len(c) for _, c in CTX_TABLE)}",
            f"#define N_KINDS {len(KINDS)}", f"#define N_THRESH {len(THRESH)}", f"#define HINT_MAX {HINT_MAX}"]

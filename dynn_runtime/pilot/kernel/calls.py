@@ -37,6 +37,8 @@ class NativeKernel:
         lib.dynn_pilot_op.restype = _I
         lib.dynn_pilot_alloc.argtypes = [_V, _V]
         lib.dynn_pilot_alloc.restype = _I
+        lib.dynn_pilot_operator.argtypes = [_V, _V]
+        lib.dynn_pilot_operator.restype = _I
         lib.dynn_pilot_finish.argtypes = [_V, _V, _I, _V, _V, _V, _D, _D, _I, _V, _V]
         lib.dynn_pilot_finish.restype = _I
         lib.dynn_heap_new.argtypes = []
@@ -65,6 +67,9 @@ class NativeKernel:
         self._select = lib.dynn_pilot_select
         self._op = lib.dynn_pilot_op
         self._alloc = lib.dynn_pilot_alloc
+        #: PilotPolicy's fused operator (dynn_pilot_operator): called with the addresses of the
+        #: state table and of a FusedTable's structure
+        self.operator = lib.dynn_pilot_operator
         self._n_rows = ctypes.c_int64(0)
         self._n_rows_addr = ctypes.addressof(self._n_rows)
 

@@ -95,6 +95,19 @@ int64_t dynn_heap_push(dynn_heap *h, const double *keys, const int64_t *sids, co
     return 0;
 }
 
+/* one entry, from the kernel's other units (dynn_pilot_operator); 0, or -2 out of memory */
+int pilot_heap_push1(void *heap, double key, int64_t sid, int64_t slot)
+{
+    dynn_heap *h = (dynn_heap *)heap;
+    if (h->n == h->cap && reserve(h, h->n + 1)) return -2;
+    hent *e = &h->a[h->n];
+    e->key = key;
+    e->sid = sid;
+    e->slot = slot;
+    sift_up(h->a, h->n++);
+    return 0;
+}
+
 static inline int stale(const dynn_state *S, const hent *e)
 {
     const int64_t s = e->slot;

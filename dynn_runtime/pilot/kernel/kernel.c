@@ -18,6 +18,9 @@
  *   dynn_pilot_op        FeatureState.op's per-operator update of the arrays (the idiom histories, the
  *                        producer and consumer idioms, counts, the saved-activation stack, the replayed
  *                        next uses), equal to the Python code it stands in for;
+ *   dynn_pilot_operator  PilotPolicy.on_operator and on_op's per-operator work in one call: the
+ *                        allocations' and accesses' writes, dynn_pilot_op's update, the provisional
+ *                        predictions replayed from the previous iteration and their heap entries;
  *   dynn_pilot_finish    the network and the policy's arithmetic for gathered rows, on a worker thread;
  *   dynn_heap_*          the policy's eviction heap (heapq's pop order over the same entries, stale
  *                        entries skipped here), and dynn_pilot_merge: a decision point's rows into it.
@@ -39,6 +42,7 @@
  * CMakeLists.txt and the run-time compile in kernel/__init__.py (SOURCES) list the same files.
  */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -403,15 +407,19 @@ int64_t dynn_pilot_select(const dynn_state *S, const double *due, int64_t positi
 }
 
 /* FeatureState.op after the alignment lookups: the same writes in the same order. The state's
- * arrays are written through its table (the table points at writable numpy arrays). */
-int64_t dynn_pilot_op(const dynn_state *S, dynn_op *O)
+ * arrays are written through its table (the table points at writable numpy arrays). The allocations'
+ * slots and counterparts (>= -1 set, -2 leave) are read every a_stride words from a_slot and a_prev;
+ * per access, replay gets the replayed next use (-1: none), match the accesses Python matches first
+ * (FeatureState._match_external, then _replay). Returns 0, or -4 (a slot or counterpart out of range). */
+static int64_t op_update(const dynn_state *S, int64_t pos, int64_t ph, const float *iv, const float *ivk,
+                         const float *decay, float *hist, const int64_t *a_slot, const int64_t *a_prev,
+                         int64_t a_stride, int64_t n_alloc, const int64_t *acc_slots, int64_t n_acc,
+                         int64_t *frontier, int64_t *stack_counter, int64_t *replay, int64_t *match,
+                         int64_t *n_match_out)
 {
-    const int64_t pos = O->position, ph = O->phase;
-    const float *iv = O->iv;
-    float *hist = O->hist;
     for (int i = 0; i < 12; i++) {
-        hist[i] = hist[i] * O->decay[i];  /* h *= decay; h += ivk: two float32 roundings, as numpy */
-        hist[i] = hist[i] + O->ivk[i];
+        hist[i] = hist[i] * decay[i];  /* h *= decay; h += ivk: two float32 roundings, as numpy */
+        hist[i] = hist[i] + ivk[i];
     }
     float *producer_iv = (float *)S->producer_iv, *has_producer = (float *)S->has_producer;
     float *consumer_iv = (float *)S->consumer_iv, *count = (float *)S->count;
@@ -419,17 +427,17 @@ int64_t dynn_pilot_op(const dynn_state *S, dynn_op *O)
     int64_t *prev = (int64_t *)S->prev, *last = (int64_t *)S->last, *last_phase = (int64_t *)S->last_phase;
     int64_t *count_phase_of = (int64_t *)S->count_phase_of, *stack_idx = (int64_t *)S->stack_idx;
     int64_t *stack_pos = (int64_t *)S->stack_pos;
-    for (int64_t i = 0; i < O->n_alloc; i++) {
-        const int64_t s = O->alloc_slots[i];
+    for (int64_t i = 0; i < n_alloc; i++) {
+        const int64_t s = a_slot[i * a_stride];
         if (s < 0 || s >= S->cap) return -4;
         memcpy(producer_iv + 6 * s, iv, 6 * sizeof(float));
         has_producer[s] = 1.0f;
-        if (O->alloc_prev[i] >= -1) prev[s] = O->alloc_prev[i];
+        if (a_prev[i * a_stride] >= -1) prev[s] = a_prev[i * a_stride];
     }
     int64_t n_match = 0;
-    for (int64_t i = 0; i < O->n_acc; i++) {
-        const int64_t s = O->acc_slots[i];
-        O->replay[i] = -1;
+    for (int64_t i = 0; i < n_acc; i++) {
+        const int64_t s = acc_slots[i];
+        replay[i] = -1;
         if (s < 0) continue;
         if (s >= S->cap) return -4;
         last[s] = pos;
@@ -441,36 +449,42 @@ int64_t dynn_pilot_op(const dynn_state *S, dynn_op *O)
         }
         count_phase[s] += 1.0f;
         if (ph == 1 && stack_idx[s] >= 0 && acc_phase[3 * s + 1] == 0.0f)
-            O->frontier = stack_pos[s];  /* popped: backward has reached its push */
+            *frontier = stack_pos[s];  /* popped: backward has reached its push */
         acc_phase[3 * s + ph] = 1.0f;
         memcpy(consumer_iv + 6 * s, iv, 6 * sizeof(float));
         if (ph == 0 && S->saved[s] > 0.0f && S->kind[s] > 2 && (S->born[s] < 0 || stack_idx[s] < 0)) {
-            stack_idx[s] = O->stack_counter++;
+            stack_idx[s] = (*stack_counter)++;
             stack_pos[s] = pos;
         }
         if (prev[s] < 0 && S->born[s] < 0 && count[s] == 1.0f) {
-            O->match[n_match++] = i;  /* Python matches it, then replays it */
+            match[n_match++] = i;  /* Python matches it, then replays it */
             continue;
         }
         const int64_t pi = prev[s];
         if (pi >= 0) {
             if (pi >= S->n_prev) return -4;
             const int64_t k = (int64_t)count[s], lo = S->prev_off[pi], n = S->prev_off[pi + 1] - lo;
-            if (k < n) O->replay[i] = pos + S->prev_pos[lo + k] - S->prev_pos[lo + k - 1];
+            if (k < n) replay[i] = pos + S->prev_pos[lo + k] - S->prev_pos[lo + k - 1];
         }
     }
-    O->n_match = n_match;
+    *n_match_out = n_match;
     return 0;
 }
 
-/* FeatureState.alloc's writes for slot A->slot (A->position -1: alive when the iteration started) */
-int64_t dynn_pilot_alloc(const dynn_state *S, const dynn_alloc *A)
+int64_t dynn_pilot_op(const dynn_state *S, dynn_op *O)
 {
-    const int64_t s = A->slot, position = A->position;
-    if (s < 0 || s >= S->cap) return -4;
-    ((int64_t *)S->kind)[s] = A->kind;
-    ((float *)S->saved)[s] = (float)A->saved;
-    ((float *)S->log_bytes)[s] = (float)A->log_bytes;  /* float64 -> float32, as numpy assigns */
+    return op_update(S, O->position, O->phase, O->iv, O->ivk, O->decay, O->hist, O->alloc_slots, O->alloc_prev, 1,
+                     O->n_alloc, O->acc_slots, O->n_acc, &O->frontier, &O->stack_counter, O->replay, O->match,
+                     &O->n_match);
+}
+
+/* FeatureState.alloc's writes for slot s (position -1: alive when the iteration started) */
+static void alloc_writes(const dynn_state *S, int64_t s, int64_t kind, double saved, double log_bytes,
+                         int64_t announce, int64_t position, int64_t phase, int64_t prev)
+{
+    ((int64_t *)S->kind)[s] = kind;
+    ((float *)S->saved)[s] = (float)saved;
+    ((float *)S->log_bytes)[s] = (float)log_bytes;  /* float64 -> float32, as numpy assigns */
     ((int64_t *)S->last)[s] = -1;
     ((int64_t *)S->last_phase)[s] = -1;
     ((float *)S->count)[s] = 0.0f;
@@ -478,16 +492,84 @@ int64_t dynn_pilot_alloc(const dynn_state *S, const dynn_alloc *A)
     memset((float *)S->acc_phase + 3 * s, 0, 3 * sizeof(float));
     ((int64_t *)S->stack_idx)[s] = -1;
     ((int64_t *)S->stack_pos)[s] = -1;
-    ((int64_t *)S->announce)[s] = A->announce;
+    ((int64_t *)S->announce)[s] = announce;
     memset((float *)S->consumer_iv + 6 * s, 0, 6 * sizeof(float));
     memset((float *)S->producer_iv + 6 * s, 0, 6 * sizeof(float));
     ((float *)S->has_producer)[s] = 0.0f;
     ((float *)S->persistent)[s] = position < 0 ? 1.0f : 0.0f;
     ((int64_t *)S->born)[s] = position < 0 ? -1 : position;
-    ((int64_t *)S->born_phase)[s] = position < 0 ? -1 : A->phase;
-    ((int64_t *)S->prev)[s] = A->prev;
+    ((int64_t *)S->born_phase)[s] = position < 0 ? -1 : phase;
+    ((int64_t *)S->prev)[s] = prev;
     ((int64_t *)S->mirror_tgt)[s] = -1;
     ((int64_t *)S->hint_at)[s] = -1;
+}
+
+/* PilotPolicy.on_operator on the native backend, one operator in one call: on_alloc's writes for its
+ * allocations (FeatureState.alloc, the fresh prior as their prediction, their eviction entries),
+ * on_access's flags for the accesses told to the policy, FeatureState.op's update (op_update), then
+ * on_op's provisional predictions: an access's replayed next use with its eviction entry, or its
+ * index in need (the prior: Python's, from the storage's kind and saved flag now). The same writes in
+ * the same order as those methods. O->stage 1 does only the allocations' writes, 2 only the rest (the
+ * backward mirror reads the allocations' sizes between the two). Returns 0; 1: an access needs FeatureState._match_external (the
+ * op's update is done, the provisional predictions are left to Python); -4: a slot out of range; -2:
+ * out of memory. */
+int64_t dynn_pilot_operator(const dynn_state *S, dynn_fused *O)
+{
+    const int64_t pos = O->position, na = O->n_alloc, nt = O->n_told, nc = O->n_acc, cap = S->cap;
+    const int64_t *w = O->words, *told = w + FUSED_ALLOC * na, *acc = told + FUSED_ACCESS * nt;
+    double *pred = S->pred;
+    uint8_t *touched = S->touched, *away = O->away, *skip = O->skip;
+    O->n_need = 0;
+    for (int64_t i = 0; i < na && (O->stage & 1); i++) {
+        const int64_t *a = w + FUSED_ALLOC * i, s = a[0], nb = a[4] > 1 ? a[4] : 1;
+        if (s < 0 || s >= cap) return -4;
+        /* math.log2 is the C library's log2 on a double, as here */
+        alloc_writes(S, s, a[2], (double)a[3], log2((double)nb) / 30.0, O->announced++, pos, O->born_phase, a[5]);
+        pred[s] = O->prior;
+        touched[s] = 1;
+        away[s] = 0;
+        if (pilot_heap_push1(O->heap, -O->prior, a[1], s)) return -2;
+        skip[s] = (uint8_t)a[7];
+    }
+    if (!(O->stage & 2)) return 0;
+    for (int64_t i = 0; i < nt; i++) {
+        const int64_t *a = told + FUSED_ACCESS * i, s = a[0];
+        if (s < 0) continue;
+        if (s >= cap) return -4;
+        touched[s] = 1;
+        away[s] = 0;
+        skip[s] = (uint8_t)a[2];
+    }
+    int64_t rc = op_update(S, pos, O->phase, O->iv, O->ivk, O->decay, O->hist, w, w + 6, FUSED_ALLOC, na, acc, nc,
+                           &O->frontier, &O->stack_counter, O->replay, O->match, &O->n_match);
+    if (rc) return rc;
+    if (O->n_match) return 1;
+    int64_t *where = O->where;
+    for (int64_t i = 0; i < nc; i++)
+        if (acc[i] >= 0) where[acc[i]] = i;
+    int64_t n_need = 0;
+    for (int64_t i = 0; i < nt; i++) {
+        const int64_t *a = told + FUSED_ACCESS * i, s = a[0];
+        if (s < 0) continue;
+        /* the told accesses are among the operator's: where[s] was just written (checked all the same) */
+        const int64_t j = where[s];
+        const int64_t r = (j >= 0 && j < nc && acc[j] == s) ? O->replay[j] : -1;
+        if (r < 0) {
+            O->need[n_need++] = i;
+            continue;
+        }
+        pred[s] = (double)r;
+        if (pilot_heap_push1(O->heap, -(double)r, a[1], s)) return -2;
+    }
+    O->n_need = n_need;
+    return 0;
+}
+
+/* FeatureState.alloc's writes for slot A->slot (A->position -1: alive when the iteration started) */
+int64_t dynn_pilot_alloc(const dynn_state *S, const dynn_alloc *A)
+{
+    if (A->slot < 0 || A->slot >= S->cap) return -4;
+    alloc_writes(S, A->slot, A->kind, A->saved, A->log_bytes, A->announce, A->position, A->phase, A->prev);
     return 0;
 }
 

@@ -13,6 +13,9 @@
 #define DYNN_INTERNAL __attribute__((visibility("hidden")))
 #else
 #define DYNN_INTERNAL
+/* push (key, sid, slot) on the eviction heap (heap.c's dynn_heap); 0, or -2 out of memory */
+DYNN_INTERNAL int pilot_heap_push1(void *heap, double key, int64_t sid, int64_t slot);
+
 #endif
 
 typedef struct {
@@ -38,5 +41,8 @@ DYNN_INTERNAL void pilot_prep_free(prep_t *P);
 DYNN_INTERNAL void pilot_feature_row(const prep_t *P, int64_t s, float *restrict x);
 /* the decision point's context row: NC floats to c */
 DYNN_INTERNAL void pilot_context_row(const prep_t *P, float *restrict c);
+
+/* push (key, sid, slot) on the eviction heap (heap.c's dynn_heap); 0, or -2 out of memory */
+DYNN_INTERNAL int pilot_heap_push1(void *heap, double key, int64_t sid, int64_t slot);
 
 #endif

@@ -5,10 +5,12 @@
 
 #include <stdint.h>
 
-#define DYNN_PILOT_ABI 11
+#define DYNN_PILOT_ABI 12
 #define MAX_H 256
 #define MAX_K 64
 #define LANES 16
+#define FUSED_ALLOC 8
+#define FUSED_ACCESS 3
 
 /* ---- feature columns: a group's columns are F_<GROUP> + i ---- */
 #define NF 103
@@ -219,7 +221,37 @@ typedef struct {
 } dynn_alloc;
 #define ALLOC_WORDS 8
 
+/* one operator for dynn_pilot_operator: PilotPolicy.on_operator's notifications and on_op's per-operator update in one call. words: per allocation (slot, sid, kind, saved, nbytes, prev, cprev, skip), then per access told to the policy (slot or -1, sid, skip), then per storage the operator read or wrote (slot or -1) */
+typedef struct {
+    int64_t position;
+    int64_t phase;
+    int64_t born_phase;           /* the state's phase before this operator */
+    int64_t stage;                /* 1: the allocations' writes, 2: the rest, 3: both */
+    const float *iv;
+    const float *ivk;
+    const float *decay;
+    float *hist;
+    const int64_t *words;
+    int64_t n_alloc;
+    int64_t n_told;
+    int64_t n_acc;
+    double prior;                 /* a fresh storage's provisional prediction */
+    int64_t announced;            /* in and out */
+    int64_t frontier;             /* in and out */
+    int64_t stack_counter;        /* in and out */
+    uint8_t *away;                /* the policy's, per slot */
+    uint8_t *skip;                /* the policy's, per slot */
+    int64_t *where;               /* per slot scratch (any contents) */
+    void *heap;                   /* the policy's eviction heap */
+    int64_t *replay;              /* out, per access (-1: none) */
+    int64_t *match;               /* out: indices into the accesses */
+    int64_t *need;                /* out: indices into the told accesses that need the prior */
+    int64_t n_match;              /* out */
+    int64_t n_need;               /* out */
+} dynn_fused;
+#define FUSED_WORDS 25
+
 /* what dynn_pilot_layout reports: abi.layout() */
-#define DYNN_PILOT_LAYOUT {11, 44, 18, 7, 16, 16, 8, 256, 64, 16, 103, 24, 7, 8, 8, 16, 32, 48, 64, 96, 128, 256, 4095, 0, 7, 8, 9, 10, 11, 12, 13, 14, 17, 18, 19, 22, 25, 31, 32, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 61, 69, 77, 78, 79, 80, 81, 82, 90, 91, 92, 93, 94, 102, 0, 3, 4, 5, 6, 7, 8, 14, 20, 21, 22, 23}
+#define DYNN_PILOT_LAYOUT {12, 44, 18, 7, 16, 16, 8, 25, 8, 3, 256, 64, 16, 103, 24, 7, 8, 8, 16, 32, 48, 64, 96, 128, 256, 4095, 0, 7, 8, 9, 10, 11, 12, 13, 14, 17, 18, 19, 22, 25, 31, 32, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 61, 69, 77, 78, 79, 80, 81, 82, 90, 91, 92, 93, 94, 102, 0, 3, 4, 5, 6, 7, 8, 14, 20, 21, 22, 23}
 
 #endif

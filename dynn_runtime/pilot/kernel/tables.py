@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .abi import ALLOC, LANES, MODEL, OP, POINT, POLICY, STATE
+from .abi import ALLOC, FUSED, FUSED_ACCESS_WORDS, FUSED_ALLOC_WORDS, LANES, MODEL, OP, POINT, POLICY, STATE
 
 if TYPE_CHECKING:
     from .calls import NativeKernel
 
-__all__ = ["StateTable", "ModelTable", "PolicyTable", "NativeHeap"]
+__all__ = ["StateTable", "ModelTable", "PolicyTable", "NativeHeap", "FusedTable"]
 
 # ---- tables the kernel's logarithms come from (filled by numpy, so both round alike) ----------------
 
@@ -53,6 +53,7 @@ _Point = POINT.ctypes()
 _Policy = POLICY.ctypes()
 _Op = OP.ctypes()
 _Alloc = ALLOC.ctypes()
+_Fused = FUSED.ctypes()
 _W = STATE.index
 
 
@@ -187,6 +188,53 @@ class StateTable:
         p.h_active = st._h_active
         if st._h_active:
             p.h_step, p.h_start, p.h_len = st._h_step, st._h_start, st._hint_len()
+
+
+class FusedTable:
+    """A :class:`~dynn_runtime.pilot.policy.PilotPolicy`'s side of ``dynn_pilot_operator``: the
+    call's structure (``dynn_fused``, at a fixed address), its word buffer and result buffers, and
+    the per-slot scratch. The policy points it at the arrays and the heap in use (:meth:`point`)
+    only when they change."""
+
+    def __init__(self) -> None:
+        self.f = _Fused()
+        self.addr = ctypes.addressof(self.f)
+        self.state: Any = None  # the StateTable, arrays and heap pointed at now
+        self.arrays: tuple[Any, ...] = ()
+        self.heap: Any = None
+        self.where = np.empty(0, dtype=np.int64)
+        self.room(64)
+
+    def room(self, n: int) -> None:
+        """Buffers for an operator of up to ``n`` allocations, ``n`` told accesses and ``n`` accesses."""
+        self.n = n
+        self.words = (ctypes.c_int64 * ((FUSED_ALLOC_WORDS + FUSED_ACCESS_WORDS + 1) * n))()
+        self.replay, self.match, self.need = ((ctypes.c_int64 * n)() for _ in range(3))
+        f = self.f
+        f.words, f.replay, f.match, f.need = (ctypes.addressof(b) for b in (self.words, self.replay, self.match,
+                                                                              self.need))
+
+    def point(self, t: StateTable, away: np.ndarray, skip: np.ndarray, heap: NativeHeap, cap: int) -> None:
+        """Point the call at state table ``t``, the policy's ``away`` and ``skip`` (uint8 per slot)
+        and its eviction heap; the scratch grows to ``cap`` slots."""
+        f = self.f
+        if t is not self.state:
+            self.state = t
+            f.hist, f.decay = t.op.hist, t.op.decay
+        if not self.arrays or self.arrays[0] is not away or self.arrays[1] is not skip:
+            if away.dtype != np.uint8 or skip.dtype != np.uint8:
+                raise ValueError("pilot native: away and skip must be uint8 arrays")
+            self.arrays = (away, skip)
+            f.away, f.skip = away.ctypes.data, skip.ctypes.data
+        if heap is not self.heap:
+            self.heap = heap
+            f.heap = heap.h
+        if len(self.where) < cap:
+            self.where = np.empty(max(cap, 2 * len(self.where)), dtype=np.int64)
+            f.where = self.where.ctypes.data
+
+    def __reduce__(self) -> Any:  # addresses do not survive pickling
+        return (FusedTable, ())
 
 
 class ModelTable:
