@@ -409,10 +409,13 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             prev_idx = state._prev_idx
             n_prev = len(prev_allocs)
             top = -1
+            free = state._free
             for i, sid in enumerate(allocs):
                 s = slot.get(sid)
-                if s is None:
-                    s = state._new_slot(sid)
+                if s is None:  # FeatureState._new_slot; the kernel marks the slot active and writes its sid
+                    if not free:
+                        state._grow(state._cap * 2)  # extends the same free list
+                    s = slot[sid] = free.pop()
                 if s > top:
                     top = s
                 nb = view.nbytes(sid)
@@ -470,13 +473,15 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                 state._match_external(s)
                 state._replay(sid, s, position)
             self._predict_pending(position, accessed, replayed)
-        elif f.n_need:
+        elif f.n_need:  # no replayed next use: the prior (_provisional)
             pred = state.pred
             push = self._heap.push
+            row = self._prior_rows[_PHASES.get(view.phase, 0)]
+            base = max(position, 0)
             for i in ft.need[: f.n_need]:
                 sid = accessed[i]
                 s = slot[sid]
-                pred[s] = v = float(self._provisional(position, view.kind(sid), view.saved(sid), False))
+                pred[s] = v = float(base + row[storage_class(view.kind(sid), view.saved(sid), False)])
                 push(-v, sid, s)
         tick = state._tick(position, new_phase)
         self.bookkeeping_s += timer() - t0

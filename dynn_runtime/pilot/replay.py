@@ -28,6 +28,7 @@ index as sorted keys ``counterpart * KEY_BASE + position``.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -57,35 +58,37 @@ class ReplayState:
             return
         seen: dict[tuple[str, str, str], int] = {}
         acc: dict[int, list[int]] = {}
-        n_fwd = sum(1 for op in prev.ops if op.phase == "forward")
-        n_bwd = sum(1 for op in prev.ops if op.phase == "backward")
-        self._ratio = n_bwd / n_fwd if n_fwd and n_bwd else 1.5
+        phases: dict[str, int] = {}
+        born: set[int] = set()
+        prev_ops, prev_allocs = self._prev_ops, self._prev_allocs
         for j, op in enumerate(prev.ops):
             k = (op.name, op.module, op.phase)
             c = seen.get(k, 0)
             seen[k] = c + 1
-            self._prev_ops[(*k, c)] = j
+            prev_ops[(*k, c)] = j
             if op.allocs:
-                self._prev_allocs[j] = op.allocs
+                prev_allocs[j] = op.allocs
+                born.update(op.allocs)
             for sid in {*op.inputs, *op.outputs, *op.writes}:
                 lst = acc.get(sid)
                 if lst is None:
                     acc[sid] = [j]
                 else:
                     lst.append(j)
+        for (_, _, phase), c in seen.items():
+            phases[phase] = phases.get(phase, 0) + c
+        n_fwd, n_bwd = phases.get("forward", 0), phases.get("backward", 0)
+        self._ratio = n_bwd / n_fwd if n_fwd and n_bwd else 1.5
         self._prev_len = len(prev.ops)
-        born = {sid for op in prev.ops for sid in op.allocs}
         self._prev_external = [sid for sid in acc if sid not in born]  # dict order: first access
-        keys: list[int] = []
-        self._prev_lists = list(acc.values())
-        counts = np.zeros(len(acc), dtype=np.float32)
-        for i, (sid, lst) in enumerate(acc.items()):
-            self._prev_idx[sid] = i
-            base = i * KEY_BASE
-            keys.extend(base + j for j in lst)
-            counts[i] = len(lst)
-        self._prev_keys = np.asarray(keys, dtype=np.int64)  # already sorted: by index, then position
-        self._prev_count = counts
+        lists = self._prev_lists = list(acc.values())
+        n = len(lists)
+        self._prev_idx = dict(zip(acc, range(n)))
+        lens = np.fromiter(map(len, lists), dtype=np.int64, count=n)
+        pos = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(lens.sum()))
+        # sorted: by index, then position (each list is in operator order)
+        self._prev_keys = np.repeat(np.arange(n, dtype=np.int64) * KEY_BASE, lens) + pos
+        self._prev_count = lens.astype(np.float32)
         self._previous_changed()
 
     def _previous_changed(self) -> None:
