@@ -234,9 +234,13 @@ class FeatureState(ReplayState, MirrorState):
         self._reset_hints(n)
         self._h_active = False
         self._index_previous(history[-1] if history else None)
-        for sid, s in self._slot.items():
-            self.persistent[s] = 1.0
-            self.prev[s] = self._prev_idx.get(sid, -1)
+        slot = self._slot
+        if slot:  # what is alive at the start persists; matched to itself in the previous iteration
+            n = len(slot)
+            slots = np.fromiter(slot.values(), dtype=np.int64, count=n)
+            self.persistent[slots] = 1.0
+            prev_idx = self._prev_idx
+            self.prev[slots] = np.fromiter((prev_idx.get(sid, -1) for sid in slot), dtype=np.int64, count=n)
 
     # ---- workload hints -----------------------------------------------------------------------
     def _reset_hints(self, n: int) -> None:

@@ -156,15 +156,19 @@ class NativeSource:
             tag = log[i]
             if tag == OP:
                 j = self.position
-                ni, no, nw, na = log[i + 5], log[i + 6], log[i + 7], log[i + 8]
+                _, name_id, pm, node, used, ni, no, nw, na = log[i:i + 9]
                 k = i + 9
-                ins = log[k:k + ni].tolist()
-                outs = log[k + ni:k + ni + no].tolist()
-                writes = log[k + ni + no:k + ni + no + nw].tolist()
-                allocs = log[k + ni + no + nw:k + ni + no + nw + na].tolist()
-                name = self._names[log[i + 1]]
-                phase, module, node, used = _PHASES[log[i + 2] & 3], log[i + 2] >> 2, log[i + 3], log[i + 4]
-                i = k + ni + no + nw + na
+                # tuples: the Op record keeps them as they are
+                ins = tuple(log[k:k + ni])
+                k += ni
+                outs = tuple(log[k:k + no])
+                k += no
+                writes = tuple(log[k:k + nw])
+                k += nw
+                allocs = tuple(log[k:k + na])
+                i = k + na
+                name = self._names[name_id]
+                phase, module = _PHASES[pm & 3], pm >> 2
                 self.phase = phase
                 for sid in writes:
                     x = st.get(sid)
@@ -204,8 +208,9 @@ class NativeSource:
         self._pinned.discard(sid)
         self.policy.on_free(sid)
 
-    def _native_op(self, j: int, name: str, phase: str, module: int, node: int, ins: list[int], outs: list[int],
-                   writes: list[int], allocs: list[int], tell: bool, measuring: bool) -> None:
+    def _native_op(self, j: int, name: str, phase: str, module: int, node: int, ins: tuple[int, ...],
+                   outs: tuple[int, ...], writes: tuple[int, ...], allocs: tuple[int, ...], tell: bool,
+                   measuring: bool) -> None:
         st = self.st
         if measuring:
             touched = sum(st[x].nbytes for x in ins if x in st) + sum(st[x].nbytes for x in allocs if x in st)
@@ -214,10 +219,12 @@ class NativeSource:
         mods = self._modules
         if mods is not None and phase == "backward":
             module = mods.node_modules.get(node, 0)
-        op = Op(name=name, idiom=self._idiom_of(name), phase=phase,
-                module=mods.paths[module] if mods is not None and module < len(mods.paths) else "",
-                inputs=tuple(ins), outputs=tuple(outs), writes=tuple(writes), allocs=tuple(allocs), duration_s=0.0,
-                flops=0, nbytes=0, node=node)
+        iv = self._idiom_by_name.get(name)
+        # positional: Op's fields in declaration order (name, idiom, phase, module, inputs, outputs,
+        # writes, allocs, duration_s, flops, nbytes, node)
+        op = Op(name, self._idiom_of(name) if iv is None else iv, phase,
+                mods.paths[module] if mods is not None and module < len(mods.paths) else "",
+                ins, outs, writes, allocs, 0.0, 0, 0, node)
         self._ops.append(op)
         self._last_busy = set(ins).union(outs)
         self._last_name = name
