@@ -425,13 +425,9 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             if top >= len(self._skip):
                 self._grow_due()
         for sid in accessed:
-            if fraction:
-                small.access(sid)
+            k = small.access(sid) if fraction else small.small(sid)  # access() classes it and says so
             s = slot.get(sid)
-            if s is None:
-                words += (-1, sid, 0)
-            else:
-                words += (s, sid, small.small(sid))
+            words += (-1, sid, 0) if s is None else (s, sid, k)
         acc = list({*op.inputs, *op.outputs, *op.writes})
         words += [slot.get(sid, -1) for sid in acc]
         (_, iv), (_, ivk) = state.native_iv(op)  # before the table: new decays rebuild it
