@@ -176,7 +176,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         #: decision points, and seconds spent in feature building + inference (cost report)
         self.decisions = 0
         self.inference_s = 0.0
-        #: seconds in the per-operator feature-state update (every operator, not only decisions)
+        #: seconds in the per-operator feature-state update (every operator, not only decisions; on
+        #: the native kernel's fused path, the whole operator's notifications)
         self.bookkeeping_s = 0.0
         #: rows scored, summed over decision points; live storages at them, summed
         self.candidates = 0
@@ -484,6 +485,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         self._after_update(position, tick)
 
     def _operator_call(self, kern: Any, state: FeatureState, ft: Any) -> int:
+        """One ``dynn_pilot_operator`` call on the state's current table, arrays and heap; its code
+        (0, or 1: external storages to match in Python); an error for the others."""
         t = state._native_tab
         if t is None:
             t = kern.table(state)

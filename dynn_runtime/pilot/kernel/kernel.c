@@ -523,9 +523,10 @@ int64_t dynn_pilot_operator(const dynn_state *S, dynn_fused *O)
     for (int64_t i = 0; i < na && (O->stage & 1); i++) {
         const int64_t *a = w + FUSED_ALLOC * i, s = a[0], nb = a[4] > 1 ? a[4] : 1;
         if (s < 0 || s >= cap) return -4;
-        /* math.log2 is the C library's log2 on a double, as here */
-        ((uint8_t *)S->active)[s] = 1;  /* a new slot: FeatureState._new_slot's writes (pred, touched below) */
+        /* a new slot: FeatureState._new_slot's writes (pred and touched below); a known one: unchanged */
+        ((uint8_t *)S->active)[s] = 1;
         ((int64_t *)S->sid)[s] = a[1];
+        /* log_bytes: Python's math.log2 is the C library's log2 on the size as a double, as here */
         alloc_writes(S, s, a[2], (double)a[3], log2((double)nb) / 30.0, O->announced++, pos, O->born_phase, a[5]);
         pred[s] = O->prior;
         touched[s] = 1;
