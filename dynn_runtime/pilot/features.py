@@ -135,7 +135,8 @@ class FeatureState(ReplayState, MirrorState):
         self._prev_keys = np.zeros(0, dtype=np.int64)
         self._prev_count = np.zeros(0, dtype=np.float32)
         self._prev_allocs: dict[int, tuple[int, ...]] = {}
-        self._prev_lists: list[list[int]] = []
+        self._prev_flat: list[int] = []
+        self._prev_start: list[int] = [0]
         # replayed next uses (the ``replayed`` property): the dict, or what it is built from on demand
         self._replayed: dict[int, int] = {}
         self._replayed_from: tuple[list[int], Any] | None = None

@@ -50,7 +50,8 @@ class ReplayState:
         self._prev_external: list[int] = []
         self._ext_next = 0
         self._ratio = 1.5
-        self._prev_lists = []
+        self._prev_flat: list[int] = []
+        self._prev_start: list[int] = [0]
         if prev is None:
             self._prev_keys = np.zeros(0, dtype=np.int64)
             self._prev_count = np.zeros(0, dtype=np.float32)
@@ -81,11 +82,17 @@ class ReplayState:
         self._ratio = n_bwd / n_fwd if n_fwd and n_bwd else 1.5
         self._prev_len = len(prev.ops)
         self._prev_external = [sid for sid in acc if sid not in born]  # dict order: first access
-        lists = self._prev_lists = list(acc.values())
+        lists = list(acc.values())
         n = len(lists)
         self._prev_idx = dict(zip(acc, range(n)))
         lens = np.fromiter(map(len, lists), dtype=np.int64, count=n)
-        pos = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(lens.sum()))
+        # counterpart i's positions: _prev_flat[_prev_start[i]:_prev_start[i + 1]]; two lists for the
+        # iteration, not one per storage (objects kept that long make Python's collector walk
+        # everything the program holds)
+        self._prev_flat = flat = list(itertools.chain.from_iterable(lists))
+        self._prev_start = [0, *itertools.accumulate(map(len, lists))]
+        del lists, acc
+        pos = np.asarray(flat, dtype=np.int64)
         # sorted: by index, then position (each list is in operator order)
         self._prev_keys = np.repeat(np.arange(n, dtype=np.int64) * KEY_BASE, lens) + pos
         self._prev_count = lens.astype(np.float32)
@@ -111,10 +118,11 @@ class ReplayState:
         """Replayed next use: after its k-th access here, the counterpart's (k+1)-th came this much later."""
         pi = self.prev.item(s)
         if pi >= 0:
-            lst = self._prev_lists[pi]
+            lo = self._prev_start[pi]
             k = int(self.count.item(s))
-            if k < len(lst):
-                self.replayed[sid] = position + lst[k] - lst[k - 1]
+            if k < self._prev_start[pi + 1] - lo:
+                flat = self._prev_flat
+                self.replayed[sid] = position + flat[lo + k] - flat[lo + k - 1]
 
     def _align(self, position: int, op: Any) -> tuple[int, ...]:
         """Anchored replay: match the operator to the previous iteration's with the same (name, module, phase,
