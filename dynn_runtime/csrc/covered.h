@@ -91,14 +91,14 @@ inline void listen(bool on) { state().listening.store(on, std::memory_order_rela
 
 inline bool any_released() { return state().any_released.load(std::memory_order_acquire); }
 
-// The storages released since the last call.
-inline std::vector<c10::StorageImpl*> take_released() {
-  std::vector<c10::StorageImpl*> out;
+// Replaces `out` with the storages released since the last call. The two vectors trade buffers,
+// so that a caller passing the same one each time allocates only while the batches grow.
+inline void take_released(std::vector<c10::StorageImpl*>& out) {
+  out.clear();
   State& st = state();
   std::lock_guard<std::mutex> lock(st.mu);
   out.swap(st.released);
   st.any_released.store(false, std::memory_order_relaxed);
-  return out;
 }
 
 }  // namespace dynn::covered
