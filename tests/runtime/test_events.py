@@ -328,16 +328,51 @@ def test_a_compacted_batch_keeps_the_death_of_a_storage_python_registered():
 
 
 def test_a_light_step_forgets_what_the_manager_registered_and_saw_die():
+    from dynn_runtime import hints
+    from dynn_runtime.policies.base import Policy
+
+    class Listening(Policy):  # reads hints, so a hint registers its tensors' storages in the step
+        name = "listening"
+
+        def on_hint(self, hint):
+            pass
+
     model, opt = _mlp()
-    mm = dr.MemoryManager(1 << 30, device="cpu", events="native").attach(model, opt)
+    mm = dr.MemoryManager(1 << 30, device="cpu", events="native", policy=Listening()).attach(model, opt)
     try:
         for _ in range(3):
             with mm.step():
-                model(torch.randn(4, 32)).sum().backward()
+                h = torch.relu(model(torch.randn(4, 32)))
+                hints.next_use(h, steps=None)
+                hinted = mm._obs.sid_of(h)
+                assert hinted in mm.st  # registered by the hint, before its birth is read
+                h.sum().backward()
+                del h
                 opt.step()
-                opt.zero_grad(set_to_none=True)  # the gradients the optimizer hook registered die in the step
-        assert not any(s.kind == "grad" for s in mm.st.values())
+                opt.zero_grad(set_to_none=True)
+            assert hinted not in mm.st
         assert all(mm._obs.alive(sid) for sid in mm.st)
+    finally:
+        mm.detach()
+
+
+def test_gradients_are_labelled_when_read_and_never_registered_when_they_die_unread():
+    model, opt = _mlp()
+    mm = dr.MemoryManager(1 << 30, device="cpu", events="native").attach(model, opt)
+    try:
+        with mm.step():
+            model(torch.randn(4, 32)).sum().backward()
+            opt.step()  # its pre-hook labels the gradients; they outlive the step
+        grads = {mm._obs.sid_of(p.grad) for p in model.parameters()}
+        assert {mm.st[sid].kind for sid in grads} == {"grad"} and all(mm.st[sid].movable for sid in grads)
+        opt.zero_grad(set_to_none=True)
+        with mm.step():
+            model(torch.randn(4, 32)).sum().backward()
+            opt.step()
+            assert mm._grad_pending  # not read yet: nothing decided in this step
+            opt.zero_grad(set_to_none=True)
+        assert not any(s.kind == "grad" for s in mm.st.values())
+        assert not mm._grad_pending and not mm._saved_pending
     finally:
         mm.detach()
 
