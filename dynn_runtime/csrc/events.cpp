@@ -54,6 +54,7 @@
 #include <torch/library.h>
 
 #include "covered.h"
+#include "flat_map.h"
 
 #include <algorithm>
 #include <atomic>
@@ -83,6 +84,7 @@ struct OpInfo {
 
 struct Entry {
   c10::weak_intrusive_ptr<c10::StorageImpl> weak;
+  c10::StorageImpl* impl;  // its key in the table
   int64_t sid;
   int64_t nbytes;
   int64_t last_access = -1;
@@ -94,8 +96,8 @@ struct Entry {
   bool covered = false;     // its data's deleter is release_cb (invariant 9)
   bool known = false;       // registered by track(): Python may hold it without having read its kAlloc
 
-  Entry(c10::weak_intrusive_ptr<c10::StorageImpl> w, int64_t s, int64_t n, int64_t st)
-      : weak(std::move(w)), sid(s), nbytes(n), stream(st) {}
+  Entry(c10::weak_intrusive_ptr<c10::StorageImpl> w, c10::StorageImpl* i, int64_t s, int64_t n, int64_t st)
+      : weak(std::move(w)), impl(i), sid(s), nbytes(n), stream(st) {}
 };
 
 // The observer's dispatch key: an out-of-tree functionality key above autograd and autocast that
@@ -194,7 +196,10 @@ class Observer {
   Observer(const std::string& device_type, int64_t device_index)
       : device_type_(c10::Device(device_type).type()), device_index_(device_index) {}
 
-  ~Observer() { stop(); }
+  ~Observer() {
+    stop();
+    table_.for_each([&](uint64_t, Entry* e) { entries_.release(e); });
+  }
 
   // ---- life cycle ---------------------------------------------------------------------------
   void start(py::object on_fault, py::object on_decide) {
@@ -217,11 +222,11 @@ class Observer {
     if (started_) {
       c10::impl::tls_set_dispatch_key_included(kKey, was_included_);
       started_ = false;
-      for (auto& [impl, e] : table_) {  // storages outlive the observer with their own deleters
-        if (!e.covered) continue;
-        if (auto strong = e.weak.lock()) covered::uncover(strong.get());
-        set_covered(e, false);
-      }
+      table_.for_each([&](uint64_t, Entry* e) {  // storages outlive the observer with their own deleters
+        if (!e->covered) return;
+        if (auto strong = e->weak.lock()) covered::uncover(strong.get());
+        set_covered(*e, false);
+      });
     }
     Observer* self = this;
     if (g_active.compare_exchange_strong(self, nullptr)) {  // not when an inactive one is destroyed
@@ -273,15 +278,15 @@ class Observer {
   int64_t sid_of(const at::Tensor& t) {
     c10::StorageImpl* impl = managed_impl(t);
     if (impl == nullptr) return -1;
-    auto it = table_.find(impl);
-    return it == table_.end() ? -1 : it->second.sid;
+    Entry** e = table_.find(key(impl));
+    return e == nullptr ? -1 : (*e)->sid;
   }
 
   // The storage behind `sid` as a Python object, or None if it died.
   py::object storage(int64_t sid) {
-    auto it = by_sid_.find(sid);
-    if (it == by_sid_.end()) return py::none();
-    auto strong = it->second->weak.lock();
+    Entry** e = by_sid_.find(static_cast<uint64_t>(sid));
+    if (e == nullptr) return py::none();
+    auto strong = (*e)->weak.lock();
     if (!strong) return py::none();
     return py::reinterpret_steal<py::object>(torch::createPyObject(c10::Storage(std::move(strong))));
   }
@@ -310,23 +315,19 @@ class Observer {
   int64_t last_stream(int64_t sid) { return entry(sid).stream; }
   int64_t access_count(int64_t sid) { return entry(sid).count; }
   bool alive(int64_t sid) {
-    auto it = by_sid_.find(sid);
-    return it != by_sid_.end() && !it->second->weak.expired();
+    Entry** e = by_sid_.find(static_cast<uint64_t>(sid));
+    return e != nullptr && !(*e)->weak.expired();
   }
 
   // Forget storages that died; logs a kFree record for each. Returns how many.
   int64_t sweep() {
     drain();
-    int64_t n = 0;
-    for (auto it = table_.begin(); it != table_.end();) {
-      if (it->second.weak.expired()) {
-        it = forget(it);
-        ++n;
-      } else {
-        ++it;
-      }
-    }
-    return n;
+    dead_.clear();
+    table_.for_each([&](uint64_t, Entry* e) {
+      if (e->weak.expired()) dead_.push_back(e);
+    });
+    for (Entry* e : dead_) forget(e);
+    return static_cast<int64_t>(dead_.size());
   }
 
   // The log since the last call (int64 words), and the operator names interned since then.
@@ -428,18 +429,18 @@ class Observer {
     exposed_ += exposed(e);
   }
 
-  using TableIt = std::unordered_map<c10::StorageImpl*, Entry>::iterator;
+  static uint64_t key(const c10::StorageImpl* impl) { return reinterpret_cast<uintptr_t>(impl); }
 
   // Forgets a storage that died; logs a kFree record.
-  TableIt forget(TableIt it) {
-    Entry& e = it->second;
-    exposed_ -= exposed(e);
-    (e.away ? away_ : used_) -= e.nbytes;
+  void forget(Entry* e) {
+    exposed_ -= exposed(*e);
+    (e->away ? away_ : used_) -= e->nbytes;
     log_.push_back(kFree);
-    log_.push_back(e.sid);
-    if (e.known) known_freed_.push_back(e.sid);
-    by_sid_.erase(e.sid);
-    return table_.erase(it);
+    log_.push_back(e->sid);
+    if (e->known) known_freed_.push_back(e->sid);
+    by_sid_.erase(static_cast<uint64_t>(e->sid));
+    table_.erase(key(e->impl));
+    entries_.release(e);
   }
 
   // Acts on the releases release_cb reported (invariant 9): a storage that died is forgotten; one
@@ -449,12 +450,13 @@ class Observer {
     if (!covered::any_released()) return;
     covered::take_released(released_);
     for (c10::StorageImpl* impl : released_) {
-      auto it = table_.find(impl);
-      if (it == table_.end()) continue;
-      if (it->second.weak.expired()) {
-        forget(it);
-      } else if (it->second.covered && impl->_mutable_data_ptr_no_checks().get_deleter() != &covered::release_cb) {
-        set_covered(it->second, false);
+      Entry** found = table_.find(key(impl));
+      if (found == nullptr) continue;
+      Entry* e = *found;
+      if (e->weak.expired()) {
+        forget(e);
+      } else if (e->covered && impl->_mutable_data_ptr_no_checks().get_deleter() != &covered::release_cb) {
+        set_covered(*e, false);
       }
     }
   }
@@ -471,16 +473,15 @@ class Observer {
   }
 
   Entry& entry(int64_t sid) {
-    auto it = by_sid_.find(sid);
-    TORCH_CHECK(it != by_sid_.end(), "dynn: storage ", sid, " is not tracked");
-    return *it->second;
+    Entry** e = by_sid_.find(static_cast<uint64_t>(sid));
+    TORCH_CHECK(e != nullptr, "dynn: storage ", sid, " is not tracked");
+    return **e;
   }
 
   // `impl`'s entry, and whether this call registered it.
   std::pair<Entry*, bool> lookup_or_add(c10::StorageImpl* impl, const at::Tensor& t, bool fresh) {
-    auto it = table_.find(impl);
-    if (it != table_.end()) {
-      Entry& e = it->second;
+    if (Entry** found = table_.find(key(impl))) {
+      Entry& e = **found;
       if (e.away) return {&e, false};
       const int64_t n = static_cast<int64_t>(impl->nbytes());
       const bool is_covered = impl->_mutable_data_ptr_no_checks().get_deleter() == &covered::release_cb;
@@ -495,9 +496,9 @@ class Observer {
     }
     const int64_t n = static_cast<int64_t>(impl->nbytes());
     const int64_t sid = next_sid_++;
-    auto res = table_.emplace(impl, Entry(t.storage().getWeakStorageImpl(), sid, n, current_stream()));
-    Entry& fresh_entry = res.first->second;
-    by_sid_.emplace(sid, &fresh_entry);
+    Entry& fresh_entry = *entries_.make(t.storage().getWeakStorageImpl(), impl, sid, n, current_stream());
+    table_.insert(key(impl), &fresh_entry);
+    by_sid_.insert(static_cast<uint64_t>(sid), &fresh_entry);
     fresh_entry.covered = covered::cover(impl);
     exposed_ += exposed(fresh_entry);
     used_ += n;
@@ -723,8 +724,10 @@ class Observer {
   py::object on_decide_ = py::none();
   std::unique_ptr<py::error_already_set> error_;
 
-  std::unordered_map<c10::StorageImpl*, Entry> table_;
-  std::unordered_map<int64_t, Entry*> by_sid_;  // into table_ (its elements do not move)
+  Pool<Entry> entries_;
+  FlatMap<Entry*> table_;   // by StorageImpl address
+  FlatMap<Entry*> by_sid_;  // by sid (>= 1)
+  std::vector<Entry*> dead_;  // sweep()'s buffer
   std::vector<int64_t> known_freed_;  // sids track() registered that died since the last take_log()
   int64_t batch_first_sid_ = 1;       // next_sid_ at the last take_log()
   std::vector<int64_t> born_at_;      // compact_log()'s buffer
