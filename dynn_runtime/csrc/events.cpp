@@ -352,6 +352,9 @@ class Observer {
     // overwritten with tombstones (the negated tags), then every record but kAlloc and kFree goes.
     const int64_t first = batch_first_sid_;
     born_at_.assign(static_cast<size_t>(next_sid_ - first), -1);
+    known_dead_.assign(born_at_.size(), 0);
+    for (int64_t sid : known_freed_)
+      if (sid >= first) known_dead_[sid - first] = 1;
     const size_t n = log_.size();
     for (size_t i = 0; i < n;) {
       const int64_t tag = log_[i];
@@ -366,7 +369,7 @@ class Observer {
         const int64_t sid = log_[i + 1];
         if (sid >= first && born_at_[sid - first] >= 0) {
           log_[born_at_[sid - first]] = -kAlloc;
-          if (std::find(known_freed_.begin(), known_freed_.end(), sid) == known_freed_.end()) log_[i] = -kFree;
+          if (!known_dead_[sid - first]) log_[i] = -kFree;
         }
         i += 2;
       }
@@ -730,7 +733,8 @@ class Observer {
   std::vector<Entry*> dead_;  // sweep()'s buffer
   std::vector<int64_t> known_freed_;  // sids track() registered that died since the last take_log()
   int64_t batch_first_sid_ = 1;       // next_sid_ at the last take_log()
-  std::vector<int64_t> born_at_;      // compact_log()'s buffer
+  std::vector<int64_t> born_at_;      // compact_log()'s buffers
+  std::vector<char> known_dead_;
   std::vector<c10::StorageImpl*> released_;  // drain()'s buffer
   std::vector<std::unique_ptr<Ctx>> ctxs_;  // by nesting depth
   size_t depth_ = 0;
