@@ -16,25 +16,29 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 
+#include "flat_map.h"
+
 #include <atomic>
+#include <cstdint>
 #include <mutex>
-#include <unordered_map>
 #include <vector>
 
 namespace dynn::covered {
 
 struct Original {
-  c10::DeleterFnPtr deleter;
-  c10::StorageImpl* impl;
+  c10::DeleterFnPtr deleter = nullptr;
+  c10::StorageImpl* impl = nullptr;
 };
 
 struct State {
   std::mutex mu;
-  std::unordered_map<void*, Original> by_data;  // covered data, by the data pointer
+  FlatMap<Original> by_data;  // covered data, by the data pointer (never null)
   std::vector<c10::StorageImpl*> released;     // storages whose covered data was released
   std::atomic<bool> any_released{false};
   std::atomic<bool> listening{false};
 };
+
+inline uint64_t key(const void* data) { return reinterpret_cast<uintptr_t>(data); }
 
 inline State& state() {
   static auto* s = new State();
@@ -46,14 +50,14 @@ inline void release_cb(void* ctx) {
   c10::DeleterFnPtr original = nullptr;
   {
     std::lock_guard<std::mutex> lock(st.mu);
-    auto it = st.by_data.find(ctx);
-    TORCH_INTERNAL_ASSERT(it != st.by_data.end(), "dynn: a covered storage's data has no recorded deleter");
-    original = it->second.deleter;
+    Original* it = st.by_data.find(key(ctx));
+    TORCH_INTERNAL_ASSERT(it != nullptr, "dynn: a covered storage's data has no recorded deleter");
+    original = it->deleter;
     if (st.listening.load(std::memory_order_relaxed)) {
-      st.released.push_back(it->second.impl);
+      st.released.push_back(it->impl);
       st.any_released.store(true, std::memory_order_release);
     }
-    st.by_data.erase(it);
+    st.by_data.erase(key(ctx));
   }
   original(ctx);
 }
@@ -67,9 +71,10 @@ inline bool cover(c10::StorageImpl* impl) {
   if (ctx == nullptr || ctx != dp.get() || original == nullptr) return false;
   State& st = state();
   std::lock_guard<std::mutex> lock(st.mu);
-  if (!st.by_data.emplace(ctx, Original{original, impl}).second) return false;
+  if (st.by_data.find(key(ctx)) != nullptr) return false;
+  st.by_data.insert(key(ctx), Original{original, impl});
   if (!dp.compare_exchange_deleter(original, &release_cb)) {
-    st.by_data.erase(ctx);
+    st.by_data.erase(key(ctx));
     return false;
   }
   return true;
@@ -81,9 +86,9 @@ inline void uncover(c10::StorageImpl* impl) {
   if (dp.get_deleter() != &release_cb) return;
   State& st = state();
   std::lock_guard<std::mutex> lock(st.mu);
-  auto it = st.by_data.find(dp.get_context());
-  if (it == st.by_data.end()) return;
-  if (dp.compare_exchange_deleter(&release_cb, it->second.deleter)) st.by_data.erase(it);
+  Original* it = st.by_data.find(key(dp.get_context()));
+  if (it == nullptr) return;
+  if (dp.compare_exchange_deleter(&release_cb, it->deleter)) st.by_data.erase(key(dp.get_context()));
 }
 
 // Whether releases are recorded (an observer is started).
@@ -91,14 +96,14 @@ inline void listen(bool on) { state().listening.store(on, std::memory_order_rela
 
 inline bool any_released() { return state().any_released.load(std::memory_order_acquire); }
 
-// The storages released since the last call.
-inline std::vector<c10::StorageImpl*> take_released() {
-  std::vector<c10::StorageImpl*> out;
+// Replaces `out` with the storages released since the last call. The two vectors trade buffers,
+// so that a caller passing the same one each time allocates only while the batches grow.
+inline void take_released(std::vector<c10::StorageImpl*>& out) {
+  out.clear();
   State& st = state();
   std::lock_guard<std::mutex> lock(st.mu);
   out.swap(st.released);
   st.any_released.store(false, std::memory_order_relaxed);
-  return out;
 }
 
 }  // namespace dynn::covered

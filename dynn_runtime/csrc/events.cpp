@@ -54,6 +54,7 @@
 #include <torch/library.h>
 
 #include "covered.h"
+#include "flat_map.h"
 
 #include <algorithm>
 #include <atomic>
@@ -83,6 +84,7 @@ struct OpInfo {
 
 struct Entry {
   c10::weak_intrusive_ptr<c10::StorageImpl> weak;
+  c10::StorageImpl* impl;  // its key in the table
   int64_t sid;
   int64_t nbytes;
   int64_t last_access = -1;
@@ -92,9 +94,10 @@ struct Entry {
   bool watch = false;       // a copy is in flight: the manager must see the next access first
   int64_t stream = 0;       // c10::Stream::id() of its last access on the managed device (invariant 7)
   bool covered = false;     // its data's deleter is release_cb (invariant 9)
+  bool known = false;       // registered by track(): Python may hold it without having read its kAlloc
 
-  Entry(c10::weak_intrusive_ptr<c10::StorageImpl> w, int64_t s, int64_t n, int64_t st)
-      : weak(std::move(w)), sid(s), nbytes(n), stream(st) {}
+  Entry(c10::weak_intrusive_ptr<c10::StorageImpl> w, c10::StorageImpl* i, int64_t s, int64_t n, int64_t st)
+      : weak(std::move(w)), impl(i), sid(s), nbytes(n), stream(st) {}
 };
 
 // The observer's dispatch key: an out-of-tree functionality key above autograd and autocast that
@@ -111,9 +114,23 @@ std::atomic<Observer*> g_active{nullptr};
 thread_local int tls_suspended = 0;            // suspend() depth on this thread
 thread_local bool tls_suspend_excluded = false;  // the key's excluded state the outermost suspend() found
 
+// One operator's storage ids, from before() to after(). The observer keeps one per nesting depth
+// and reuses it, so that an operator costs no heap allocation once the buffers have grown.
 struct Ctx {
   std::vector<int64_t> ins;
+  std::vector<Entry*> in_entries;  // the entries of `ins`, in order
   std::vector<int64_t> writes;
+  std::vector<int64_t> fault;
+  std::vector<int64_t> outs;
+  std::vector<int64_t> allocs;
+  void clear() {
+    ins.clear();
+    in_entries.clear();
+    writes.clear();
+    fault.clear();
+    outs.clear();
+    allocs.clear();
+  }
 };
 
 void dispatch_cb(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
@@ -179,7 +196,10 @@ class Observer {
   Observer(const std::string& device_type, int64_t device_index)
       : device_type_(c10::Device(device_type).type()), device_index_(device_index) {}
 
-  ~Observer() { stop(); }
+  ~Observer() {
+    stop();
+    table_.for_each([&](uint64_t, Entry* e) { entries_.release(e); });
+  }
 
   // ---- life cycle ---------------------------------------------------------------------------
   void start(py::object on_fault, py::object on_decide) {
@@ -191,7 +211,7 @@ class Observer {
                 "dynn: another memory manager's native event source is active in this process; detach it first");
     on_fault_ = std::move(on_fault);
     on_decide_ = std::move(on_decide);
-    covered::take_released();  // left by an earlier observer
+    covered::take_released(released_);  // left by an earlier observer
     covered::listen(true);
     was_included_ = c10::impl::tls_is_dispatch_key_included(kKey);
     c10::impl::tls_set_dispatch_key_included(kKey, true);
@@ -202,16 +222,16 @@ class Observer {
     if (started_) {
       c10::impl::tls_set_dispatch_key_included(kKey, was_included_);
       started_ = false;
-      for (auto& [impl, e] : table_) {  // storages outlive the observer with their own deleters
-        if (!e.covered) continue;
-        if (auto strong = e.weak.lock()) covered::uncover(strong.get());
-        set_covered(e, false);
-      }
+      table_.for_each([&](uint64_t, Entry* e) {  // storages outlive the observer with their own deleters
+        if (!e->covered) return;
+        if (auto strong = e->weak.lock()) covered::uncover(strong.get());
+        set_covered(*e, false);
+      });
     }
     Observer* self = this;
     if (g_active.compare_exchange_strong(self, nullptr)) {  // not when an inactive one is destroyed
       covered::listen(false);
-      covered::take_released();
+      covered::take_released(released_);
     }
     py::gil_scoped_acquire gil;
     on_fault_ = py::none();
@@ -250,22 +270,23 @@ class Observer {
   int64_t track(const at::Tensor& t) {
     c10::StorageImpl* impl = managed_impl(t);
     if (impl == nullptr) return -1;
-    return lookup_or_add(impl, t, /*fresh=*/false)->sid;
+    Entry* e = lookup_or_add(impl, t, /*fresh=*/false).first;
+    e->known = true;
+    return e->sid;
   }
 
   int64_t sid_of(const at::Tensor& t) {
     c10::StorageImpl* impl = managed_impl(t);
     if (impl == nullptr) return -1;
-    auto it = table_.find(impl);
-    return it == table_.end() ? -1 : it->second.sid;
+    Entry** e = table_.find(key(impl));
+    return e == nullptr ? -1 : (*e)->sid;
   }
 
   // The storage behind `sid` as a Python object, or None if it died.
   py::object storage(int64_t sid) {
-    auto it = by_sid_.find(sid);
-    if (it == by_sid_.end()) return py::none();
-    Entry& e = table_.at(it->second);
-    auto strong = e.weak.lock();
+    Entry** e = by_sid_.find(static_cast<uint64_t>(sid));
+    if (e == nullptr) return py::none();
+    auto strong = (*e)->weak.lock();
     if (!strong) return py::none();
     return py::reinterpret_steal<py::object>(torch::createPyObject(c10::Storage(std::move(strong))));
   }
@@ -294,30 +315,29 @@ class Observer {
   int64_t last_stream(int64_t sid) { return entry(sid).stream; }
   int64_t access_count(int64_t sid) { return entry(sid).count; }
   bool alive(int64_t sid) {
-    auto it = by_sid_.find(sid);
-    return it != by_sid_.end() && !table_.at(it->second).weak.expired();
+    Entry** e = by_sid_.find(static_cast<uint64_t>(sid));
+    return e != nullptr && !(*e)->weak.expired();
   }
 
   // Forget storages that died; logs a kFree record for each. Returns how many.
   int64_t sweep() {
     drain();
-    int64_t n = 0;
-    for (auto it = table_.begin(); it != table_.end();) {
-      if (it->second.weak.expired()) {
-        it = forget(it);
-        ++n;
-      } else {
-        ++it;
-      }
-    }
-    return n;
+    dead_.clear();
+    table_.for_each([&](uint64_t, Entry* e) {
+      if (e->weak.expired()) dead_.push_back(e);
+    });
+    for (Entry* e : dead_) forget(e);
+    return static_cast<int64_t>(dead_.size());
   }
 
   // The log since the last call (int64 words), and the operator names interned since then.
   // compact=true keeps only what changes the storage table: no operator records, and no birth
-  // and death of a storage that lived and died within the batch.
+  // and death of a storage that lived and died within the batch, except the death of one that
+  // track() registered (Python may know it without having read its birth).
   py::tuple take_log(bool compact) {
     if (compact) compact_log();
+    known_freed_.clear();
+    batch_first_sid_ = next_sid_;
     py::bytes words(reinterpret_cast<const char*>(log_.data()), log_.size() * sizeof(int64_t));
     log_.clear();
     py::list names;
@@ -327,31 +347,44 @@ class Observer {
   }
 
   void compact_log() {
-    std::unordered_map<int64_t, size_t> born;  // sid -> index of its kAlloc record in this batch
-    std::vector<char> drop(log_.size(), 0);
-    size_t i = 0;
-    while (i < log_.size()) {
+    // A storage born in this batch has a sid from batch_first_sid_ on (sids are issued in order):
+    // born_at_[sid - batch_first_sid_] is the index of its kAlloc record. A pair found dead is
+    // overwritten with tombstones (the negated tags), then every record but kAlloc and kFree goes.
+    const int64_t first = batch_first_sid_;
+    born_at_.assign(static_cast<size_t>(next_sid_ - first), -1);
+    known_dead_.assign(born_at_.size(), 0);
+    for (int64_t sid : known_freed_)
+      if (sid >= first) known_dead_[sid - first] = 1;
+    const size_t n = log_.size();
+    for (size_t i = 0; i < n;) {
       const int64_t tag = log_[i];
       if (tag == kOp) {
-        const size_t len = 9 + log_[i + 5] + log_[i + 6] + log_[i + 7] + log_[i + 8];
-        std::fill(drop.begin() + i, drop.begin() + i + len, 1);
-        i += len;
+        i += 9 + log_[i + 5] + log_[i + 6] + log_[i + 7] + log_[i + 8];
       } else if (tag == kAlloc) {
-        born[log_[i + 1]] = i;
+        const int64_t k = log_[i + 1] - first;
+        TORCH_INTERNAL_ASSERT(k >= 0 && k < static_cast<int64_t>(born_at_.size()), "dynn: a kAlloc's sid is out of its batch");
+        born_at_[k] = static_cast<int64_t>(i);
         i += 4;
       } else {
-        auto it = born.find(log_[i + 1]);
-        if (it != born.end()) {
-          std::fill(drop.begin() + it->second, drop.begin() + it->second + 4, 1);
-          std::fill(drop.begin() + i, drop.begin() + i + 2, 1);
-          born.erase(it);
+        const int64_t sid = log_[i + 1];
+        if (sid >= first && born_at_[sid - first] >= 0) {
+          log_[born_at_[sid - first]] = -kAlloc;
+          if (!known_dead_[sid - first]) log_[i] = -kFree;
         }
         i += 2;
       }
     }
     size_t w = 0;
-    for (size_t r = 0; r < log_.size(); ++r)
-      if (!drop[r]) log_[w++] = log_[r];
+    for (size_t i = 0; i < n;) {
+      const int64_t tag = log_[i];
+      const size_t len = tag == kOp ? 9 + log_[i + 5] + log_[i + 6] + log_[i + 7] + log_[i + 8]
+                         : (tag == kAlloc || tag == -kAlloc) ? 4 : 2;
+      if (tag == kAlloc || tag == kFree) {
+        std::copy(log_.begin() + i, log_.begin() + i + len, log_.begin() + w);
+        w += len;
+      }
+      i += len;
+    }
     log_.resize(w);
   }
 
@@ -399,17 +432,18 @@ class Observer {
     exposed_ += exposed(e);
   }
 
-  using TableIt = std::unordered_map<c10::StorageImpl*, Entry>::iterator;
+  static uint64_t key(const c10::StorageImpl* impl) { return reinterpret_cast<uintptr_t>(impl); }
 
   // Forgets a storage that died; logs a kFree record.
-  TableIt forget(TableIt it) {
-    Entry& e = it->second;
-    exposed_ -= exposed(e);
-    (e.away ? away_ : used_) -= e.nbytes;
+  void forget(Entry* e) {
+    exposed_ -= exposed(*e);
+    (e->away ? away_ : used_) -= e->nbytes;
     log_.push_back(kFree);
-    log_.push_back(e.sid);
-    by_sid_.erase(e.sid);
-    return table_.erase(it);
+    log_.push_back(e->sid);
+    if (e->known) known_freed_.push_back(e->sid);
+    by_sid_.erase(static_cast<uint64_t>(e->sid));
+    table_.erase(key(e->impl));
+    entries_.release(e);
   }
 
   // Acts on the releases release_cb reported (invariant 9): a storage that died is forgotten; one
@@ -417,13 +451,15 @@ class Observer {
   // own state, so a report that outlived its entry changes nothing.
   void drain() {
     if (!covered::any_released()) return;
-    for (c10::StorageImpl* impl : covered::take_released()) {
-      auto it = table_.find(impl);
-      if (it == table_.end()) continue;
-      if (it->second.weak.expired()) {
-        forget(it);
-      } else if (it->second.covered && impl->_mutable_data_ptr_no_checks().get_deleter() != &covered::release_cb) {
-        set_covered(it->second, false);
+    covered::take_released(released_);
+    for (c10::StorageImpl* impl : released_) {
+      Entry** found = table_.find(key(impl));
+      if (found == nullptr) continue;
+      Entry* e = *found;
+      if (e->weak.expired()) {
+        forget(e);
+      } else if (e->covered && impl->_mutable_data_ptr_no_checks().get_deleter() != &covered::release_cb) {
+        set_covered(*e, false);
       }
     }
   }
@@ -440,16 +476,16 @@ class Observer {
   }
 
   Entry& entry(int64_t sid) {
-    auto it = by_sid_.find(sid);
-    TORCH_CHECK(it != by_sid_.end(), "dynn: storage ", sid, " is not tracked");
-    return table_.at(it->second);
+    Entry** e = by_sid_.find(static_cast<uint64_t>(sid));
+    TORCH_CHECK(e != nullptr, "dynn: storage ", sid, " is not tracked");
+    return **e;
   }
 
-  Entry* lookup_or_add(c10::StorageImpl* impl, const at::Tensor& t, bool fresh) {
-    auto it = table_.find(impl);
-    if (it != table_.end()) {
-      Entry& e = it->second;
-      if (e.away) return &e;
+  // `impl`'s entry, and whether this call registered it.
+  std::pair<Entry*, bool> lookup_or_add(c10::StorageImpl* impl, const at::Tensor& t, bool fresh) {
+    if (Entry** found = table_.find(key(impl))) {
+      Entry& e = **found;
+      if (e.away) return {&e, false};
       const int64_t n = static_cast<int64_t>(impl->nbytes());
       const bool is_covered = impl->_mutable_data_ptr_no_checks().get_deleter() == &covered::release_cb;
       if (n != e.nbytes || !is_covered) {  // resized in place (an out= argument), or its data replaced
@@ -459,21 +495,18 @@ class Observer {
         e.covered = is_covered || covered::cover(impl);
         exposed_ += exposed(e);
       }
-      return &e;
+      return {&e, false};
     }
     const int64_t n = static_cast<int64_t>(impl->nbytes());
     const int64_t sid = next_sid_++;
-    auto res = table_.emplace(impl, Entry(t.storage().getWeakStorageImpl(), sid, n, current_stream()));
-    by_sid_.emplace(sid, impl);
-    Entry& fresh_entry = res.first->second;
+    Entry& fresh_entry = *entries_.make(t.storage().getWeakStorageImpl(), impl, sid, n, current_stream());
+    table_.insert(key(impl), &fresh_entry);
+    by_sid_.insert(static_cast<uint64_t>(sid), &fresh_entry);
     fresh_entry.covered = covered::cover(impl);
     exposed_ += exposed(fresh_entry);
     used_ += n;
-    log_.push_back(kAlloc);
-    log_.push_back(sid);
-    log_.push_back(n);
-    log_.push_back(fresh ? 1 : 0);
-    return &res.first->second;
+    log_.insert(log_.end(), {kAlloc, sid, n, fresh ? int64_t(1) : int64_t(0)});
+    return {&fresh_entry, true};
   }
 
   OpInfo& info(const c10::OperatorHandle& op) {
@@ -501,9 +534,7 @@ class Observer {
   static void for_tensors(const c10::IValue& v, F&& f) {
     if (v.isTensor()) {
       f(v.toTensor());
-    } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorVector()) f(t);
-    } else if (v.isList()) {
+    } else if (v.isList()) {  // Tensor[], Tensor?[] and generic lists alike, read in place
       for (const c10::IValue& x : v.toListRef())
         if (x.isTensor()) f(x.toTensor());
     }
@@ -548,7 +579,13 @@ class Observer {
       op.redispatchBoxed(below, stack);
       return;
     }
-    Ctx ctx;
+    if (depth_ == ctxs_.size()) ctxs_.push_back(std::make_unique<Ctx>());
+    Ctx& ctx = *ctxs_[depth_++];
+    ctx.clear();
+    struct Leave {
+      size_t& depth;
+      ~Leave() { --depth; }
+    } leave{depth_};
     before(op, inf, *stack, ctx);
     {
       c10::impl::ExcludeDispatchKeyGuard inside(kKey);
@@ -559,7 +596,6 @@ class Observer {
 
  private:
   void before(const c10::OperatorHandle& op, const OpInfo& inf, const torch::jit::Stack& stack, Ctx& ctx) {
-    std::vector<int64_t> fault;
     const size_t n = op.schema().arguments().size();
     const size_t first = stack.size() - n;
     size_t w = 0;  // next entry of inf.writes (ascending)
@@ -569,9 +605,11 @@ class Observer {
       for_tensors(stack[first + i], [&](const at::Tensor& t) {
         c10::StorageImpl* impl = managed_impl(t);
         if (impl == nullptr) return;
-        Entry* e = lookup_or_add(impl, t, /*fresh=*/false);
+        Entry* e = lookup_or_add(impl, t, /*fresh=*/false).first;
+        const size_t n_ins = ctx.ins.size();
         add_unique(ctx.ins, e->sid);
-        if (e->away || e->watch) add_unique(fault, e->sid);
+        if (ctx.ins.size() != n_ins) ctx.in_entries.push_back(e);
+        if (e->away || e->watch) add_unique(ctx.fault, e->sid);
         if (written) {
           add_unique(ctx.writes, e->sid);
           e->host_valid = false;
@@ -579,17 +617,25 @@ class Observer {
       });
     }
     ++observed_;
-    if (!fault.empty()) {
+    if (!ctx.fault.empty()) {
       ++faults_;
       call(on_fault_, [&] {
-        return py::make_tuple(py::cast(fault), py::cast(ctx.ins), py::str(op.schema().name()));
+        return py::make_tuple(py::cast(ctx.fault), py::cast(ctx.ins), py::str(op.schema().name()));
       });
     }
+    // The inputs' accesses, at the position after() gives the operator: once the fault handler
+    // has seen the previous ones, and before the kernel, which may free an input (set_): its entry
+    // may be gone in after(). Until then each is alive (the stack holds it), so no sweep erased it.
+    const int64_t stream = current_stream();
+    for (Entry* e : ctx.in_entries) touch(*e, position_, stream);
   }
 
   void after(const c10::OperatorHandle& op, const OpInfo& inf, const torch::jit::Stack& stack, Ctx& ctx) {
     drain();
-    std::vector<int64_t> outs, allocs;
+    std::vector<int64_t>& outs = ctx.outs;
+    std::vector<int64_t>& allocs = ctx.allocs;
+    const int64_t j = position_++;
+    const int64_t stream = current_stream();
     int64_t made = 0;
     const size_t n_out = op.schema().returns().size();
     for (size_t r = stack.size() - n_out; r < stack.size(); ++r) {
@@ -597,14 +643,14 @@ class Observer {
       for_tensors(v, [&](const at::Tensor& t) {
         c10::StorageImpl* impl = managed_impl(t);
         if (impl == nullptr) return;
-        const bool known = table_.count(impl) != 0;
-        Entry* e = lookup_or_add(impl, t, /*fresh=*/true);
-        if (!known) {
-          const size_t before = allocs.size();
-          add_unique(allocs, e->sid);
-          if (allocs.size() != before) made += e->nbytes;
+        const auto [e, added] = lookup_or_add(impl, t, /*fresh=*/true);
+        if (added) {  // a new entry: its sid is not in allocs yet
+          allocs.push_back(e->sid);
+          made += e->nbytes;
         }
+        const size_t n_outs = outs.size();
         add_unique(outs, e->sid);
+        if (outs.size() != n_outs) touch(*e, j, stream);
       });
     }
     // the autograd node: in backward the one running; in forward the one this op created, if any
@@ -620,19 +666,9 @@ class Observer {
         node = q;
       }
     }
-    const int64_t j = position_++;
-    const int64_t stream = current_stream();
-    for (int64_t sid : ctx.ins) touch(sid, j, stream);
-    for (int64_t sid : outs) touch(sid, j, stream);
-    log_.push_back(kOp);
-    log_.push_back(inf.id);
-    log_.push_back(phase | (module_ << 2));
-    log_.push_back(node);
-    log_.push_back(used_);
-    log_.push_back(static_cast<int64_t>(ctx.ins.size()));
-    log_.push_back(static_cast<int64_t>(outs.size()));
-    log_.push_back(static_cast<int64_t>(ctx.writes.size()));
-    log_.push_back(static_cast<int64_t>(allocs.size()));
+    log_.insert(log_.end(), {kOp, inf.id, phase | (module_ << 2), node, used_, static_cast<int64_t>(ctx.ins.size()),
+                             static_cast<int64_t>(outs.size()), static_cast<int64_t>(ctx.writes.size()),
+                             static_cast<int64_t>(allocs.size())});
     log_.insert(log_.end(), ctx.ins.begin(), ctx.ins.end());
     log_.insert(log_.end(), outs.begin(), outs.end());
     log_.insert(log_.end(), ctx.writes.begin(), ctx.writes.end());
@@ -669,10 +705,7 @@ class Observer {
     }
   }
 
-  void touch(int64_t sid, int64_t j, int64_t stream) {
-    auto it = by_sid_.find(sid);
-    if (it == by_sid_.end()) return;
-    Entry& e = table_.at(it->second);
+  static void touch(Entry& e, int64_t j, int64_t stream) {
     e.last_access = j;
     e.stream = stream;
     ++e.count;
@@ -694,8 +727,17 @@ class Observer {
   py::object on_decide_ = py::none();
   std::unique_ptr<py::error_already_set> error_;
 
-  std::unordered_map<c10::StorageImpl*, Entry> table_;
-  std::unordered_map<int64_t, c10::StorageImpl*> by_sid_;
+  Pool<Entry> entries_;
+  FlatMap<Entry*> table_;   // by StorageImpl address
+  FlatMap<Entry*> by_sid_;  // by sid (>= 1)
+  std::vector<Entry*> dead_;  // sweep()'s buffer
+  std::vector<int64_t> known_freed_;  // sids track() registered that died since the last take_log()
+  int64_t batch_first_sid_ = 1;       // next_sid_ at the last take_log()
+  std::vector<int64_t> born_at_;      // compact_log()'s buffers
+  std::vector<char> known_dead_;
+  std::vector<c10::StorageImpl*> released_;  // drain()'s buffer
+  std::vector<std::unique_ptr<Ctx>> ctxs_;  // by nesting depth
+  size_t depth_ = 0;
   std::unordered_map<const void*, OpInfo> ops_;  // by the operator's schema (its address is stable)
   std::vector<std::string> names_;
   size_t names_sent_ = 0;
@@ -743,7 +785,7 @@ void dispatch_cb(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::j
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 2;
+  m.attr("ABI") = 3;
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
   m.attr("LOG_FREE") = dynn::kFree;

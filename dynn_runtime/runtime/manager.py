@@ -226,6 +226,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._names: list[str] = []
         self._idiom_by_name: dict[str, tuple[int, ...]] = {}
         self._saved_pending: set[int] = set()
+        self._grad_pending: set[int] = set()
         self._engaged = False
         self._pending_error: BaseException | None = None
         self._last_busy: set[int] = set()

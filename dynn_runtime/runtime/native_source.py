@@ -130,8 +130,8 @@ class NativeSource:
     def _native_parse(self, in_step: bool, light: bool = False) -> None:
         """Read the operator log since the last call: storages born and freed, and (in a step) each
         operator, told to the policy as the Python path tells it. ``light``: only the storages that
-        outlive the batch (a step that never needed a decision: the policy has nothing to learn
-        from what fit)."""
+        outlive the batch, and the deaths of those the manager registered itself (a step that never
+        needed a decision: the policy has nothing to learn from what fit)."""
         obs = self._obs
         if obs is None:
             return
@@ -140,9 +140,6 @@ class NativeSource:
         words, names = obs.take_log(light)
         if names:
             self._names.extend(names)
-        if light:  # the compacted log drops a birth and death seen together, even of storages known here
-            for sid in [x for x in self.st if not obs.alive(x)]:
-                self._forget_native(sid, in_step)
         if not words:
             return
         log = memoryview(words).cast("q")

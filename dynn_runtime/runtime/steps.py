@@ -165,6 +165,7 @@ class Steps:
         if obs is not None:
             obs.sweep()
             self._native_parse(in_step=False, light=True)  # between steps: the program's work, not the step's
+            self._forget_pending()
         self._cur = StepStats(step=self._step_index)
         self._measuring = self.budget is None  # a fractional budget: this step measures the peak
         if self._measuring:
@@ -227,6 +228,7 @@ class Steps:
             with no_mode():
                 obs.sweep()
                 self._native_parse(in_step=True, light=not (self._engaged or self._measuring or self.record_every_op))
+            self._forget_pending()
             if self._measuring:
                 self._fold_live_peak()
             obs.set_in_step(False)
@@ -307,6 +309,12 @@ class Steps:
                 self._obs.set_seen_backward(False)
                 self._raise_pending()  # a decision point's error surfaces at the next forward
 
+    def _forget_pending(self) -> None:
+        """After a sweep and the log read: each storage alive is in ``st``, so a pending label's
+        storage died unread."""
+        self._saved_pending.clear()
+        self._grad_pending.clear()
+
     def _opt_pre(self, *args: Any) -> None:
         self._in_optimizer = True
         if self._obs is not None:
@@ -320,11 +328,20 @@ class Steps:
             self._obs.set_phase(-1)
 
     def _mark_kind_of_grads(self) -> None:
-        track = self._track
+        """Label the gradients "grad". On the native source, one whose birth the manager has not read
+        yet is labelled when it reads it (``_new_native``); one that dies first is never registered
+        in Python at all."""
+        track, obs, st, pending = self._track, self._obs, self.st, self._grad_pending
         for p in self._grad_params:
             g = p.grad
-            if g is not None:
-                track(g, "grad", fresh=False)
+            if g is None:
+                continue
+            if obs is not None and type(g) is torch.Tensor:
+                sid = obs.sid_of(g)
+                if sid >= 0 and sid not in st:
+                    pending.add(sid)
+                    continue
+            track(g, "grad", fresh=False)
 
     def _mark_optimizer_state(self) -> None:
         """Label the optimizer's state tensors. One already labelled is skipped while the same tensor

@@ -9,7 +9,7 @@ between steps by the program stays put (only model state and what a step creates
 ``kind`` only ever gets more specific (``_RANK``).
 
 State (set by :meth:`MemoryManager._reset_state`): ``st``, ``_key_sid``, ``_next_sid``, ``_dead``,
-``_saved_pending``, ``_pinned``, ``_t0``, ``_slack_mark``.
+``_saved_pending``, ``_grad_pending``, ``_pinned``, ``_t0``, ``_slack_mark``.
 """
 
 from __future__ import annotations
@@ -169,6 +169,13 @@ class StorageTable:
             s.saved = True
             if kind in ("temp", "input"):
                 s.kind = "activation"
+        if sid in self._grad_pending:  # labelled by the optimizer's pre-hook before its birth was read
+            self._grad_pending.discard(sid)
+            if _RANK["grad"] < _RANK[s.kind]:
+                s.kind = "grad"
+                if not s.movable:
+                    storage = obs.storage(sid)
+                    s.movable = storage is not None and storage.resizable()
         self.st[sid] = s
         return s
 

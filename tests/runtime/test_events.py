@@ -293,6 +293,90 @@ def test_a_batch_in_which_nothing_was_decided_is_read_compacted():
     assert alive == [ob.sid_of(keep)]
 
 
+def _records(log: bytes) -> list[tuple[int, int]]:
+    """(tag, sid) of every kAlloc and kFree record in a compacted log (it holds no others)."""
+    w = struct.unpack(f"{len(log) // 8}q", log)
+    out, i = [], 0
+    while i < len(w):
+        assert w[i] in (C.LOG_ALLOC, C.LOG_FREE), f"unexpected tag {w[i]} at word {i}"
+        out.append((w[i], w[i + 1]))
+        i += 4 if w[i] == C.LOG_ALLOC else 2
+    return out
+
+
+def test_a_compacted_batch_keeps_the_death_of_a_storage_python_registered():
+    ob = C.Observer("cpu")
+    ob.start(None, None)
+    try:
+        ob.set_in_step(True)
+        base = torch.ones(16)
+        ob.take_log(compact=True)
+        known, unknown = base + 1, base + 2  # both born in the batch; Python asks for the first one's id
+        known_sid, unknown_sid = ob.track(known), ob.sid_of(unknown)
+        del known, unknown
+        ob.sweep()
+        recs = _records(ob.take_log(compact=True)[0])
+        late = base + 3  # born in the next batch, and dying in it: dropped again
+        del late
+        ob.sweep()
+        later = _records(ob.take_log(compact=True)[0])
+    finally:
+        ob.stop()
+    assert (C.LOG_FREE, known_sid) in recs and (C.LOG_ALLOC, known_sid) not in recs
+    assert all(sid != unknown_sid for _, sid in recs)
+    assert later == []
+
+
+def test_a_light_step_forgets_what_the_manager_registered_and_saw_die():
+    from dynn_runtime import hints
+    from dynn_runtime.policies.base import Policy
+
+    class Listening(Policy):  # reads hints, so a hint registers its tensors' storages in the step
+        name = "listening"
+
+        def on_hint(self, hint):
+            pass
+
+    model, opt = _mlp()
+    mm = dr.MemoryManager(1 << 30, device="cpu", events="native", policy=Listening()).attach(model, opt)
+    try:
+        for _ in range(3):
+            with mm.step():
+                h = torch.relu(model(torch.randn(4, 32)))
+                hints.next_use(h, steps=None)
+                hinted = mm._obs.sid_of(h)
+                assert hinted in mm.st  # registered by the hint, before its birth is read
+                h.sum().backward()
+                del h
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            assert hinted not in mm.st
+        assert all(mm._obs.alive(sid) for sid in mm.st)
+    finally:
+        mm.detach()
+
+
+def test_gradients_are_labelled_when_read_and_never_registered_when_they_die_unread():
+    model, opt = _mlp()
+    mm = dr.MemoryManager(1 << 30, device="cpu", events="native").attach(model, opt)
+    try:
+        with mm.step():
+            model(torch.randn(4, 32)).sum().backward()
+            opt.step()  # its pre-hook labels the gradients; they outlive the step
+        grads = {mm._obs.sid_of(p.grad) for p in model.parameters()}
+        assert {mm.st[sid].kind for sid in grads} == {"grad"} and all(mm.st[sid].movable for sid in grads)
+        opt.zero_grad(set_to_none=True)
+        with mm.step():
+            model(torch.randn(4, 32)).sum().backward()
+            opt.step()
+            assert mm._grad_pending  # not read yet: nothing decided in this step
+            opt.zero_grad(set_to_none=True)
+        assert not any(s.kind == "grad" for s in mm.st.values())
+        assert not mm._grad_pending and not mm._saved_pending
+    finally:
+        mm.detach()
+
+
 def test_doctor_says_which_event_source_is_used(monkeypatch):
     from dynn_runtime.runtime.doctor import doctor_report
 
