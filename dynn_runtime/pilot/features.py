@@ -67,7 +67,7 @@ from .layout import (
     fine_bucket,
 )
 from .mirror import MirrorState
-from .replay import ReplayState
+from .replay import OptimizerMemory, ReplayState
 from .rows import feature_rows
 
 __all__ = [
@@ -136,6 +136,7 @@ class FeatureState(ReplayState, MirrorState):
         self._prev_count = np.zeros(0, dtype=np.float32)
         self._prev_allocs: dict[int, tuple[int, ...]] = {}
         self._prev_lists: list[list[int]] = []
+        self._opt_memory = OptimizerMemory()
         #: replayed next uses: after :meth:`op`, the storages it accessed whose counterpart in the previous
         #: iteration was accessed again after the same occurrence: sid -> that next use replayed here
         self.replayed: dict[int, int] = {}
@@ -233,6 +234,7 @@ class FeatureState(ReplayState, MirrorState):
         self._reset_mirror()
         self._reset_hints(n)
         self._h_active = False
+        self._opt_memory.ingest(history or ())
         self._index_previous(history[-1] if history else None)
         for sid, s in self._slot.items():
             self.persistent[s] = 1.0
@@ -346,6 +348,8 @@ class FeatureState(ReplayState, MirrorState):
             self.phase = ph
             self.phase_start = position
             new_phase = True
+            if ph == 2:  # the optimizer begins: its plan follows the parameters that have a gradient now
+                self._realign_optimizer()
             if self._h_live or self._h_step:
                 self._reset_hints(self._cap)
         else:

@@ -28,6 +28,7 @@ index as sorted keys ``counterpart * KEY_BASE + position``.
 
 from __future__ import annotations
 
+import heapq
 from typing import Any
 
 import numpy as np
@@ -47,20 +48,32 @@ class ReplayState:
         self._prev_idx = {}
         self._prev_len = 0
         self._prev_external: list[int] = []
+        self._prev_sids: list[int] = []
         self._ext_next = 0
         self._ratio = 1.5
         self._prev_lists = []
+        self._prev_iter = prev
         if prev is None:
             self._prev_keys = np.zeros(0, dtype=np.int64)
             self._prev_count = np.zeros(0, dtype=np.float32)
             self._previous_changed()
             return
+        self._index_ops(prev.ops)
+        born = {sid for op in prev.ops for sid in op.allocs}
+        self._prev_external = [sid for sid in self._prev_sids if sid not in born]  # dict order: first access
+        self._previous_changed()
+
+    def _index_ops(self, ops: Any) -> None:
+        """Index ``ops`` as the previous iteration: operator keys, allocations, accesses per storage."""
+        self._prev_ops = {}
+        self._prev_allocs = {}
+        self._prev_idx = {}
         seen: dict[tuple[str, str, str], int] = {}
         acc: dict[int, list[int]] = {}
-        n_fwd = sum(1 for op in prev.ops if op.phase == "forward")
-        n_bwd = sum(1 for op in prev.ops if op.phase == "backward")
+        n_fwd = sum(1 for op in ops if op.phase == "forward")
+        n_bwd = sum(1 for op in ops if op.phase == "backward")
         self._ratio = n_bwd / n_fwd if n_fwd and n_bwd else 1.5
-        for j, op in enumerate(prev.ops):
+        for j, op in enumerate(ops):
             k = (op.name, op.module, op.phase)
             c = seen.get(k, 0)
             seen[k] = c + 1
@@ -73,11 +86,10 @@ class ReplayState:
                     acc[sid] = [j]
                 else:
                     lst.append(j)
-        self._prev_len = len(prev.ops)
-        born = {sid for op in prev.ops for sid in op.allocs}
-        self._prev_external = [sid for sid in acc if sid not in born]  # dict order: first access
+        self._prev_len = len(ops)
         keys: list[int] = []
         self._prev_lists = list(acc.values())
+        self._prev_sids = list(acc)
         counts = np.zeros(len(acc), dtype=np.float32)
         for i, (sid, lst) in enumerate(acc.items()):
             self._prev_idx[sid] = i
@@ -86,7 +98,6 @@ class ReplayState:
             counts[i] = len(lst)
         self._prev_keys = np.asarray(keys, dtype=np.int64)  # already sorted: by index, then position
         self._prev_count = counts
-        self._previous_changed()
 
     def _previous_changed(self) -> None:
         """The native kernel's table points at the new index and ratio."""
@@ -141,3 +152,212 @@ class ReplayState:
                 if len(out) == n:
                     break
         return out
+
+    # ---- the optimizer, aligned by parameter ----------------------------------------------------
+    def _realign_optimizer(self) -> None:
+        """The optimizer phase begins: replace the previous iteration's optimizer in the index by the
+        one planned for this step (:meth:`OptimizerMemory.plan`), so that the operator keys
+        (occurrences per phase) and every counterpart's next use follow the parameters that have a
+        gradient now. Counterparts keep their storage; a storage alive at the start that the
+        previous iteration did not access becomes its own counterpart; a gradient without one (of
+        a parameter the previous iteration did not update) takes the gradient of the parameter's
+        last update of its size, in birth order."""
+        prev = self._prev_iter
+        if prev is None:
+            return
+        slot = self._slot
+        count = self.count
+
+        def active(sid: int) -> bool:
+            s = slot.get(sid)
+            return s is not None and count.item(s) > 0
+
+        plan = self._opt_memory.plan(prev, active)
+        if plan is None:
+            return
+        start, ops, taken = plan
+        old_sids = self._prev_sids
+        self._index_ops([*prev.ops[:start], *ops])
+        idx = self._prev_idx
+        remap = np.asarray([idx.get(sid, -1) for sid in old_sids] + [-1], dtype=np.int64)
+        n = self._cap
+        p = self.prev[:n]
+        p[:] = remap[np.where(p >= 0, p, len(old_sids))]
+        for s in np.flatnonzero(self.active[:n] & (p < 0) & (self.born[:n] < 0)).tolist():
+            p[s] = idx.get(self.sid.item(s), -1)
+        if taken:
+            # gradients: born in backward, no counterpart; per size, in birth order against the
+            # taken blocks' gradients in reverse update order (backward runs the model backwards)
+            act = np.flatnonzero(self.active[:n] & (p < 0) & (self.born_phase[:n] == 1))
+            act = act[np.lexsort((self.announce[act], self.born[act]))]
+            mine: dict[float, list[int]] = {}
+            for s in act.tolist():
+                mine.setdefault(self.log_bytes.item(s), []).append(s)
+            theirs: dict[float, list[int]] = {}
+            for param, grad in reversed(taken):
+                ps = slot.get(param)
+                if ps is not None and grad in idx:
+                    theirs.setdefault(self.log_bytes.item(ps), []).append(grad)
+            for size, slots in mine.items():
+                grads = theirs.get(size, [])
+                if len(grads) == len(slots):
+                    for s, g in zip(slots, grads):
+                        p[s] = idx[g]
+        ext = self._prev_external
+        done = [sid for sid in ext[: self._ext_next] if sid in idx]
+        self._prev_external = done + [sid for sid in ext[self._ext_next:] if sid in idx]
+        self._ext_next = len(done)
+        self._previous_changed()
+
+
+Block = tuple[frozenset[int], list[Any]]
+
+
+def _opt_blocks(it: Any) -> tuple[int, list[Any], list[Block], list[Any], set[int]] | None:
+    """An iteration's optimizer phase cut into blocks, each ending at an operator that touches a
+    parameter (a storage the iteration did not allocate, accessed before the optimizer and in it);
+    the block's key is the set of parameters that operator touches. Blocks that created state that
+    outlives the iteration (an optimizer's first update of a parameter) are left out.
+
+    Returns (first optimizer position, the leading operators that touch no storage, the blocks, the
+    operators after the last block, storages born in backward), or None when the iteration has no
+    optimizer phase or another phase follows it."""
+    ops = it.ops
+    start = next((j for j, op in enumerate(ops) if op.phase == "optimizer"), None)
+    if start is None or any(op.phase != "optimizer" for op in ops[start:]):
+        return None
+    born: set[int] = set()
+    born_bwd: set[int] = set()
+    before: set[int] = set()
+    for op in ops[:start]:
+        born.update(op.allocs)
+        if op.phase == "backward":
+            born_bwd.update(op.allocs)
+        before.update(op.inputs, op.outputs, op.writes)
+    freed = {sid for lst in it.frees.values() for sid in lst}
+    params = before - born
+    lead: list[Any] = []
+    j = start
+    while j < len(ops) and not (ops[j].inputs or ops[j].outputs or ops[j].writes or ops[j].allocs):
+        lead.append(ops[j])
+        j += 1
+    blocks: list[Block] = []
+    cur: list[Any] = []
+    for op in ops[j:]:
+        cur.append(op)
+        key = params.intersection((*op.inputs, *op.outputs, *op.writes))
+        if key:
+            if not any(sid not in freed for o in cur for sid in o.allocs):
+                blocks.append((frozenset(key), cur))
+            cur = []
+    return start, lead, blocks, cur, born_bwd
+
+
+class OptimizerMemory:
+    """What the optimizer phases seen so far did, per parameter, for :meth:`plan`: the blocks of each
+    parameter's latest update (:func:`_opt_blocks`), one order of every parameter ever updated
+    (merged from the iterations' orders), and whether the rule of :meth:`plan` held on the latest
+    iteration. Fed every finished iteration once (:meth:`ingest`), from ``context.history``."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.last = -1  # index of the latest iteration ingested
+        self.blocks: dict[frozenset[int], list[Any]] = {}
+        self.grads: dict[frozenset[int], list[int]] = {}
+        self.order: list[frozenset[int]] = []
+        self.after: dict[frozenset[int], set[frozenset[int]]] = {}
+        self.ok = True
+
+    def ingest(self, history: Any) -> None:
+        """Take in the iterations of ``history`` not seen yet (by index; an older index: a new run)."""
+        if history and history[-1].index < self.last:
+            self.reset()
+        for it in history:
+            if it.index > self.last:
+                self.last = it.index
+                self._ingest(it)
+
+    def _ingest(self, it: Any) -> None:
+        cut = _opt_blocks(it)
+        if cut is None:
+            self.ok = False
+            return
+        start, _, blocks, _, born_bwd = cut
+        keys: list[frozenset[int]] = []
+        for k, _ in blocks:
+            if not keys or keys[-1] != k:
+                keys.append(k)
+        if len(set(keys)) != len(keys):
+            self.ok = False  # a parameter updated in two places: not one order
+            return
+        before = {sid for op in it.ops[:start] for sid in (*op.inputs, *op.outputs, *op.writes)}
+        # the rule: of the parameters known, those used before the optimizer are the ones updated
+        known = set(self.order)
+        self.ok = {k for k in known if k & before} == known.intersection(keys)
+        fresh: dict[frozenset[int], list[Any]] = {}
+        for k, ops in blocks:
+            fresh.setdefault(k, []).extend(ops)
+        for k, ops in fresh.items():
+            self.blocks[k] = ops
+            self.grads[k] = [sid for op in ops for sid in op.inputs if sid in born_bwd]
+            self.after.setdefault(k, set())
+        for a, b in zip(keys, keys[1:]):
+            self.after[a].add(b)
+        self._sort()
+
+    def _sort(self) -> None:
+        """One order of every parameter consistent with every iteration's (a topological sort of
+        "updated right after"); parameters no iteration ordered go by their smallest storage id."""
+        indeg = dict.fromkeys(self.after, 0)
+        for succ in self.after.values():
+            for b in succ:
+                indeg[b] += 1
+        ready = [(min(k), sorted(k), k) for k, d in indeg.items() if d == 0]
+        heapq.heapify(ready)
+        order: list[frozenset[int]] = []
+        while ready:
+            k = heapq.heappop(ready)[2]
+            order.append(k)
+            for b in self.after[k]:
+                indeg[b] -= 1
+                if indeg[b] == 0:
+                    heapq.heappush(ready, (min(b), sorted(b), b))
+        if len(order) != len(indeg):
+            self.ok = False  # orders that contradict each other: not one fixed order
+        self.order = order
+
+    def plan(self, prev: Any, active: Any) -> tuple[int, list[Any], list[tuple[int, int]]] | None:
+        """The optimizer operators expected in this step. An optimizer updates the parameters that
+        have a gradient, in one fixed order, each the same way every step: so the plan is the
+        parameters ever updated, in their order, kept where ``active`` (accessed in this iteration
+        before the optimizer) for one of them, each with its blocks from ``prev`` where it updated
+        it, else from its latest update; ``prev``'s leading and trailing operators around them.
+
+        Returns (``prev``'s first optimizer position, the operators, (parameter, gradient) of the
+        blocks not from ``prev``, in update order), or None to keep ``prev`` as it is: no
+        optimizer phase, or the rule failed on the latest iteration (an optimizer that also updates
+        parameters without a gradient, a parameter updated twice)."""
+        if not self.ok or self.last != prev.index:
+            return None
+        cut = _opt_blocks(prev)
+        if cut is None:
+            return None
+        start, lead, blocks, tail, _ = cut
+        mine: dict[frozenset[int], list[Any]] = {}
+        for k, ops in blocks:
+            mine.setdefault(k, []).extend(ops)
+        out = list(lead)
+        taken: list[tuple[int, int]] = []
+        for k in self.order:
+            if not any(active(sid) for sid in k):
+                continue
+            ops = mine.get(k)
+            if ops is None:
+                ops = self.blocks[k]
+                if len(k) == 1:
+                    taken.extend((next(iter(k)), g) for g in self.grads[k])
+            out.extend(ops)
+        out.extend(tail)
+        return start, out, taken
