@@ -183,8 +183,12 @@ class ReplayState:
         n = self._cap
         p = self.prev[:n]
         p[:] = remap[np.where(p >= 0, p, len(old_sids))]
-        for s in np.flatnonzero(self.active[:n] & (p < 0) & (self.born[:n] < 0)).tolist():
-            p[s] = idx.get(self.sid.item(s), -1)
+        # a storage alive at the start is its own counterpart where the plan has it (one the previous
+        # iteration did not access was matched by first-access order as if it were the batch)
+        for s in np.flatnonzero(self.active[:n] & (self.born[:n] < 0)).tolist():
+            own = idx.get(self.sid.item(s))
+            if own is not None:
+                p[s] = own
         if taken:
             # gradients: born in backward, no counterpart; per size, in birth order against the
             # taken blocks' gradients in reverse update order (backward runs the model backwards)
@@ -296,6 +300,9 @@ class OptimizerMemory:
         # the rule: of the parameters known, those used before the optimizer are the ones updated
         known = set(self.order)
         self.ok = {k for k in known if k & before} == known.intersection(keys)
+        if self.ok and known:  # and a known parameter that the optimizer touched was used before it
+            touched = {sid for op in it.ops[start:] for sid in (*op.inputs, *op.outputs, *op.writes)}
+            self.ok = not any(sid in touched and sid not in before for k in known for sid in k)
         fresh: dict[frozenset[int], list[Any]] = {}
         for k, ops in blocks:
             fresh.setdefault(k, []).extend(ops)
