@@ -217,15 +217,15 @@ class ReplayState:
 Block = tuple[frozenset[int], list[Any]]
 
 
-def _opt_blocks(it: Any) -> tuple[int, list[Any], list[Block], list[Any], set[int]] | None:
+def _opt_blocks(it: Any) -> tuple[int, list[Any], list[Block], list[Any], set[int], list[Block]] | None:
     """An iteration's optimizer phase cut into blocks, each ending at an operator that touches a
     parameter (a storage the iteration did not allocate, accessed before the optimizer and in it);
     the block's key is the set of parameters that operator touches. Blocks that created state that
-    outlives the iteration (an optimizer's first update of a parameter) are left out.
+    outlives the iteration (an optimizer's first update of a parameter) are kept apart.
 
     Returns (first optimizer position, the leading operators that touch no storage, the blocks, the
-    operators after the last block, storages born in backward), or None when the iteration has no
-    optimizer phase or another phase follows it."""
+    operators after the last block, storages born in backward, the state-creating blocks), or None
+    when the iteration has no optimizer phase or another phase follows it."""
     ops = it.ops
     start = next((j for j, op in enumerate(ops) if op.phase == "optimizer"), None)
     if start is None or any(op.phase != "optimizer" for op in ops[start:]):
@@ -246,15 +246,16 @@ def _opt_blocks(it: Any) -> tuple[int, list[Any], list[Block], list[Any], set[in
         lead.append(ops[j])
         j += 1
     blocks: list[Block] = []
+    inits: list[Block] = []
     cur: list[Any] = []
     for op in ops[j:]:
         cur.append(op)
         key = params.intersection((*op.inputs, *op.outputs, *op.writes))
         if key:
-            if not any(sid not in freed for o in cur for sid in o.allocs):
-                blocks.append((frozenset(key), cur))
+            init = any(sid not in freed for o in cur for sid in o.allocs)
+            (inits if init else blocks).append((frozenset(key), cur))
             cur = []
-    return start, lead, blocks, cur, born_bwd
+    return start, lead, blocks, cur, born_bwd, inits
 
 
 class OptimizerMemory:
@@ -288,7 +289,7 @@ class OptimizerMemory:
         if cut is None:
             self.ok = False
             return
-        start, _, blocks, _, born_bwd = cut
+        start, _, blocks, _, born_bwd, _ = cut
         keys: list[frozenset[int]] = []
         for k, _ in blocks:
             if not keys or keys[-1] != k:
@@ -351,11 +352,18 @@ class OptimizerMemory:
         cut = _opt_blocks(prev)
         if cut is None:
             return None
-        start, lead, blocks, tail, _ = cut
+        start, lead, blocks, tail, _, inits = cut
         mine: dict[frozenset[int], list[Any]] = {}
         for k, ops in blocks:
             mine.setdefault(k, []).extend(ops)
         out = list(lead)
+        # prev's state creations stay where they ran (the features were trained with them there),
+        # for the parameters used now; the rest of their operators (profiler marks) too
+        for k, ops in inits:
+            if any(active(sid) for sid in k):
+                out.extend(ops)
+            else:
+                out.extend(op for op in ops if not (op.inputs or op.outputs or op.writes or op.allocs))
         taken: list[tuple[int, int]] = []
         for k in self.order:
             if not any(active(sid) for sid in k):
