@@ -225,10 +225,14 @@ def _opt_blocks(it: Any) -> tuple[int, list[Any], list[Block], list[Any], set[in
 
     Returns (first optimizer position, the leading operators that touch no storage, the blocks, the
     operators after the last block, storages born in backward, the state-creating blocks), or None
-    when the iteration has no optimizer phase or another phase follows it."""
+    when the iteration has no optimizer phase or operators after it touch storages (operators that
+    touch none, a profiler mark of ``zero_grad`` say, may follow it: they stay after it)."""
     ops = it.ops
     start = next((j for j, op in enumerate(ops) if op.phase == "optimizer"), None)
-    if start is None or any(op.phase != "optimizer" for op in ops[start:]):
+    if start is None:
+        return None
+    end = next((j for j in range(start, len(ops)) if ops[j].phase != "optimizer"), len(ops))
+    if any(op.inputs or op.outputs or op.writes or op.allocs for op in ops[end:]):
         return None
     born: set[int] = set()
     born_bwd: set[int] = set()
@@ -248,14 +252,14 @@ def _opt_blocks(it: Any) -> tuple[int, list[Any], list[Block], list[Any], set[in
     blocks: list[Block] = []
     inits: list[Block] = []
     cur: list[Any] = []
-    for op in ops[j:]:
+    for op in ops[j:end]:
         cur.append(op)
         key = params.intersection((*op.inputs, *op.outputs, *op.writes))
         if key:
             init = any(sid not in freed for o in cur for sid in o.allocs)
             (inits if init else blocks).append((frozenset(key), cur))
             cur = []
-    return start, lead, blocks, cur, born_bwd, inits
+    return start, lead, blocks, cur + ops[end:], born_bwd, inits
 
 
 class OptimizerMemory:
@@ -359,8 +363,10 @@ class OptimizerMemory:
         out = list(lead)
         # prev's state creations stay where they ran (the features were trained with them there),
         # for the parameters used now; the rest of their operators (profiler marks) too
+        same = all(any(active(sid) for sid in k) for k in mine) and all(
+            k in mine for k in self.order if any(active(sid) for sid in k))
         for k, ops in inits:
-            if any(active(sid) for sid in k):
+            if same and any(active(sid) for sid in k):
                 out.extend(ops)
             else:
                 out.extend(op for op in ops if not (op.inputs or op.outputs or op.writes or op.allocs))
