@@ -103,3 +103,23 @@ def test_replayed_distances_in_the_optimizer_are_the_true_ones(trace, backend, m
                     assert np.expm1(x[C["log_prev_dist"]] * 8.0) == pytest.approx(true, abs=1e-3)
                     checked += 1
     assert checked > 100
+
+
+def test_the_live_runtime_plans_the_optimizer(monkeypatch):
+    """Live, the history the runtime records (a profiler mark after the optimizer included) gives
+    a plan from the second step on, and training stays PyTorch's own."""
+    from dynn_runtime.runtime.train import train_managed, train_unmanaged
+
+    plans = []
+    plan = OptimizerMemory.plan
+
+    def spy(self, prev, active):
+        out = plan(self, prev, active)
+        plans.append(out is not None)
+        return out
+
+    monkeypatch.setattr(OptimizerMemory, "plan", spy)
+    ref = train_unmanaged(WORKLOAD, steps=5)
+    r = train_managed(WORKLOAD, max(ref.peak_bytes) // 2, "pilot", steps=5)
+    assert r.losses == ref.losses and r.digest == ref.digest
+    assert plans == [True] * 4
