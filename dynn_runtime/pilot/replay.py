@@ -28,6 +28,8 @@ index as sorted keys ``counterpart * KEY_BASE + position``.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import heapq
 from typing import Any
 
@@ -172,7 +174,15 @@ class ReplayState:
             s = slot.get(sid)
             return s is not None and count.item(s) > 0
 
-        plan = self._opt_memory.plan(prev, active)
+        memory = self._opt_memory
+        n = self._cap
+        # parameters used now for the first time (none seen used before: a frozen one was), in
+        # announcement order
+        new = np.flatnonzero(self.active[:n] & (self.born[:n] < 0) & (self.count[:n] > 0) & (self.kind[:n] == 0))
+        fresh = [sid for sid in self.sid[new[np.argsort(self.announce[new], kind="stable")]].tolist()
+                 if sid not in memory.params and sid not in memory.used]  # (used, not updated: frozen)
+        plan = memory.plan(prev, active, fresh, lambda sid: self.announce.item(slot[sid]),
+                           lambda sid: self.log_bytes.item(slot[sid]))
         if plan is None:
             return
         start, ops, taken = plan
@@ -277,6 +287,9 @@ class OptimizerMemory:
         self.grads: dict[frozenset[int], list[int]] = {}
         self.order: list[frozenset[int]] = []
         self.after: dict[frozenset[int], set[frozenset[int]]] = {}
+        self.init_blocks: dict[frozenset[int], list[Any]] = {}
+        self.params: set[int] = set()
+        self.used: set[int] = set()  # storages some iteration seen used before its optimizer
         self.ok = True
 
     def ingest(self, history: Any) -> None:
@@ -293,7 +306,7 @@ class OptimizerMemory:
         if cut is None:
             self.ok = False
             return
-        start, _, blocks, _, born_bwd, _ = cut
+        start, _, blocks, _, born_bwd, inits = cut
         keys: list[frozenset[int]] = []
         for k, _ in blocks:
             if not keys or keys[-1] != k:
@@ -317,6 +330,12 @@ class OptimizerMemory:
             self.after.setdefault(k, set())
         for a, b in zip(keys, keys[1:]):
             self.after[a].add(b)
+        created: dict[frozenset[int], list[Any]] = {}
+        for k, ops in inits:
+            created.setdefault(k, []).extend(ops)
+        self.init_blocks.update(created)
+        self.params.update(*self.after)
+        self.used |= before
         self._sort()
 
     def _sort(self) -> None:
@@ -340,12 +359,18 @@ class OptimizerMemory:
             self.ok = False  # orders that contradict each other: not one fixed order
         self.order = order
 
-    def plan(self, prev: Any, active: Any) -> tuple[int, list[Any], list[tuple[int, int]]] | None:
+    def plan(self, prev: Any, active: Any, fresh: Any = (), rank: Any = None,
+             size: Any = None) -> tuple[int, list[Any], list[tuple[int, int]]] | None:
         """The optimizer operators expected in this step. An optimizer updates the parameters that
         have a gradient, in one fixed order, each the same way every step: so the plan is the
         parameters ever updated, in their order, kept where ``active`` (accessed in this iteration
         before the optimizer) for one of them, each with its blocks from ``prev`` where it updated
         it, else from its latest update; ``prev``'s leading and trailing operators around them.
+
+        ``fresh``: parameters used now that no optimizer phase seen has updated (a layer that runs
+        for the first time): each gets the state creation and update of the first parameter of its
+        ``size`` in the order, its own storages standing for that one's, placed after the planned
+        parameter of the highest ``rank`` below its own (announcement order: the model's).
 
         Returns (``prev``'s first optimizer position, the operators, (parameter, gradient) of the
         blocks not from ``prev``, in update order), or None to keep ``prev`` as it is: no
@@ -360,25 +385,60 @@ class OptimizerMemory:
         mine: dict[frozenset[int], list[Any]] = {}
         for k, ops in blocks:
             mine.setdefault(k, []).extend(ops)
+        planned = [k for k in self.order if any(active(sid) for sid in k)]
         out = list(lead)
-        # prev's state creations stay where they ran (the features were trained with them there),
-        # for the parameters used now; the rest of their operators (profiler marks) too
-        same = all(any(active(sid) for sid in k) for k in mine) and all(
-            k in mine for k in self.order if any(active(sid) for sid in k))
+        # prev's state creations stay where they ran while the parameters updated are prev's (the
+        # features were trained with them there); the rest of their operators (profiler marks) too
+        same = not fresh and set(planned) == set(mine)
         for k, ops in inits:
             if same and any(active(sid) for sid in k):
                 out.extend(ops)
             else:
                 out.extend(op for op in ops if not (op.inputs or op.outputs or op.writes or op.allocs))
+        after: dict[frozenset[int] | None, list[tuple[int, list[Any], list[int]]]] = {}
+        if fresh and rank is not None and size is not None:
+            template: dict[float, frozenset[int]] = {}
+            for k in self.order:
+                if len(k) == 1 and k in self.init_blocks:
+                    template.setdefault(size(next(iter(k))), k)
+            ranked = sorted((rank(next(iter(k))), i) for i, k in enumerate(planned) if len(k) == 1)
+            fake = -2
+            for q in fresh:
+                k0 = template.get(size(q))
+                if k0 is None:
+                    continue
+                sub: dict[int, int] = {next(iter(k0)): q}
+                for op in (*self.init_blocks[k0], *self.blocks[k0]):
+                    for sid in (*op.inputs, *op.outputs, *op.writes, *op.allocs):
+                        if sid not in sub:
+                            sub[sid] = fake  # a storage of this update: one of its own (no id yet)
+                            fake -= 1
+                out.extend(_renamed(op, sub) for op in self.init_blocks[k0])
+                i = bisect.bisect_left(ranked, (rank(q), -1)) - 1
+                pred = planned[ranked[i][1]] if i >= 0 else None
+                after.setdefault(pred, []).append(
+                    (q, [_renamed(op, sub) for op in self.blocks[k0]], [sub[g] for g in self.grads[k0] if g in sub]))
         taken: list[tuple[int, int]] = []
-        for k in self.order:
-            if not any(active(sid) for sid in k):
-                continue
+        for q, ops, grads in after.pop(None, []):
+            out.extend(ops)
+            taken.extend((q, g) for g in grads)
+        for k in planned:
             ops = mine.get(k)
             if ops is None:
                 ops = self.blocks[k]
                 if len(k) == 1:
                     taken.extend((next(iter(k)), g) for g in self.grads[k])
             out.extend(ops)
+            for q, ops2, grads in after.pop(k, []):
+                out.extend(ops2)
+                taken.extend((q, g) for g in grads)
         out.extend(tail)
         return start, out, taken
+
+
+def _renamed(op: Any, sub: dict[int, int]) -> Any:
+    """``op`` with its storages renamed by ``sub``."""
+    def r(sids: Any) -> tuple[int, ...]:
+        return tuple(sub.get(sid, sid) for sid in sids)
+    return dataclasses.replace(op, inputs=r(op.inputs), outputs=r(op.outputs), writes=r(op.writes),
+                               allocs=r(op.allocs))
