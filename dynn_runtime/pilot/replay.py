@@ -326,7 +326,7 @@ class OptimizerMemory:
             fresh.setdefault(k, []).extend(ops)
         for k, ops in fresh.items():
             self.blocks[k] = ops
-            self.grads[k] = [sid for op in ops for sid in op.inputs if sid in born_bwd]
+            self.grads[k] = list(dict.fromkeys(sid for op in ops for sid in op.inputs if sid in born_bwd))
             self.after.setdefault(k, set())
         for a, b in zip(keys, keys[1:]):
             self.after[a].add(b)
