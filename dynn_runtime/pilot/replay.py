@@ -200,17 +200,29 @@ class ReplayState:
             if own is not None:
                 p[s] = own
         if taken:
-            # gradients: born in backward, no counterpart; per size, in birth order against the
-            # taken blocks' gradients in reverse update order (backward runs the model backwards)
-            act = np.flatnonzero(self.active[:n] & (p < 0) & (self.born_phase[:n] == 1))
-            act = act[np.lexsort((self.announce[act], self.born[act]))]
+            # gradients: one whose counterpart is a planned gradient keeps it (backward aligned it);
+            # the others (their layer not in the previous step, or aligned to another storage where
+            # backward ran other operators), per size, in birth order against the planned gradients
+            # nobody claims, in reverse update order (backward runs the model backwards)
+            planned = {g for _, g in taken}
+            sids = self._prev_sids
+            act = np.flatnonzero(self.active[:n] & (self.born_phase[:n] == 1))
+            act = act[np.lexsort((self.announce[act], self.born[act]))].tolist()
+            claims: dict[int, list[int]] = {}
+            for s in act:
+                c = p.item(s)
+                if c >= 0 and sids[c] in planned:
+                    claims.setdefault(sids[c], []).append(s)
+            claimed = {g for g, by in claims.items() if len(by) == 1}
             mine: dict[float, list[int]] = {}
-            for s in act.tolist():
-                mine.setdefault(self.log_bytes.item(s), []).append(s)
+            for s in act:
+                c = p.item(s)
+                if c < 0 or sids[c] not in claimed:
+                    mine.setdefault(self.log_bytes.item(s), []).append(s)
             theirs: dict[float, list[int]] = {}
             for param, grad in reversed(taken):
                 ps = slot.get(param)
-                if ps is not None and grad in idx:
+                if ps is not None and grad not in claimed and grad in idx:
                     theirs.setdefault(self.log_bytes.item(ps), []).append(grad)
             for size, slots in mine.items():
                 grads = theirs.get(size, [])
@@ -372,8 +384,8 @@ class OptimizerMemory:
         ``size`` in the order, its own storages standing for that one's, placed after the planned
         parameter of the highest ``rank`` below its own (announcement order: the model's).
 
-        Returns (``prev``'s first optimizer position, the operators, (parameter, gradient) of the
-        blocks not from ``prev``, in update order), or None to keep ``prev`` as it is: no
+        Returns (``prev``'s first optimizer position, the operators, (parameter, gradient) of every
+        block, in update order), or None to keep ``prev`` as it is: no
         optimizer phase, or the rule failed on the latest iteration (an optimizer that also updates
         parameters without a gradient, a parameter updated twice)."""
         if not self.ok or self.last != prev.index:
@@ -381,7 +393,7 @@ class OptimizerMemory:
         cut = _opt_blocks(prev)
         if cut is None:
             return None
-        start, lead, blocks, tail, _, inits = cut
+        start, lead, blocks, tail, born_prev, inits = cut
         mine: dict[frozenset[int], list[Any]] = {}
         for k, ops in blocks:
             mine.setdefault(k, []).extend(ops)
@@ -426,8 +438,11 @@ class OptimizerMemory:
             ops = mine.get(k)
             if ops is None:
                 ops = self.blocks[k]
-                if len(k) == 1:
-                    taken.extend((next(iter(k)), g) for g in self.grads[k])
+                grads = self.grads[k]
+            else:
+                grads = list(dict.fromkeys(sid for op in ops for sid in op.inputs if sid in born_prev))
+            if len(k) == 1:
+                taken.extend((next(iter(k)), g) for g in grads)
             out.extend(ops)
             for q, ops2, grads in after.pop(k, []):
                 out.extend(ops2)
