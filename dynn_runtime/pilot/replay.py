@@ -55,18 +55,21 @@ class ReplayState:
         self._ratio = 1.5
         self._prev_lists = []
         self._prev_iter = prev
+        self._prev_extra: list[tuple[int, int]] = []
         if prev is None:
             self._prev_keys = np.zeros(0, dtype=np.int64)
             self._prev_count = np.zeros(0, dtype=np.float32)
             self._previous_changed()
             return
-        self._index_ops(prev.ops)
+        self._prev_extra = self._opt_memory.skipped(prev)
+        self._index_ops(prev.ops, self._prev_extra)
         born = {sid for op in prev.ops for sid in op.allocs}
         self._prev_external = [sid for sid in self._prev_sids if sid not in born]  # dict order: first access
         self._previous_changed()
 
-    def _index_ops(self, ops: Any) -> None:
-        """Index ``ops`` as the previous iteration: operator keys, allocations, accesses per storage."""
+    def _index_ops(self, ops: Any, extra: Any = ()) -> None:
+        """Index ``ops`` as the previous iteration: operator keys, allocations, accesses per storage;
+        ``extra``: (storage, position) accesses of storages ``ops`` does not access, added."""
         self._prev_ops = {}
         self._prev_allocs = {}
         self._prev_idx = {}
@@ -89,6 +92,14 @@ class ReplayState:
                 else:
                     lst.append(j)
         self._prev_len = len(ops)
+        for sid, j in extra:
+            if sid not in acc or acc[sid][0] < 0:
+                lst = acc.setdefault(sid, [-1])
+                lst.append(j)
+        for lst in acc.values():
+            if lst[0] < 0:
+                del lst[0]
+                lst.sort()
         keys: list[int] = []
         self._prev_lists = list(acc.values())
         self._prev_sids = list(acc)
@@ -187,7 +198,7 @@ class ReplayState:
             return
         start, ops, taken = plan
         old_sids = self._prev_sids
-        self._index_ops([*prev.ops[:start], *ops])
+        self._index_ops([*prev.ops[:start], *ops], [(sid, j) for sid, j in self._prev_extra if j < start])
         idx = self._prev_idx
         remap = np.asarray([idx.get(sid, -1) for sid in old_sids] + [-1], dtype=np.int64)
         n = self._cap
@@ -302,6 +313,7 @@ class OptimizerMemory:
         self.init_blocks: dict[frozenset[int], list[Any]] = {}
         self.params: set[int] = set()
         self.used: set[int] = set()  # storages some iteration seen used before its optimizer
+        self.last_used: dict[int, Any] = {}  # parameter -> the latest iteration that used it
         self.ok = True
 
     def ingest(self, history: Any) -> None:
@@ -348,6 +360,9 @@ class OptimizerMemory:
         self.init_blocks.update(created)
         self.params.update(*self.after)
         self.used |= before
+        for sid in before:
+            if sid in self.params:
+                self.last_used[sid] = it
         self._sort()
 
     def _sort(self) -> None:
@@ -370,6 +385,45 @@ class OptimizerMemory:
         if len(order) != len(indeg):
             self.ok = False  # orders that contradict each other: not one fixed order
         self.order = order
+
+    def skipped(self, prev: Any) -> list[tuple[int, int]]:
+        """Accesses of the parameters ``prev`` did not use (a layer it skipped) as (storage, position
+        in ``prev``): their accesses in the latest iteration that used them, each placed after the
+        operator of ``prev`` that matches (by name, module, phase and occurrence) the nearest one
+        before it there, as far after it as there."""
+        if not self.ok or self.last != prev.index:
+            return []
+        used = {sid for op in prev.ops for sid in (*op.inputs, *op.outputs, *op.writes)}
+        by_it: dict[int, tuple[Any, set[int]]] = {}
+        for sid, it in self.last_used.items():
+            if sid not in used and it is not prev:
+                by_it.setdefault(id(it), (it, set()))[1].add(sid)
+        if not by_it:
+            return []
+        keys: dict[tuple[str, str, str, int], int] = {}
+        seen: dict[tuple[str, str, str], int] = {}
+        for j, op in enumerate(prev.ops):
+            k = (op.name, op.module, op.phase)
+            c = seen.get(k, 0)
+            seen[k] = c + 1
+            keys[(*k, c)] = j
+        out: list[tuple[int, int]] = []
+        for it, want in by_it.values():
+            seen = {}
+            at, base = -1, -1  # position in prev of the latest matched operator, its position in it
+            for j, op in enumerate(it.ops):
+                if op.phase == "optimizer":
+                    break
+                k = (op.name, op.module, op.phase)
+                c = seen.get(k, 0)
+                seen[k] = c + 1
+                q = keys.get((*k, c))
+                if q is not None:
+                    at, base = q, j
+                hit = want.intersection((*op.inputs, *op.outputs, *op.writes))
+                if hit:  # (before any match: as far from the start)
+                    out.extend((sid, at + j - base) for sid in hit)
+        return out
 
     def plan(self, prev: Any, active: Any, fresh: Any = (), rank: Any = None,
              size: Any = None) -> tuple[int, list[Any], list[tuple[int, int]]] | None:

@@ -133,3 +133,24 @@ def test_the_live_runtime_plans_the_optimizer(monkeypatch):
     r = train_managed(WORKLOAD, max(ref.peak_bytes) // 2, "pilot", steps=5)
     assert r.losses == ref.losses and r.digest == ref.digest
     assert plans == [True] * 4
+
+
+def test_a_parameter_the_previous_step_skipped_replays_its_latest_use(trace):
+    """A layer the previous step skipped and this one runs: its parameters are their own
+    counterparts, with the accesses of the latest step that used them placed among the previous
+    step's operators, so from the start of the step they are expected again (without it they have
+    no counterpart, or the batch's)."""
+    its = trace.iterations
+    checked = 0
+    for i in range(SEEN_ALL + 1, len(its)):
+        used_prev = set().union(*(_accessed(op) for op in its[i - 1].ops))
+        n_fwd = sum(op.phase == "forward" for op in its[i - 1].ops)
+        d = next(data.walk(trace, i, group=16, baselines=False))
+        assert d.position == 0
+        for sid, x, true in zip(d.sids.tolist(), d.X, d.dist):
+            if trace.storages[sid].kind == "param" and sid not in used_prev and np.isfinite(true):
+                assert x[C["matched"]] == 1.0 and x[C["prev_used_again"]] == 1.0
+                # again in the previous step's forward, where the layer would have run
+                assert np.expm1(x[C["log_prev_dist"]] * 8.0) < n_fwd
+                checked += 1
+    assert checked >= 4
