@@ -69,7 +69,7 @@ class ReplayState:
 
     def _index_ops(self, ops: Any, extra: Any = ()) -> None:
         """Index ``ops`` as the previous iteration: operator keys, allocations, accesses per storage;
-        ``extra``: (storage, position) accesses of storages ``ops`` does not access, added."""
+        ``extra``: (storage, position) accesses added."""
         self._prev_ops = {}
         self._prev_allocs = {}
         self._prev_idx = {}
@@ -93,13 +93,9 @@ class ReplayState:
                     lst.append(j)
         self._prev_len = len(ops)
         for sid, j in extra:
-            if sid not in acc or acc[sid][0] < 0:
-                lst = acc.setdefault(sid, [-1])
-                lst.append(j)
-        for lst in acc.values():
-            if lst[0] < 0:
-                del lst[0]
-                lst.sort()
+            acc.setdefault(sid, []).append(j)
+        for sid in {sid for sid, _ in extra}:
+            acc[sid].sort()
         keys: list[int] = []
         self._prev_lists = list(acc.values())
         self._prev_sids = list(acc)
@@ -198,7 +194,15 @@ class ReplayState:
             return
         start, ops, taken = plan
         old_sids = self._prev_sids
-        self._index_ops([*prev.ops[:start], *ops], [(sid, j) for sid, j in self._prev_extra if j < start])
+        extra = [(sid, j) for sid, j in self._prev_extra if j < start]
+        # a first-time parameter's accesses so far, at its last one's place (shifted so that the
+        # optimizers start together): its planned update is then its next access, as for the others
+        planned = {sid for op in ops for sid in op.inputs}
+        for sid in fresh:
+            if sid in planned:
+                s = slot[sid]
+                extra += [(sid, max(self.last.item(s) - self.phase_start + start, 0))] * int(count.item(s))
+        self._index_ops([*prev.ops[:start], *ops], extra)
         idx = self._prev_idx
         remap = np.asarray([idx.get(sid, -1) for sid in old_sids] + [-1], dtype=np.int64)
         n = self._cap
