@@ -154,3 +154,21 @@ def test_a_parameter_the_previous_step_skipped_replays_its_latest_use(trace):
                 assert np.expm1(x[C["log_prev_dist"]] * 8.0) < n_fwd
                 checked += 1
     assert checked >= 4
+
+
+def test_a_first_time_parameter_is_expected_in_the_optimizer(trace):
+    """A layer that runs for the first time: in the optimizer its parameters' planned update is
+    their next access, by occurrence too (after its k accesses so far, a (k+1)-th)."""
+    its = trace.iterations
+    checked = 0
+    for i in FIRST_RUN:
+        seen = set().union(*(_accessed(op) for j in range(i) for op in its[j].ops))
+        for d in data.walk(trace, i, group=16, baselines=False):
+            if its[i].ops[d.position].phase != "optimizer":
+                continue
+            for sid, x, true in zip(d.sids.tolist(), d.X, d.dist):
+                if trace.storages[sid].kind == "param" and sid not in seen and true <= 64:
+                    assert x[C["prev_used_again"]] == 1.0 and x[C["occ_has_next"]] == 1.0
+                    assert np.expm1(x[C["log_prev_dist"]] * 8.0) == pytest.approx(true, abs=1e-3)
+                    checked += 1
+    assert checked >= 4
