@@ -315,6 +315,7 @@ class OptimizerMemory:
         self.order: list[frozenset[int]] = []
         self.after: dict[frozenset[int], set[frozenset[int]]] = {}
         self.init_blocks: dict[frozenset[int], list[Any]] = {}
+        self.cut: Any = None
         self.params: set[int] = set()
         self.used: set[int] = set()  # storages some iteration seen used before its optimizer
         self.last_used: dict[int, Any] = {}  # parameter -> the latest iteration that used it
@@ -330,7 +331,7 @@ class OptimizerMemory:
                 self._ingest(it)
 
     def _ingest(self, it: Any) -> None:
-        cut = _opt_blocks(it)
+        cut = self.cut = _opt_blocks(it)  # (the latest: the previous iteration's, for plan())
         if cut is None:
             self.ok = False
             return
@@ -444,11 +445,12 @@ class OptimizerMemory:
 
         Returns (``prev``'s first optimizer position, the operators, (parameter, gradient) of every
         block, in update order), or None to keep ``prev`` as it is: no
-        optimizer phase, or the rule failed on the latest iteration (an optimizer that also updates
-        parameters without a gradient, a parameter updated twice)."""
+        optimizer phase, the rule failed on the latest iteration (an optimizer that also updates
+        parameters without a gradient, a parameter updated twice), or the plan is ``prev``'s own
+        optimizer (nothing changed: the zoo)."""
         if not self.ok or self.last != prev.index:
             return None
-        cut = _opt_blocks(prev)
+        cut = self.cut
         if cut is None:
             return None
         start, lead, blocks, tail, born_prev, inits = cut
@@ -506,6 +508,9 @@ class OptimizerMemory:
                 out.extend(ops2)
                 taken.extend((q, g) for g in grads)
         out.extend(tail)
+        same_ops = prev.ops[start:]
+        if len(out) == len(same_ops) and all(a is b for a, b in zip(out, same_ops)):
+            return None  # the previous iteration's optimizer, as it ran: nothing to replace
         return start, out, taken
 
 
