@@ -183,11 +183,11 @@ class ReplayState:
 
         memory = self._opt_memory
         n = self._cap
-        # parameters used now for the first time (none seen used before: a frozen one was), in
-        # announcement order
+        # parameters used now that no optimizer phase updated and the previous iteration did not use
+        # (one it used without updating it is frozen), in announcement order
         new = np.flatnonzero(self.active[:n] & (self.born[:n] < 0) & (self.count[:n] > 0) & (self.kind[:n] == 0))
         fresh = [sid for sid in self.sid[new[np.argsort(self.announce[new], kind="stable")]].tolist()
-                 if sid not in memory.params and sid not in memory.used]  # (used, not updated: frozen)
+                 if sid not in memory.params and sid not in self._prev_idx]
         plan = memory.plan(prev, active, fresh, lambda sid: self.announce.item(slot[sid]),
                            lambda sid: self.log_bytes.item(slot[sid]))
         if plan is None:
@@ -317,7 +317,6 @@ class OptimizerMemory:
         self.init_blocks: dict[frozenset[int], list[Any]] = {}
         self.cut: Any = None
         self.params: set[int] = set()
-        self.used: set[int] = set()  # storages some iteration seen used before its optimizer
         self.last_used: dict[int, Any] = {}  # parameter -> the latest iteration that used it
         self.ok = True
 
@@ -364,7 +363,6 @@ class OptimizerMemory:
             created.setdefault(k, []).extend(ops)
         self.init_blocks.update(created)
         self.params.update(*self.after)
-        self.used |= before
         for sid in before:
             if sid in self.params:
                 self.last_used[sid] = it

@@ -59,7 +59,7 @@ def test_the_plan_is_the_optimizer_that_runs(trace):
         memory.ingest(its[:i])
         # a layer that runs for the first time: its parameters' state is created and updated too
         fresh = sorted(sid for sid in before if trace.storages[sid].kind == "param"
-                       and sid not in memory.params and sid not in memory.used)
+                       and sid not in memory.params and sid not in set().union(*map(_accessed, prev.ops)))
         assert bool(fresh) == (i in FIRST_RUN)
         plan = memory.plan(prev, before.__contains__, fresh, rank=lambda sid: sid,
                            size=lambda sid: trace.storages[sid].nbytes)
