@@ -67,7 +67,7 @@ from .layout import (
     fine_bucket,
 )
 from .mirror import MirrorState
-from .replay import ReplayState
+from .replay import OptimizerMemory, ReplayState
 from .rows import feature_rows
 
 __all__ = [
@@ -137,6 +137,7 @@ class FeatureState(ReplayState, MirrorState):
         self._prev_allocs: dict[int, tuple[int, ...]] = {}
         self._prev_flat: list[int] = []
         self._prev_start: list[int] = [0]
+        self._opt_memory = OptimizerMemory()
         # replayed next uses (the ``replayed`` property): the dict, or what it is built from on demand
         self._replayed: dict[int, int] = {}
         self._replayed_from: tuple[list[int], Any] | None = None
@@ -234,6 +235,7 @@ class FeatureState(ReplayState, MirrorState):
         self._reset_mirror()
         self._reset_hints(n)
         self._h_active = False
+        self._opt_memory.ingest(history or ())
         self._index_previous(history[-1] if history else None)
         slot = self._slot
         if slot:  # what is alive at the start persists; matched to itself in the previous iteration
@@ -375,6 +377,8 @@ class FeatureState(ReplayState, MirrorState):
             self.phase = ph
             self.phase_start = position
             new_phase = True
+            if ph == 2:  # the optimizer begins: its plan follows the parameters that have a gradient now
+                self._realign_optimizer()
             if self._h_live or self._h_step:
                 self._reset_hints(self._cap)
         else:

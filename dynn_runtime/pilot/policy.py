@@ -91,6 +91,7 @@ _CLASS_OF_KIND = {"param": 1, "buffer": 1, "opt_state": 1, "grad": 3, "activatio
 _LOWER = np.asarray((1,) + BUCKET_EDGES[:-1] + (BUCKET_EDGES[-1], 2 * BUCKET_EDGES[-1]), dtype=np.float64)
 _PHASES = {"forward": 0, "backward": 1, "optimizer": 2}
 _TEMP = _KIND_IDX["temp"]
+_OPTIMIZER = _PHASES["optimizer"]
 
 
 def storage_class(kind: str, saved: bool, fresh: bool) -> int:
@@ -350,7 +351,11 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         if not self._fused:
             super().on_operator(position, op, accessed)
             return
-        if self._fused_native is not None and not self._pending:
+        # the operator that begins the optimizer takes the Python fused path: there the optimizer's
+        # plan (FeatureState._realign_optimizer) re-indexes the previous iteration before this
+        # operator is aligned and its allocations take their counterparts, as per notification
+        if self._fused_native is not None and not self._pending and not (
+                op.phase == "optimizer" and self._state.phase != _OPTIMIZER):
             self._operator_native(position, op, accessed)
             return
         state = self._state

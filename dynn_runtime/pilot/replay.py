@@ -28,6 +28,9 @@ index as sorted keys ``counterpart * KEY_BASE + position``.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import heapq
 import itertools
 from typing import Any
 
@@ -48,28 +51,39 @@ class ReplayState:
         self._prev_idx = {}
         self._prev_len = 0
         self._prev_external: list[int] = []
+        self._prev_sids: list[int] = []
         self._ext_next = 0
         self._ratio = 1.5
         self._prev_flat: list[int] = []
         self._prev_start: list[int] = [0]
+        self._prev_iter = prev
+        self._prev_extra: list[tuple[int, int]] = []
         if prev is None:
             self._prev_keys = np.zeros(0, dtype=np.int64)
             self._prev_count = np.zeros(0, dtype=np.float32)
             self._previous_changed()
             return
+        self._prev_extra = self._opt_memory.skipped(prev)
+        self._index_ops(prev.ops, self._prev_extra)
+        born = {sid for op in prev.ops for sid in op.allocs}
+        self._prev_external = [sid for sid in self._prev_sids if sid not in born]  # dict order: first access
+        self._previous_changed()
+
+    def _index_ops(self, ops: Any, extra: Any = ()) -> None:
+        """Index ``ops`` as the previous iteration: operator keys, allocations, accesses per storage;
+        ``extra``: (storage, position) accesses added."""
+        self._prev_ops = prev_ops = {}
+        self._prev_allocs = prev_allocs = {}
         seen: dict[tuple[str, str, str], int] = {}
         acc: dict[int, list[int]] = {}
         phases: dict[str, int] = {}
-        born: set[int] = set()
-        prev_ops, prev_allocs = self._prev_ops, self._prev_allocs
-        for j, op in enumerate(prev.ops):
+        for j, op in enumerate(ops):
             k = (op.name, op.module, op.phase)
             c = seen.get(k, 0)
             seen[k] = c + 1
             prev_ops[(*k, c)] = j
             if op.allocs:
                 prev_allocs[j] = op.allocs
-                born.update(op.allocs)
             for sid in {*op.inputs, *op.outputs, *op.writes}:
                 lst = acc.get(sid)
                 if lst is None:
@@ -80,8 +94,12 @@ class ReplayState:
             phases[phase] = phases.get(phase, 0) + c
         n_fwd, n_bwd = phases.get("forward", 0), phases.get("backward", 0)
         self._ratio = n_bwd / n_fwd if n_fwd and n_bwd else 1.5
-        self._prev_len = len(prev.ops)
-        self._prev_external = [sid for sid in acc if sid not in born]  # dict order: first access
+        self._prev_len = len(ops)
+        for sid, j in extra:
+            acc.setdefault(sid, []).append(j)
+        for sid in {sid for sid, _ in extra}:
+            acc[sid].sort()
+        self._prev_sids = list(acc)
         lists = list(acc.values())
         n = len(lists)
         self._prev_idx = dict(zip(acc, range(n)))
@@ -96,7 +114,6 @@ class ReplayState:
         # sorted: by index, then position (each list is in operator order)
         self._prev_keys = np.repeat(np.arange(n, dtype=np.int64) * KEY_BASE, lens) + pos
         self._prev_count = lens.astype(np.float32)
-        self._previous_changed()
 
     def _previous_changed(self) -> None:
         """The native kernel's table points at the new index and ratio."""
@@ -152,3 +169,360 @@ class ReplayState:
                 if len(out) == n:
                     break
         return out
+
+    # ---- the optimizer, aligned by parameter ----------------------------------------------------
+    def _realign_optimizer(self) -> None:
+        """The optimizer phase begins: replace the previous iteration's optimizer in the index by the
+        one planned for this step (:meth:`OptimizerMemory.plan`), so that the operator keys
+        (occurrences per phase) and every counterpart's next use follow the parameters that have a
+        gradient now. Counterparts keep their storage; a storage alive at the start that the
+        previous iteration did not access becomes its own counterpart; a gradient without one (of
+        a parameter the previous iteration did not update) takes the gradient of the parameter's
+        last update of its size, in birth order."""
+        prev = self._prev_iter
+        if prev is None:
+            return
+        slot = self._slot
+        count = self.count
+
+        def active(sid: int) -> bool:
+            s = slot.get(sid)
+            return s is not None and count.item(s) > 0
+
+        memory = self._opt_memory
+        n = self._cap
+        # parameters used now that no optimizer phase updated and the previous iteration did not use
+        # (one it used without updating it is frozen), in announcement order
+        new = np.flatnonzero(self.active[:n] & (self.born[:n] < 0) & (self.count[:n] > 0) & (self.kind[:n] == 0))
+        fresh = [sid for sid in self.sid[new[np.argsort(self.announce[new], kind="stable")]].tolist()
+                 if sid not in memory.params and sid not in self._prev_idx]
+        plan = memory.plan(prev, active, fresh, lambda sid: self.announce.item(slot[sid]),
+                           lambda sid: self.log_bytes.item(slot[sid]))
+        if plan is None:
+            return
+        start, ops, taken = plan
+        old_sids = self._prev_sids
+        extra = [(sid, j) for sid, j in self._prev_extra if j < start]
+        # a first-time parameter's accesses so far, at its last one's place (shifted so that the
+        # optimizers start together): its planned update is then its next access, as for the others
+        planned = {sid for op in ops for sid in op.inputs}
+        for sid in fresh:
+            if sid in planned:
+                s = slot[sid]
+                extra += [(sid, max(self.last.item(s) - self.phase_start + start, 0))] * int(count.item(s))
+        self._index_ops([*prev.ops[:start], *ops], extra)
+        idx = self._prev_idx
+        remap = np.asarray([idx.get(sid, -1) for sid in old_sids] + [-1], dtype=np.int64)
+        n = self._cap
+        p = self.prev[:n]
+        p[:] = remap[np.where(p >= 0, p, len(old_sids))]
+        # a storage alive at the start is its own counterpart where the plan has it (one the previous
+        # iteration did not access was matched by first-access order as if it were the batch)
+        for s in np.flatnonzero(self.active[:n] & (self.born[:n] < 0)).tolist():
+            own = idx.get(self.sid.item(s))
+            if own is not None:
+                p[s] = own
+        if taken:
+            # gradients: one whose counterpart is a planned gradient keeps it (backward aligned it);
+            # the others (their layer not in the previous step, or aligned to another storage where
+            # backward ran other operators), per size, in birth order against the planned gradients
+            # nobody claims, in reverse update order (backward runs the model backwards)
+            planned = {g for _, g in taken}
+            sids = self._prev_sids
+            act = np.flatnonzero(self.active[:n] & (self.born_phase[:n] == 1))
+            act = act[np.lexsort((self.announce[act], self.born[act]))].tolist()
+            claims: dict[int, list[int]] = {}
+            for s in act:
+                c = p.item(s)
+                if c >= 0 and sids[c] in planned:
+                    claims.setdefault(sids[c], []).append(s)
+            claimed = {g for g, by in claims.items() if len(by) == 1}
+            mine: dict[float, list[int]] = {}
+            for s in act:
+                c = p.item(s)
+                if c < 0 or sids[c] not in claimed:
+                    mine.setdefault(self.log_bytes.item(s), []).append(s)
+            theirs: dict[float, list[int]] = {}
+            for param, grad in reversed(taken):
+                ps = slot.get(param)
+                if ps is not None and grad not in claimed and grad in idx:
+                    theirs.setdefault(self.log_bytes.item(ps), []).append(grad)
+            for size, slots in mine.items():
+                grads = theirs.get(size, [])
+                if len(grads) == len(slots):
+                    for s, g in zip(slots, grads):
+                        p[s] = idx[g]
+        ext = self._prev_external
+        done = [sid for sid in ext[: self._ext_next] if sid in idx]
+        self._prev_external = done + [sid for sid in ext[self._ext_next:] if sid in idx]
+        self._ext_next = len(done)
+        self._previous_changed()
+
+
+Block = tuple[frozenset[int], list[Any]]
+
+
+def _opt_blocks(it: Any) -> tuple[int, list[Any], list[Block], list[Any], set[int], list[Block]] | None:
+    """An iteration's optimizer phase cut into blocks, each ending at an operator that touches a
+    parameter (a storage the iteration did not allocate, accessed before the optimizer and in it);
+    the block's key is the set of parameters that operator touches. Blocks that created state that
+    outlives the iteration (an optimizer's first update of a parameter) are kept apart.
+
+    Returns (first optimizer position, the leading operators that touch no storage, the blocks, the
+    operators after the last block, storages born in backward, the state-creating blocks), or None
+    when the iteration has no optimizer phase or operators after it touch storages (operators that
+    touch none, a profiler mark of ``zero_grad`` say, may follow it: they stay after it)."""
+    ops = it.ops
+    start = next((j for j, op in enumerate(ops) if op.phase == "optimizer"), None)
+    if start is None:
+        return None
+    end = next((j for j in range(start, len(ops)) if ops[j].phase != "optimizer"), len(ops))
+    if any(op.inputs or op.outputs or op.writes or op.allocs for op in ops[end:]):
+        return None
+    born: set[int] = set()
+    born_bwd: set[int] = set()
+    before: set[int] = set()
+    for op in ops[:start]:
+        born.update(op.allocs)
+        if op.phase == "backward":
+            born_bwd.update(op.allocs)
+        before.update(op.inputs, op.outputs, op.writes)
+    freed = {sid for lst in it.frees.values() for sid in lst}
+    params = before - born
+    lead: list[Any] = []
+    j = start
+    while j < len(ops) and not (ops[j].inputs or ops[j].outputs or ops[j].writes or ops[j].allocs):
+        lead.append(ops[j])
+        j += 1
+    blocks: list[Block] = []
+    inits: list[Block] = []
+    cur: list[Any] = []
+    for op in ops[j:end]:
+        cur.append(op)
+        key = params.intersection((*op.inputs, *op.outputs, *op.writes))
+        if key:
+            init = any(sid not in freed for o in cur for sid in o.allocs)
+            (inits if init else blocks).append((frozenset(key), cur))
+            cur = []
+    return start, lead, blocks, cur + ops[end:], born_bwd, inits
+
+
+class OptimizerMemory:
+    """What the optimizer phases seen so far did, per parameter, for :meth:`plan`: the blocks of each
+    parameter's latest update (:func:`_opt_blocks`), one order of every parameter ever updated
+    (merged from the iterations' orders), and whether the rule of :meth:`plan` held on the latest
+    iteration. Fed every finished iteration once (:meth:`ingest`), from ``context.history``."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.last = -1  # index of the latest iteration ingested
+        self.blocks: dict[frozenset[int], list[Any]] = {}
+        self.grads: dict[frozenset[int], list[int]] = {}
+        self.order: list[frozenset[int]] = []
+        self.after: dict[frozenset[int], set[frozenset[int]]] = {}
+        self.init_blocks: dict[frozenset[int], list[Any]] = {}
+        self.cut: Any = None
+        self.params: set[int] = set()
+        self.last_used: dict[int, Any] = {}  # parameter -> the latest iteration that used it
+        self.ok = True
+
+    def ingest(self, history: Any) -> None:
+        """Take in the iterations of ``history`` not seen yet (by index; an older index: a new run)."""
+        if history and history[-1].index < self.last:
+            self.reset()
+        for it in history:
+            if it.index > self.last:
+                self.last = it.index
+                self._ingest(it)
+
+    def _ingest(self, it: Any) -> None:
+        cut = self.cut = _opt_blocks(it)  # (the latest: the previous iteration's, for plan())
+        if cut is None:
+            self.ok = False
+            return
+        start, _, blocks, _, born_bwd, inits = cut
+        keys: list[frozenset[int]] = []
+        for k, _ in blocks:
+            if not keys or keys[-1] != k:
+                keys.append(k)
+        if len(set(keys)) != len(keys):
+            self.ok = False  # a parameter updated in two places: not one order
+            return
+        before = {sid for op in it.ops[:start] for sid in (*op.inputs, *op.outputs, *op.writes)}
+        # the rule: of the parameters known, those used before the optimizer are the ones updated
+        known = set(self.order)
+        self.ok = {k for k in known if k & before} == known.intersection(keys)
+        if self.ok and known:  # and a known parameter that the optimizer touched was used before it
+            touched = {sid for op in it.ops[start:] for sid in (*op.inputs, *op.outputs, *op.writes)}
+            self.ok = not any(sid in touched and sid not in before for k in known for sid in k)
+        fresh: dict[frozenset[int], list[Any]] = {}
+        for k, ops in blocks:
+            fresh.setdefault(k, []).extend(ops)
+        for k, ops in fresh.items():
+            self.blocks[k] = ops
+            self.grads[k] = list(dict.fromkeys(sid for op in ops for sid in op.inputs if sid in born_bwd))
+            self.after.setdefault(k, set())
+        for a, b in zip(keys, keys[1:]):
+            self.after[a].add(b)
+        created: dict[frozenset[int], list[Any]] = {}
+        for k, ops in inits:
+            created.setdefault(k, []).extend(ops)
+        self.init_blocks.update(created)
+        self.params.update(*self.after)
+        for sid in before:
+            if sid in self.params:
+                self.last_used[sid] = it
+        self._sort()
+
+    def _sort(self) -> None:
+        """One order of every parameter consistent with every iteration's (a topological sort of
+        "updated right after"); parameters no iteration ordered go by their smallest storage id."""
+        indeg = dict.fromkeys(self.after, 0)
+        for succ in self.after.values():
+            for b in succ:
+                indeg[b] += 1
+        ready = [(min(k), sorted(k), k) for k, d in indeg.items() if d == 0]
+        heapq.heapify(ready)
+        order: list[frozenset[int]] = []
+        while ready:
+            k = heapq.heappop(ready)[2]
+            order.append(k)
+            for b in self.after[k]:
+                indeg[b] -= 1
+                if indeg[b] == 0:
+                    heapq.heappush(ready, (min(b), sorted(b), b))
+        if len(order) != len(indeg):
+            self.ok = False  # orders that contradict each other: not one fixed order
+        self.order = order
+
+    def skipped(self, prev: Any) -> list[tuple[int, int]]:
+        """Accesses of the parameters ``prev`` did not use (a layer it skipped) as (storage, position
+        in ``prev``): their accesses in the latest iteration that used them, each placed after the
+        operator of ``prev`` that matches (by name, module, phase and occurrence) the nearest one
+        before it there, as far after it as there."""
+        if not self.ok or self.last != prev.index:
+            return []
+        used = {sid for op in prev.ops for sid in (*op.inputs, *op.outputs, *op.writes)}
+        by_it: dict[int, tuple[Any, set[int]]] = {}
+        for sid, it in self.last_used.items():
+            if sid not in used and it is not prev:
+                by_it.setdefault(id(it), (it, set()))[1].add(sid)
+        if not by_it:
+            return []
+        keys: dict[tuple[str, str, str, int], int] = {}
+        seen: dict[tuple[str, str, str], int] = {}
+        for j, op in enumerate(prev.ops):
+            k = (op.name, op.module, op.phase)
+            c = seen.get(k, 0)
+            seen[k] = c + 1
+            keys[(*k, c)] = j
+        out: list[tuple[int, int]] = []
+        for it, want in by_it.values():
+            seen = {}
+            at, base = -1, -1  # position in prev of the latest matched operator, its position in it
+            for j, op in enumerate(it.ops):
+                if op.phase == "optimizer":
+                    break
+                k = (op.name, op.module, op.phase)
+                c = seen.get(k, 0)
+                seen[k] = c + 1
+                q = keys.get((*k, c))
+                if q is not None:
+                    at, base = q, j
+                hit = want.intersection((*op.inputs, *op.outputs, *op.writes))
+                if hit:  # (before any match: as far from the start)
+                    out.extend((sid, at + j - base) for sid in hit)
+        return out
+
+    def plan(self, prev: Any, active: Any, fresh: Any = (), rank: Any = None,
+             size: Any = None) -> tuple[int, list[Any], list[tuple[int, int]]] | None:
+        """The optimizer operators expected in this step. An optimizer updates the parameters that
+        have a gradient, in one fixed order, each the same way every step: so the plan is the
+        parameters ever updated, in their order, kept where ``active`` (accessed in this iteration
+        before the optimizer) for one of them, each with its blocks from ``prev`` where it updated
+        it, else from its latest update; ``prev``'s leading and trailing operators around them.
+
+        ``fresh``: parameters used now that no optimizer phase seen has updated (a layer that runs
+        for the first time): each gets the state creation and update of the first parameter of its
+        ``size`` in the order, its own storages standing for that one's, placed after the planned
+        parameter of the highest ``rank`` below its own (announcement order: the model's).
+
+        Returns (``prev``'s first optimizer position, the operators, (parameter, gradient) of every
+        block, in update order), or None to keep ``prev`` as it is: no
+        optimizer phase, the rule failed on the latest iteration (an optimizer that also updates
+        parameters without a gradient, a parameter updated twice), or the plan is ``prev``'s own
+        optimizer (nothing changed: the zoo)."""
+        if not self.ok or self.last != prev.index:
+            return None
+        cut = self.cut
+        if cut is None:
+            return None
+        start, lead, blocks, tail, born_prev, inits = cut
+        mine: dict[frozenset[int], list[Any]] = {}
+        for k, ops in blocks:
+            mine.setdefault(k, []).extend(ops)
+        planned = [k for k in self.order if any(active(sid) for sid in k)]
+        out = list(lead)
+        # prev's state creations stay where they ran while the parameters updated are prev's (the
+        # features were trained with them there); the rest of their operators (profiler marks) too
+        same = not fresh and set(planned) == set(mine)
+        for k, ops in inits:
+            if same and any(active(sid) for sid in k):
+                out.extend(ops)
+            else:
+                out.extend(op for op in ops if not (op.inputs or op.outputs or op.writes or op.allocs))
+        after: dict[frozenset[int] | None, list[tuple[int, list[Any], list[int]]]] = {}
+        if fresh and rank is not None and size is not None:
+            template: dict[float, frozenset[int]] = {}
+            for k in self.order:
+                if len(k) == 1 and k in self.init_blocks:
+                    template.setdefault(size(next(iter(k))), k)
+            ranked = sorted((rank(next(iter(k))), i) for i, k in enumerate(planned) if len(k) == 1)
+            fake = -2
+            for q in fresh:
+                k0 = template.get(size(q))
+                if k0 is None:
+                    continue
+                sub: dict[int, int] = {next(iter(k0)): q}
+                for op in (*self.init_blocks[k0], *self.blocks[k0]):
+                    for sid in (*op.inputs, *op.outputs, *op.writes, *op.allocs):
+                        if sid not in sub:
+                            sub[sid] = fake  # a storage of this update: one of its own (no id yet)
+                            fake -= 1
+                out.extend(_renamed(op, sub) for op in self.init_blocks[k0])
+                i = bisect.bisect_left(ranked, (rank(q), -1)) - 1
+                pred = planned[ranked[i][1]] if i >= 0 else None
+                after.setdefault(pred, []).append(
+                    (q, [_renamed(op, sub) for op in self.blocks[k0]], [sub[g] for g in self.grads[k0] if g in sub]))
+        taken: list[tuple[int, int]] = []
+        for q, ops, grads in after.pop(None, []):
+            out.extend(ops)
+            taken.extend((q, g) for g in grads)
+        for k in planned:
+            ops = mine.get(k)
+            if ops is None:
+                ops = self.blocks[k]
+                grads = self.grads[k]
+            else:
+                grads = list(dict.fromkeys(sid for op in ops for sid in op.inputs if sid in born_prev))
+            if len(k) == 1:
+                taken.extend((next(iter(k)), g) for g in grads)
+            out.extend(ops)
+            for q, ops2, grads in after.pop(k, []):
+                out.extend(ops2)
+                taken.extend((q, g) for g in grads)
+        out.extend(tail)
+        same_ops = prev.ops[start:]
+        if len(out) == len(same_ops) and all(a is b for a, b in zip(out, same_ops)):
+            return None  # the previous iteration's optimizer, as it ran: nothing to replace
+        return start, out, taken
+
+
+def _renamed(op: Any, sub: dict[int, int]) -> Any:
+    """``op`` with its storages renamed by ``sub``."""
+    def r(sids: Any) -> tuple[int, ...]:
+        return tuple(sub.get(sid, sid) for sid in sids)
+    return dataclasses.replace(op, inputs=r(op.inputs), outputs=r(op.outputs), writes=r(op.writes),
+                               allocs=r(op.allocs))
