@@ -148,6 +148,18 @@ def test_fused_operator_notification_keeps_the_per_notification_state(family, ba
     assert pol.compared > 50 and pol.decisions > 3
 
 
+def test_fused_operator_notification_keeps_the_state_where_the_optimizer_is_planned():
+    """LayerDrop changes which parameters the optimizer updates, so from the second step the pilot
+    re-plans the previous iteration's optimizer when the phase begins: the fused native path must
+    re-index before it aligns that operator, as the per-notification path does."""
+    from pathlib import Path
+
+    spec = f"{Path(__file__).with_name('layerdrop_workload.py')}:build"
+    pol = _Lockstep(backend="native")
+    _run(spec, pol, 1 << 40, steps=5)
+    assert pol.compared > 50 and pol.decisions > 3
+
+
 @pytest.mark.parametrize("family", ["evoformer", "moe"])
 def test_fused_operator_notification_makes_the_same_moves_under_a_budget(family):
     """Under a budget that makes the pilot evict and prefetch, the fused path (on the native kernel:
