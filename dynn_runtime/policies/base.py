@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from ..trace.format import Iteration, Trace
 
 __all__ = ["Action", "IterationContext", "MemoryView", "Policy", "PolicyRegistry", "SmallStorages", "register",
-           "register_lazy", "make_policy", "POLICIES", "policy_names", "policy_class"]
+           "register_lazy", "tells_in_bulk", "TOUCH_ACCESS", "TOUCH_ALLOC", "TOUCH_FREE", "make_policy", "POLICIES", "policy_names", "policy_class"]
 
 CAPABILITIES = frozenset({"history", "future", "pilot", "gpu"})
 
@@ -212,6 +212,10 @@ class Policy:
     recomputes: ClassVar[Literal["operators", "blocks"] | None] = None
     #: never moves anything (PyTorch alone): the mechanism need not engage it even over budget
     moves_nothing: ClassVar[bool] = False
+    #: reads each operator as it runs; False: only the order of its storages' allocations, accesses
+    #: and frees, which a mechanism may then tell in bulk at its decision points (:meth:`on_touches`,
+    #: :func:`tells_in_bulk`)
+    reads_operators: ClassVar[bool] = True
     description: ClassVar[str] = ""
     #: the registered policy whose calibrated host cost (:mod:`dynn_runtime.sim.hostcost`) stands for
     #: this one's, where it would run the same bookkeeping in the live manager; None: its own name
@@ -280,6 +284,40 @@ class Policy:
 
     def on_hint(self, hint: Any) -> None:
         """The workload gave a :class:`~dynn_runtime.hints.Hint` before the next operator."""
+
+    def on_touches(self, events: Sequence[int]) -> None:
+        """Allocations, accesses and frees since the last decision point, in the order they happened,
+        told at once (only to a policy that :func:`tells_in_bulk`): a flat sequence of quadruples
+        ``kind, sid, position, nbytes`` where ``kind`` is :data:`TOUCH_ACCESS`, :data:`TOUCH_ALLOC` or
+        :data:`TOUCH_FREE` (``nbytes``: the storage's size, which the view may no longer know for one
+        freed since). The mechanism calls it before it asks for victims or actions, so the policy decides
+        on the same knowledge as with the per-operator calls.
+
+        This default makes those calls (``on_access``, ``on_alloc``, ``on_free``) in that order; an
+        override must leave the policy in the state they would."""
+        on_access, on_alloc, on_free = self.on_access, self.on_alloc, self.on_free
+        for i in range(0, len(events), 4):
+            kind, sid = events[i], events[i + 1]
+            if kind == TOUCH_ACCESS:
+                on_access(sid, events[i + 2])
+            elif kind == TOUCH_ALLOC:
+                on_alloc(sid, events[i + 2])
+            else:
+                on_free(sid)
+
+
+#: kinds of :meth:`Policy.on_touches` events
+TOUCH_ACCESS, TOUCH_ALLOC, TOUCH_FREE = 0, 1, 2
+
+#: the per-operator hooks a policy that :func:`tells_in_bulk` must leave as :class:`Policy` has them
+_PER_OPERATOR = ("on_op", "on_operator", "after_op", "on_hint")
+
+
+def tells_in_bulk(cls: type[Policy]) -> bool:
+    """Whether a mechanism may tell ``cls`` its storages' allocations, accesses and frees in bulk
+    (:meth:`Policy.on_touches`) instead of per operator: it declares ``reads_operators = False`` and
+    overrides none of the per-operator hooks (a subclass that adds one reads operators again)."""
+    return not cls.reads_operators and all(getattr(cls, m) is getattr(Policy, m) for m in _PER_OPERATOR)
 
 
 class SmallStorages:
