@@ -208,18 +208,24 @@ class NativeSource:
         ``history`` holds operators only with ``record_every_op`` (which takes the per-operator path),
         as after a step read compacted. What the per-operator path keeps per storage (``last_access``,
         ``count``, prefetch hits; a written storage's stale host copy dropped) and per operator (the
-        timeline, ``_frees``/``_pre`` by position, collectives held) is kept the same here."""
+        timeline, ``_frees``/``_pre`` by position, collectives held) is kept the same here.
+
+        A storage born in this batch gets its record only at the batch's end, if it is still alive:
+        no Python code reads the table while the batch is read (handlers run between parses), and a
+        birth's record changes no count on this source (the observer counts the bytes), so one born
+        and dead within the batch needs none."""
         st = self.st
         obs = self._obs
         names = self._names
         events: list[int] = []
         add = events.extend
         written: list[int] = []
+        # born in this batch, no record yet: sid -> [fresh, nbytes, born position, last access, count]
+        born: dict[int, list[int]] = {}
         timeline = self._timeline
         step = self._step_index
         cur = self._cur
-        t0 = time.perf_counter()
-        now = t0 - self._t0
+        now = time.perf_counter() - self._t0
         busy: set[int] = self._last_busy
         name = self._last_name
         OP, ALLOC, FREE = _C_TAGS
@@ -236,22 +242,32 @@ class NativeSource:
                 k += nw
                 for sid in log[k:k + na]:  # on_operator's on_alloc: every allocation, tracked or not
                     x = st.get(sid)
-                    add((TOUCH_ALLOC, sid, j, 0 if x is None else x.nbytes))
+                    if x is not None:
+                        add((TOUCH_ALLOC, sid, j, x.nbytes))
+                    else:
+                        b = born.get(sid)
+                        add((TOUCH_ALLOC, sid, j, 0 if b is None else b[1]))
                 i = k + na
                 for sid in busy:
                     s = st.get(sid)
-                    if s is None:
-                        continue
-                    s.last_access = j
-                    s.last_access_t = now
-                    s.count += 1
-                    if s.pf:
-                        s.pf = False
-                        cur.prefetch_hits += 1
+                    if s is not None:
+                        s.last_access = j
+                        s.last_access_t = now
+                        s.count += 1
+                        if s.pf:
+                            s.pf = False
+                            cur.prefetch_hits += 1
+                    else:
+                        b = born.get(sid)
+                        if b is None:
+                            continue
+                        b[3] = j
+                        b[4] += 1
                     add((TOUCH_ACCESS, sid, j, 0))
                 name = names[name_id]
                 phase = self.phase = _PHASES[pm & 3]
                 if name.startswith("c10d::"):  # the observer does not see the Work: held until the step ends
+                    self._record_born(born, now)
                     self._hold_for_collective(busy, None)
                 timeline.append((step, j, used, phase))
                 self.position = j + 1
@@ -259,17 +275,29 @@ class NativeSource:
                 sid, nb, fresh = log[i + 1], log[i + 2], log[i + 3]
                 i += 4
                 x = st.get(sid)
-                if x is None:
-                    x = self._new_native(sid, "temp" if fresh else "input", nb, True, self.position)
+                if x is not None:
+                    nb = x.nbytes
+                elif sid in born:
+                    nb = born[sid][1]
+                else:
+                    born[sid] = [fresh, nb, self.position, -1, 0]
                 if not fresh:
                     pos = self.position
                     self._pre.setdefault(pos, []).append(sid)
-                    add((TOUCH_ALLOC, sid, -1 if pos == 0 else pos, x.nbytes))
+                    add((TOUCH_ALLOC, sid, -1 if pos == 0 else pos, nb))
             elif tag == FREE:
+                sid = log[i + 1]
                 i += 2
-                self._forget_native(log[i - 1], True, events)
+                b = born.pop(sid, None)
+                if b is None:
+                    self._forget_native(sid, True, events)
+                else:  # what _forget_native does for a record that never left the device
+                    self._saved_pending.discard(sid)
+                    self._frees.setdefault(self.position, []).append(sid)
+                    add((TOUCH_FREE, sid, 0, b[1]))
             else:
                 internal_assert(False, f"runtime: corrupt native event log (tag {tag} at word {i})")
+        self._record_born(born, now)
         self._last_busy = busy
         self._last_name = name
         for sid in written:  # before the decision reads them: no eviction keeps a stale host copy
@@ -277,8 +305,18 @@ class NativeSource:
             if x is not None and x.host is not None and not obs.host_valid(sid):
                 self._drop_host(x)
         if events:
+            t1 = time.perf_counter()
             self.policy.on_touches(events)
-        cur.policy_seconds += time.perf_counter() - t0
+            cur.policy_seconds += time.perf_counter() - t1
+
+    def _record_born(self, born: dict[int, list[int]], now: float) -> None:
+        """The records of the storages :meth:`_native_touches` saw born and alive, in birth order (the
+        table's order is then the per-operator path's)."""
+        for sid, (fresh, nb, pos, last, count) in born.items():
+            x = self._new_native(sid, "temp" if fresh else "input", nb, True, pos)
+            if count:
+                x.last_access, x.last_access_t, x.count = last, now, count
+        born.clear()
 
     def _forget_native(self, sid: int, in_step: bool, events: list[int] | None = None) -> None:
         """``sid`` died: forget it, and tell the policy now (or append it to ``events``, which
