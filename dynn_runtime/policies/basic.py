@@ -65,9 +65,12 @@ class LRUPolicy(Policy):
 
     def on_touches(self, events: Sequence[int]) -> None:
         # on_alloc / on_access / on_free inlined, in the same order: the same state
+        # (SmallStorages.access inlined: its threshold changes only in alloc)
         order, small = self._order, self._small
         move = order.move_to_end
         classes = bool(self.small_fraction)
+        sizes, smalls, fraction = small._bytes, small._small, small.fraction
+        threshold = fraction * small._peak
         for i in range(0, len(events), 4):
             kind, sid = events[i], events[i + 1]
             if kind == TOUCH_FREE:
@@ -79,8 +82,11 @@ class LRUPolicy(Policy):
             if classes:
                 if kind == TOUCH_ALLOC:
                     small.alloc(sid, events[i + 3])
+                    threshold = fraction * small._peak
+                elif sizes.get(sid, 0) < threshold:
+                    smalls.add(sid)
                 else:
-                    small.access(sid)
+                    smalls.discard(sid)
 
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
         view = self.view
