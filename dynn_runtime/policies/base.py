@@ -14,7 +14,9 @@ time it is; the policy sees that through a :class:`MemoryView` and answers three
    future; the mechanism verifies it).
 
 Plus notifications (``on_access``, ``on_alloc``, ``on_free``, ``on_op``, ``on_hint``, and
-``on_operator``: one operator's allocations, accesses and ``on_op`` in one call) for policies that keep
+``on_operator``: one operator's allocations, accesses and ``on_op`` in one call; ``on_touches``: the
+allocations, accesses and frees since the last decision point in one call, for a policy that reads
+only recency, ``reads_operators = False``) for policies that keep
 their own statistics or features, and ``begin_iteration(index, context)`` where a policy that plans (replay,
 oracle, checkpoint) does so from an :class:`IterationContext` (the iterations before, the trace, and this
 iteration's operators where the mechanism knows them ahead). ``on_op(position, op)`` comes after every operator ran, before ``after_op``,
@@ -30,7 +32,7 @@ Policies register by name with :func:`register` and declare what they need (``re
 trace of earlier iterations (``history``), knowledge of the future (``future``: only the oracle),
 a trained pilot model (``pilot``), or a GPU (``gpu``). :func:`make_policy` checks those against
 what the caller can provide and says what is missing. What a mechanism must do differently for a
-policy is declared on its class too (``recomputes``, ``moves_nothing``, ``sync_copies``,
+policy is declared on its class too (``recomputes``, ``moves_nothing``, ``reads_operators``, ``sync_copies``,
 ``page_bytes``, ``reads_modules``, ``reads_saved``, ``host_cost_as``): mechanisms read those, never a policy's name. A policy that lives outside this package
 (the pilot) is named with :func:`register_lazy`: its module is imported on the first lookup of its
 name, so this interface never imports its plug-ins.
@@ -295,6 +297,9 @@ class Policy:
 
         This default makes those calls (``on_access``, ``on_alloc``, ``on_free``) in that order; an
         override must leave the policy in the state they would."""
+        cls = type(self)
+        if cls.on_access is Policy.on_access and cls.on_alloc is Policy.on_alloc and cls.on_free is Policy.on_free:
+            return  # nobody listens (none)
         on_access, on_alloc, on_free = self.on_access, self.on_alloc, self.on_free
         for i in range(0, len(events), 4):
             kind, sid = events[i], events[i + 1]
