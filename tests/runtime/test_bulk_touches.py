@@ -114,3 +114,38 @@ def test_bulk_and_per_operator_make_the_same_moves_and_losses(family, fraction):
     keys = ("evictions", "bytes_offloaded", "bytes_fetched_on_demand", "faults", "decision_points")
     for a, b in zip(runs[_Recorded][3]["per_step"], runs[_PerOperator][3]["per_step"]):
         assert {k: a.get(k) for k in keys} == {k: b.get(k) for k in keys}
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native event source is not built")
+def test_bulk_keeps_the_timeline_frees_and_counts_of_the_per_operator_path():
+    import dynn_runtime as dr
+    from dynn_runtime.workload import load_workload, make_optimizer
+
+    seen = {}
+    for cls in (_Recorded, _PerOperator):
+        wl = load_workload("moe", preset="tiny", seed=0)
+        torch.manual_seed(0)
+        model = wl.model
+        opt = make_optimizer(wl, model.parameters())
+        mm = dr.MemoryManager(0.5, policy=cls(), device="cpu", events="native").attach(model, opt)
+        try:
+            for step in range(3):
+                with mm.step():
+                    loss = wl.loss(model, wl.make_batch(step))
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            counts = sorted((sid, s.count, s.last_access) for sid, s in mm.st.items())
+        finally:
+            mm.detach()
+        last = mm.history[-1]
+        seen[cls] = (mm.timeline(), last.frees, last.pre_allocs, len(last.ops), counts, mm.policy.bulk_calls)
+    bulk, per_op = seen[_Recorded], seen[_PerOperator]
+    assert bulk[5] > 0 and per_op[5] == 0
+    assert bulk[0] == per_op[0] and len(bulk[0]) > 0  # every operator of the engaged steps, with its bytes
+    # frees and pre-existing allocations by position (a sweep finds deaths in the order of the observer's
+    # table, keyed by storage address: that order differs between any two runs)
+    assert {p: sorted(x) for p, x in bulk[1].items()} == {p: sorted(x) for p, x in per_op[1].items()}
+    assert bulk[2] == per_op[2]
+    assert bulk[4] == per_op[4]  # the storages the table keeps, their access counts and last accesses
+    assert bulk[3] == 0 < per_op[3]  # no Op records: history lists operators only with record_every_op
