@@ -226,7 +226,8 @@ class Residency:
 
     def status(self, sid: int) -> str:
         s = self.st.get(sid)
-        return S.ABSENT.value if s is None else s.status.value
+        # ``_value_``: the member's value without Enum's property (victim searches call this per candidate)
+        return "absent" if s is None else s.status._value_
 
     def resident(self) -> Iterator[int]:
         return (sid for sid, s in list(self.st.items()) if s.status is S.RESIDENT)

@@ -14,7 +14,9 @@ time it is; the policy sees that through a :class:`MemoryView` and answers three
    future; the mechanism verifies it).
 
 Plus notifications (``on_access``, ``on_alloc``, ``on_free``, ``on_op``, ``on_hint``, and
-``on_operator``: one operator's allocations, accesses and ``on_op`` in one call) for policies that keep
+``on_operator``: one operator's allocations, accesses and ``on_op`` in one call; ``on_touches``: the
+allocations, accesses and frees since the last decision point in one call, for a policy that reads
+only recency, ``reads_operators = False``) for policies that keep
 their own statistics or features, and ``begin_iteration(index, context)`` where a policy that plans (replay,
 oracle, checkpoint) does so from an :class:`IterationContext` (the iterations before, the trace, and this
 iteration's operators where the mechanism knows them ahead). ``on_op(position, op)`` comes after every operator ran, before ``after_op``,
@@ -30,7 +32,7 @@ Policies register by name with :func:`register` and declare what they need (``re
 trace of earlier iterations (``history``), knowledge of the future (``future``: only the oracle),
 a trained pilot model (``pilot``), or a GPU (``gpu``). :func:`make_policy` checks those against
 what the caller can provide and says what is missing. What a mechanism must do differently for a
-policy is declared on its class too (``recomputes``, ``moves_nothing``, ``sync_copies``,
+policy is declared on its class too (``recomputes``, ``moves_nothing``, ``reads_operators``, ``sync_copies``,
 ``page_bytes``, ``reads_modules``, ``reads_saved``, ``host_cost_as``): mechanisms read those, never a policy's name. A policy that lives outside this package
 (the pilot) is named with :func:`register_lazy`: its module is imported on the first lookup of its
 name, so this interface never imports its plug-ins.
@@ -49,7 +51,7 @@ if TYPE_CHECKING:
     from ..trace.format import Iteration, Trace
 
 __all__ = ["Action", "IterationContext", "MemoryView", "Policy", "PolicyRegistry", "SmallStorages", "register",
-           "register_lazy", "make_policy", "POLICIES", "policy_names", "policy_class"]
+           "register_lazy", "tells_in_bulk", "TOUCH_ACCESS", "TOUCH_ALLOC", "TOUCH_FREE", "make_policy", "POLICIES", "policy_names", "policy_class"]
 
 CAPABILITIES = frozenset({"history", "future", "pilot", "gpu"})
 
@@ -212,6 +214,10 @@ class Policy:
     recomputes: ClassVar[Literal["operators", "blocks"] | None] = None
     #: never moves anything (PyTorch alone): the mechanism need not engage it even over budget
     moves_nothing: ClassVar[bool] = False
+    #: reads each operator as it runs; False: only the order of its storages' allocations, accesses
+    #: and frees, which a mechanism may then tell in bulk at its decision points (:meth:`on_touches`,
+    #: :func:`tells_in_bulk`)
+    reads_operators: ClassVar[bool] = True
     description: ClassVar[str] = ""
     #: the registered policy whose calibrated host cost (:mod:`dynn_runtime.sim.hostcost`) stands for
     #: this one's, where it would run the same bookkeeping in the live manager; None: its own name
@@ -280,6 +286,43 @@ class Policy:
 
     def on_hint(self, hint: Any) -> None:
         """The workload gave a :class:`~dynn_runtime.hints.Hint` before the next operator."""
+
+    def on_touches(self, events: Sequence[int]) -> None:
+        """Allocations, accesses and frees since the last decision point, in the order they happened,
+        told at once (only to a policy that :func:`tells_in_bulk`): a flat sequence of quadruples
+        ``kind, sid, position, nbytes`` where ``kind`` is :data:`TOUCH_ACCESS`, :data:`TOUCH_ALLOC` or
+        :data:`TOUCH_FREE` (``nbytes``: the storage's size, which the view may no longer know for one
+        freed since). The mechanism calls it before it asks for victims or actions, so the policy decides
+        on the same knowledge as with the per-operator calls.
+
+        This default makes those calls (``on_access``, ``on_alloc``, ``on_free``) in that order; an
+        override must leave the policy in the state they would."""
+        cls = type(self)
+        if cls.on_access is Policy.on_access and cls.on_alloc is Policy.on_alloc and cls.on_free is Policy.on_free:
+            return  # nobody listens (none)
+        on_access, on_alloc, on_free = self.on_access, self.on_alloc, self.on_free
+        for i in range(0, len(events), 4):
+            kind, sid = events[i], events[i + 1]
+            if kind == TOUCH_ACCESS:
+                on_access(sid, events[i + 2])
+            elif kind == TOUCH_ALLOC:
+                on_alloc(sid, events[i + 2])
+            else:
+                on_free(sid)
+
+
+#: kinds of :meth:`Policy.on_touches` events
+TOUCH_ACCESS, TOUCH_ALLOC, TOUCH_FREE = 0, 1, 2
+
+#: the per-operator hooks a policy that :func:`tells_in_bulk` must leave as :class:`Policy` has them
+_PER_OPERATOR = ("on_op", "on_operator", "after_op", "on_hint")
+
+
+def tells_in_bulk(cls: type[Policy]) -> bool:
+    """Whether a mechanism may tell ``cls`` its storages' allocations, accesses and frees in bulk
+    (:meth:`Policy.on_touches`) instead of per operator: it declares ``reads_operators = False`` and
+    overrides none of the per-operator hooks (a subclass that adds one reads operators again)."""
+    return not cls.reads_operators and all(getattr(cls, m) is getattr(Policy, m) for m in _PER_OPERATOR)
 
 
 class SmallStorages:

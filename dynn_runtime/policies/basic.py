@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
-from .base import NO_CONTEXT, Action, IterationContext, Policy, SmallStorages, register
+from .base import (
+    NO_CONTEXT,
+    TOUCH_ALLOC,
+    TOUCH_FREE,
+    Action,
+    IterationContext,
+    Policy,
+    SmallStorages,
+    register,
+)
 
 
 @register
@@ -16,6 +25,7 @@ class NonePolicy(Policy):
     name = "none"
     description = "PyTorch alone: everything resident"
     moves_nothing = True
+    reads_operators = False
 
 
 @register
@@ -26,6 +36,7 @@ class LRUPolicy(Policy):
     description = "evict least recently used on pressure, fetch on demand"
     #: storages under this fraction of the largest footprint go last (:class:`SmallStorages`; 0: off)
     small_fraction: ClassVar[float] = 1e-4
+    reads_operators = False  # recency is all it reads
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,6 +62,31 @@ class LRUPolicy(Policy):
     def on_free(self, sid: int) -> None:
         self._order.pop(sid, None)
         self._small.free(sid)
+
+    def on_touches(self, events: Sequence[int]) -> None:
+        # on_alloc / on_access / on_free inlined, in the same order: the same state
+        # (SmallStorages.access inlined: its threshold changes only in alloc)
+        order, small = self._order, self._small
+        move = order.move_to_end
+        classes = bool(self.small_fraction)
+        sizes, smalls, fraction = small._bytes, small._small, small.fraction
+        threshold = fraction * small._peak
+        for i in range(0, len(events), 4):
+            kind, sid = events[i], events[i + 1]
+            if kind == TOUCH_FREE:
+                order.pop(sid, None)
+                small.free(sid)
+                continue
+            order[sid] = None
+            move(sid)
+            if classes:
+                if kind == TOUCH_ALLOC:
+                    small.alloc(sid, events[i + 3])
+                    threshold = fraction * small._peak
+                elif sizes.get(sid, 0) < threshold:
+                    smalls.add(sid)
+                else:
+                    smalls.discard(sid)
 
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
         view = self.view

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import BudgetError, internal_assert
 from ..memory import format_bytes
-from ..policies.base import Policy
+from ..policies.base import TOUCH_ACCESS, TOUCH_ALLOC, TOUCH_FREE, Policy, tells_in_bulk
 from ..residency import Status
 from ..trace.format import Op
 
@@ -147,6 +147,10 @@ class NativeSource:
         pol = self.policy
         tell = in_step and not self._measure_step
         measuring = in_step and self._measuring
+        if (tell and not measuring and self._trace is None and not self.record_every_op
+                and tells_in_bulk(type(pol))):
+            self._native_touches(log.tolist())
+            return
         OP, ALLOC, FREE = _C_TAGS
         i, n = 0, len(log)
         while i < n:
@@ -192,7 +196,128 @@ class NativeSource:
             else:
                 internal_assert(False, f"runtime: corrupt native event log (tag {tag} at word {i})")
 
-    def _forget_native(self, sid: int, in_step: bool) -> None:
+    def _native_touches(self, log: list[int]) -> None:
+        """The in-step parse for a policy that :func:`~dynn_runtime.policies.base.tells_in_bulk`: the
+        storages' births, accesses and deaths go to it in one
+        :meth:`~dynn_runtime.policies.base.Policy.on_touches` call, in the order and with the
+        arguments the per-operator path gives ``on_alloc``/``on_access``/``on_free`` (accesses in the
+        same set order), before the decision this parse serves. No :class:`Op` record is built:
+        ``history`` holds operators only with ``record_every_op`` (which takes the per-operator path),
+        as after a step read compacted. What the per-operator path keeps per storage (``last_access``,
+        ``count``, prefetch hits; a written storage's stale host copy dropped) and per operator (the
+        timeline, ``_frees``/``_pre`` by position, collectives held) is kept the same here.
+
+        A storage born in this batch gets its record only at the batch's end, if it is still alive:
+        no Python code reads the table while the batch is read (handlers run between parses), and a
+        birth's record changes no count on this source (the observer counts the bytes), so one born
+        and dead within the batch needs none."""
+        st = self.st
+        obs = self._obs
+        names = self._names
+        events: list[int] = []
+        add = events.extend
+        written: list[int] = []
+        # born in this batch, no record yet: sid -> [fresh, nbytes, born position, last access, count]
+        born: dict[int, list[int]] = {}
+        timeline = self._timeline
+        step = self._step_index
+        cur = self._cur
+        now = time.perf_counter() - self._t0
+        busy: set[int] = self._last_busy
+        name = self._last_name
+        OP, ALLOC, FREE = _C_TAGS
+        i, n = 0, len(log)
+        while i < n:
+            tag = log[i]
+            if tag == OP:
+                j = self.position
+                _, name_id, pm, _node, used, ni, no, nw, na = log[i:i + 9]
+                k = i + 9 + ni + no
+                busy = set(log[i + 9:i + 9 + ni]).union(log[i + 9 + ni:k])
+                if nw:
+                    written += log[k:k + nw]
+                k += nw
+                for sid in log[k:k + na]:  # on_operator's on_alloc: every allocation, tracked or not
+                    x = st.get(sid)
+                    if x is not None:
+                        add((TOUCH_ALLOC, sid, j, x.nbytes))
+                    else:
+                        b = born.get(sid)
+                        add((TOUCH_ALLOC, sid, j, 0 if b is None else b[1]))
+                i = k + na
+                for sid in busy:
+                    s = st.get(sid)
+                    if s is not None:
+                        s.last_access = j
+                        s.last_access_t = now
+                        s.count += 1
+                        if s.pf:
+                            s.pf = False
+                            cur.prefetch_hits += 1
+                    else:
+                        b = born.get(sid)
+                        if b is None:
+                            continue
+                        b[3] = j
+                        b[4] += 1
+                    add((TOUCH_ACCESS, sid, j, 0))
+                name = names[name_id]
+                phase = self.phase = _PHASES[pm & 3]
+                if name.startswith("c10d::"):  # the observer does not see the Work: held until the step ends
+                    self._record_born(born, now)
+                    self._hold_for_collective(busy, None)
+                timeline.append((step, j, used, phase))
+                self.position = j + 1
+            elif tag == ALLOC:
+                sid, nb, fresh = log[i + 1], log[i + 2], log[i + 3]
+                i += 4
+                x = st.get(sid)
+                if x is not None:
+                    nb = x.nbytes
+                elif sid in born:
+                    nb = born[sid][1]
+                else:
+                    born[sid] = [fresh, nb, self.position, -1, 0]
+                if not fresh:
+                    pos = self.position
+                    self._pre.setdefault(pos, []).append(sid)
+                    add((TOUCH_ALLOC, sid, -1 if pos == 0 else pos, nb))
+            elif tag == FREE:
+                sid = log[i + 1]
+                i += 2
+                b = born.pop(sid, None)
+                if b is None:
+                    self._forget_native(sid, True, events)
+                else:  # what _forget_native does for a record that never left the device
+                    self._saved_pending.discard(sid)
+                    self._frees.setdefault(self.position, []).append(sid)
+                    add((TOUCH_FREE, sid, 0, b[1]))
+            else:
+                internal_assert(False, f"runtime: corrupt native event log (tag {tag} at word {i})")
+        self._record_born(born, now)
+        self._last_busy = busy
+        self._last_name = name
+        for sid in written:  # before the decision reads them: no eviction keeps a stale host copy
+            x = st.get(sid)
+            if x is not None and x.host is not None and not obs.host_valid(sid):
+                self._drop_host(x)
+        if events:
+            t1 = time.perf_counter()
+            self.policy.on_touches(events)
+            cur.policy_seconds += time.perf_counter() - t1
+
+    def _record_born(self, born: dict[int, list[int]], now: float) -> None:
+        """The records of the storages :meth:`_native_touches` saw born and alive, in birth order (the
+        table's order is then the per-operator path's)."""
+        for sid, (fresh, nb, pos, last, count) in born.items():
+            x = self._new_native(sid, "temp" if fresh else "input", nb, True, pos)
+            if count:
+                x.last_access, x.last_access_t, x.count = last, now, count
+        born.clear()
+
+    def _forget_native(self, sid: int, in_step: bool, events: list[int] | None = None) -> None:
+        """``sid`` died: forget it, and tell the policy now (or append it to ``events``, which
+        :meth:`_native_touches` tells in bulk)."""
         self._saved_pending.discard(sid)
         x = self.st.pop(sid, None)
         if x is None:
@@ -203,7 +328,10 @@ class NativeSource:
         if in_step:
             self._frees.setdefault(self.position, []).append(sid)
         self._pinned.discard(sid)
-        self.policy.on_free(sid)
+        if events is None:
+            self.policy.on_free(sid)
+        else:
+            events.extend((TOUCH_FREE, sid, 0, x.nbytes))
 
     def _native_op(self, j: int, name: str, phase: str, module: int, node: int, ins: tuple[int, ...],
                    outs: tuple[int, ...], writes: tuple[int, ...], allocs: tuple[int, ...], tell: bool,
