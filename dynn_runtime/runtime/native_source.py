@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -171,10 +172,8 @@ class NativeSource:
                 name = self._names[name_id]
                 phase, module = _PHASES[pm & 3], pm >> 2
                 self.phase = phase
-                for sid in writes:
-                    x = st.get(sid)
-                    if x is not None and x.host is not None and not obs.host_valid(sid):
-                        self._drop_host(x)
+                if writes:
+                    self._drop_stale_hosts(writes)
                 if in_step:
                     self._native_op(j, name, phase, module, node, ins, outs, writes, allocs, tell, measuring)
                     self._timeline.append((self._step_index, j, used, phase))
@@ -212,7 +211,6 @@ class NativeSource:
         birth's record changes no count on this source (the observer counts the bytes), so one born
         and dead within the batch needs none."""
         st = self.st
-        obs = self._obs
         names = self._names
         events: list[int] = []
         add = events.extend
@@ -297,14 +295,21 @@ class NativeSource:
         self._record_born(born, now)
         self._last_busy = busy
         self._last_name = name
-        for sid in written:  # before the decision reads them: no eviction keeps a stale host copy
-            x = st.get(sid)
-            if x is not None and x.host is not None and not obs.host_valid(sid):
-                self._drop_host(x)
+        if written:  # before the decision reads them: no eviction keeps a stale host copy
+            self._drop_stale_hosts(written)
         if events:
             t1 = time.perf_counter()
             self.policy.on_touches(events)
             cur.policy_seconds += time.perf_counter() - t1
+
+    def _drop_stale_hosts(self, sids: Iterable[int]) -> None:
+        """Storages written since their host copy was made (the observer clears ``host_valid`` on a
+        write): the copy no longer equals the device bytes, so it is dropped, never used to evict."""
+        st, obs = self.st, self._obs
+        for sid in sids:
+            x = st.get(sid)
+            if x is not None and x.host is not None and not obs.host_valid(sid):
+                self._drop_host(x)
 
     def _record_born(self, born: dict[int, list[int]], now: float) -> None:
         """The records of the storages :meth:`_native_touches` saw born and alive, in birth order (the
