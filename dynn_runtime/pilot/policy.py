@@ -80,14 +80,16 @@ from ..errors import PolicyError
 from ..policies.base import NO_CONTEXT, Action, IterationContext, register
 from ..policies.nextuse import NextUsePolicy
 from .config import PilotPolicyConfig, cached_model, default_weights_path
-from .features import _KIND_IDX, BUCKET_EDGES, FeatureState
+from .features import _KIND_IDX, BUCKET_EDGES, CAND_FEATURES, FeatureState
 from .heaps import PredictionHeaps, PyHeap
+from .replay import plan_scores
 from .scheduling import HANDOFF_COST, WORKER_COST, Scheduling, _Job
 
 __all__ = ["PilotPolicy", "PilotPolicyConfig", "default_weights_path"]
 
 _CLASS_OF_KIND = {"param": 1, "buffer": 1, "opt_state": 1, "grad": 3, "activation": 2, "input": 4, "temp": 4}
 #: lower end (operators) of each fine bucket's distances; "not again" counted as twice the last edge
+_PREV_AGAIN = CAND_FEATURES.index("prev_used_again")
 _LOWER = np.asarray((1,) + BUCKET_EDGES[:-1] + (BUCKET_EDGES[-1], 2 * BUCKET_EDGES[-1]), dtype=np.float64)
 _PHASES = {"forward": 0, "backward": 1, "optimizer": 2}
 _TEMP = _KIND_IDX["temp"]
@@ -549,7 +551,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             self._wait(self._job)
             self._merge(self._job)
         self._last_decision = position
-        if self._kernel is not None and not self._rows:
+        if self._kernel is not None and not self._rows and not state.in_plan():
             self._finish_s = 0.0
             self._on_decision_native(position)
             dt = timer() - t0 - self._finish_s  # the modelled worker's share is not this thread's
@@ -634,7 +636,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         when each is due again, cache and heaps. On the native kernel in one call
         (the rows and the context are not materialised) unless the online refit needs them."""
         state = self._state
-        if self._kernel is not None and not self._rows and position == state.position:
+        planned = state.in_plan()
+        if self._kernel is not None and not self._rows and not planned and position == state.position:
             if len(self._due) < state._cap or self._pt.due is not self._due:
                 self._grow_due()
             rows = np.ascontiguousarray(rows, dtype=np.int64)
@@ -651,6 +654,9 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             k = None
         # "not again" only for storages that the next iteration does not need either (not persistent)
         never = (P.argmax(axis=1) == P.shape[1] - 1) & (X[:, :3].sum(axis=1) == 0)
+        if planned:  # the planned optimizer's replayed next uses are the true ones
+            score = plan_scores(X, score)
+            never &= X[:, _PREV_AGAIN] == 0
         np.exp(score, out=score)
         score += position
         score[never] = np.inf

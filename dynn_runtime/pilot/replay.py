@@ -36,14 +36,25 @@ from typing import Any
 
 import numpy as np
 
-from .layout import KEY_BASE
+from .layout import CAND_FEATURES, KEY_BASE
 
-__all__ = ["ReplayState"]
+__all__ = ["ReplayState", "plan_scores"]
+
+_PREV_AGAIN = CAND_FEATURES.index("prev_used_again")
+_LOG_PREV_DIST = CAND_FEATURES.index("log_prev_dist")
 
 
 class ReplayState:
     """The replay half of :class:`~dynn_runtime.pilot.features.FeatureState` (see the module
     docstring); a mixin over the state's arrays (``prev``, ``count``) and slots, not used alone."""
+
+    #: this iteration's optimizer was planned (:meth:`_realign_optimizer` replaced the previous
+    #: iteration's in the index): in the optimizer phase, replayed next uses are the true ones
+    planned = False
+
+    def in_plan(self) -> bool:
+        """In the optimizer phase of an iteration whose optimizer was planned."""
+        return self.planned and self.phase == 2
 
     def _index_previous(self, prev: Any) -> None:
         self._prev_ops = {}
@@ -58,6 +69,7 @@ class ReplayState:
         self._prev_start: list[int] = [0]
         self._prev_iter = prev
         self._prev_extra: list[tuple[int, int]] = []
+        self.planned = False
         if prev is None:
             self._prev_keys = np.zeros(0, dtype=np.int64)
             self._prev_count = np.zeros(0, dtype=np.float32)
@@ -256,7 +268,25 @@ class ReplayState:
         done = [sid for sid in ext[: self._ext_next] if sid in idx]
         self._prev_external = done + [sid for sid in ext[self._ext_next:] if sid in idx]
         self._ext_next = len(done)
+        self.planned = True
         self._previous_changed()
+
+
+def plan_scores(X: np.ndarray, score: np.ndarray) -> np.ndarray:
+    """``score`` (log next-use distances, one per row of ``X``) at a decision point in a planned
+    optimizer (``FeatureState.planned`` in the optimizer phase), with each candidate that has a
+    replayed next use scored at it instead: the plan is the optimizer that runs (the rule of
+    :meth:`OptimizerMemory.plan` held on every step seen), so that distance is the true one, where
+    the model, which never saw an optimizer re-planned (a first update with history, a subset
+    that changes), ranks worse than the feature it reads."""
+    ok = X[:, _PREV_AGAIN] > 0
+    if not ok.any():
+        return score
+    out = np.array(score, dtype=np.float64)
+    # the column holds log1p(distance) / 8 in float32; the distance is a whole number of operators >= 1
+    dist = np.maximum(np.rint(np.expm1(X[ok, _LOG_PREV_DIST].astype(np.float64) * 8.0)), 1.0)
+    out[ok] = np.log(dist)
+    return out
 
 
 Block = tuple[frozenset[int], list[Any]]

@@ -19,7 +19,7 @@ import pytest
 
 from dynn_runtime.pilot import kernel as native
 from dynn_runtime.pilot.features import CAND_FEATURES, FeatureState
-from dynn_runtime.pilot.replay import OptimizerMemory
+from dynn_runtime.pilot.replay import OptimizerMemory, plan_scores
 from dynn_runtime.pilot.training import data
 from dynn_runtime.trace import read_trace, record
 
@@ -172,3 +172,67 @@ def test_a_first_time_parameter_is_expected_in_the_optimizer(trace):
                     assert np.expm1(x[C["log_prev_dist"]] * 8.0) == pytest.approx(true, abs=1e-3)
                     checked += 1
     assert checked >= 4
+
+
+def _next_uses(it, position):
+    """Per storage, its next access after ``position`` in iteration ``it``."""
+    out = {}
+    for j in range(len(it.ops) - 1, position, -1):
+        for sid in _accessed(it.ops[j]):
+            out[sid] = j
+    return out
+
+
+def test_the_evaluation_ranks_a_planned_optimizer_by_the_plan(trace, monkeypatch):
+    """In a planned optimizer a candidate with a replayed next use is ranked at it (the true one),
+    where the model, which never saw a re-planned optimizer, ranks worse: the pilot's window recall
+    is higher than the model's own ranking, and equal to it outside the planned optimizers."""
+    from dynn_runtime.pilot.config import cached_model, default_weights_path
+    from dynn_runtime.pilot.training import evaluate as ev
+
+    model = cached_model(default_weights_path())
+    checked = 0
+    for d in data.walk(trace, SEEN_ALL + 1, group=model.config.group, baselines=False):
+        assert d.planned == (trace.iterations[SEEN_ALL + 1].ops[d.position].phase == "optimizer")
+        if not d.planned:
+            continue
+        score = model.expected_log_distance(model.probs(d.X, d.ctx), d.expected_len)
+        planned = plan_scores(d.X, score)
+        for x, true, s in zip(d.X, d.dist, planned):
+            if x[C["prev_used_again"]] and true <= 64:
+                assert np.exp(s) == pytest.approx(true)
+                checked += 1
+    assert checked > 50
+    with_plan = ev.evaluate(model, [trace])["all"].methods["pilot"]["window_recall"]
+    monkeypatch.setattr(ev, "plan_scores", lambda X, score: score)
+    assert with_plan > ev.evaluate(model, [trace])["all"].methods["pilot"]["window_recall"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_policy_predicts_a_planned_optimizer_from_the_plan(trace, backend):
+    """At a decision point in a planned optimizer the policy's predicted next use of a storage the
+    plan replays is its true next use, on either backend."""
+    from dynn_runtime.pilot.policy import PilotPolicy
+    from dynn_runtime.sim import simulate
+
+    it = trace.iterations[-1]
+    checked = []
+
+    class Spy(PilotPolicy):
+        def _score(self, rows, position, n_live):
+            super()._score(rows, position, n_live)
+            state = self._state
+            if not state.in_plan():
+                return
+            nxt = _next_uses(it, position)
+            for s in rows.tolist():
+                sid = state.sid.item(s)
+                true = nxt.get(sid)
+                if true is not None and true - position <= 64 and sid in alive:
+                    assert self.predict(sid) == pytest.approx(true)
+                    checked.append(sid)
+
+    alive = set(it.live_at_start(trace))
+    policy = Spy(backend=backend)
+    assert simulate(trace, policy, 0.5).feasible
+    assert len(checked) > 20

@@ -121,6 +121,8 @@ class Decision:
     lru: np.ndarray
     freq: np.ndarray
     expected_len: int
+    #: in a planned optimizer (:func:`~dynn_runtime.pilot.replay.plan_scores` applies)
+    planned: bool = False
 
 
 def _access_index(ops: Sequence[Any]) -> tuple[dict[int, int], np.ndarray]:
@@ -233,7 +235,7 @@ def walk(trace: Trace, iteration: int, group: int = 16, baselines: bool = True,
         else:
             rp = lru = freq = np.zeros(len(sids))
         yield Decision(position=j, sids=sids, X=X, ctx=ctx, dist=dist, replay=rp, lru=lru, freq=freq,
-                       expected_len=state.expected_length())
+                       expected_len=state.expected_length(), planned=state.in_plan())
 
 
 @dataclass

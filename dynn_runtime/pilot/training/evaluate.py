@@ -14,6 +14,9 @@ At every decision point of every evaluated iteration (iterations with a previous
   again this iteration tie last), averaged over decision points.
 
 Also reported for the pilot: threshold recall and precision of "in the window" (probability >= 1/2).
+
+The pilot's ranking is the policy's: in a planned optimizer (:func:`~dynn_runtime.pilot.replay.plan_scores`)
+a candidate with a replayed next use is ranked at it; its buckets are the model's throughout.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 from ...trace.format import Trace
 from ..features import BUCKET_EDGES, COARSE_OF_FINE, fine_bucket
 from ..model import PilotModel
+from ..replay import plan_scores
 from .data import trace_family, walk
 
 __all__ = ["METHODS", "FamilyMetrics", "evaluate", "render_table", "WINDOW_OPS"]
@@ -135,6 +139,8 @@ def evaluate(model: PilotModel, traces: Iterable[Trace], every: int = 1,
                 true_coarse = COARSE_OF_FINE[fine_bucket(d.dist)]
                 P = model.probs(d.X, d.ctx)
                 score = model.expected_log_distance(P, d.expected_len)
+                if d.planned:  # the policy predicts a planned optimizer's replayed next uses as they are
+                    score = plan_scores(d.X, score)
                 Pc = PilotModel.coarse(P)
                 preds = {
                     "pilot": (score, Pc.argmax(axis=1)),

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..features import COARSE_OF_FINE, fine_bucket
 from ..model import PilotModel, fit
+from ..replay import plan_scores
 from .data import _access_index, _next_after, walk
 from .evaluate import WINDOW_OPS
 
@@ -194,6 +195,8 @@ def _iteration_metrics(model: PilotModel, trace: Any, i: int, refit: OnlineRefit
             continue
         P = model.probs(d.X, d.ctx)
         score = model.expected_log_distance(P, d.expected_len)
+        if d.planned:
+            score = plan_scores(d.X, score)
         pc = PilotModel.coarse(P).argmax(axis=1)
         tc = COARSE_OF_FINE[fine_bucket(d.dist)]
         correct += int((pc == tc).sum())
