@@ -12,16 +12,21 @@ The pilot policy's ``fallback=True`` uses it per decision point with the model, 
 (the previous iteration's access pattern position for position, :class:`~dynn_runtime.policies.nextuse.ReplayPolicy`)
 and ``lru`` (a storage is needed again as long after as it was last used). Nothing here reads
 the future: a decision point is judged only after its window has run.
+
+An :class:`ExactReplay` says where replay's plan has held to the operator so far in the iteration;
+there the fallback's model side takes replay's prediction (see the class).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-__all__ = ["RecallJudge", "FALLBACKS"]
+__all__ = ["RecallJudge", "ExactReplay", "FALLBACKS"]
 
 #: the predictors the pilot may fall back to, in order of preference on a tie
 FALLBACKS = ("replay", "lru")
@@ -113,3 +118,48 @@ class RecallJudge:
             if r is not None and r > best_r:
                 best, best_r = m, r
         return best
+
+
+class ExactReplay:
+    """Where ``replay``'s positional plan (:class:`~dynn_runtime.policies.nextuse.ReplayPolicy`) is
+    exact so far in the iteration: while every operator has been the previous iteration's at the
+    same position (name and module), a storage born at its counterpart's position whose every access
+    here fell on one of its counterpart's positions is *on plan*, and replay's next use for it is,
+    as far as anything run says, the true one. Elsewhere (another sequence, a shifted access, a
+    storage replay has no match for) nothing is on plan. Fed the policy's notifications."""
+
+    def __init__(self, replay: Any) -> None:
+        self.replay = replay
+        self._keys: list[tuple[str, str]] = []
+        self._on: dict[int, bool] = {}
+        #: every operator so far was the previous iteration's at its position
+        self.in_sync = False
+
+    def begin_iteration(self, history: Any) -> None:
+        self._keys = [(op.name, op.module) for op in history[-1].ops] if history else []
+        self.in_sync = bool(self._keys)
+        self._on.clear()
+
+    def alloc(self, sid: int, position: int) -> None:
+        # the replay matched a storage born here by the allocating operator's position: born on plan
+        self._on[sid] = position >= 0 and self.replay.plan(sid) is not None
+
+    def access(self, sid: int, position: int) -> None:
+        acc = self.replay.plan(sid)
+        ok = acc is not None and self._on.get(sid, True)  # alive at the start: on plan until an access says not
+        if ok:
+            k = bisect.bisect_left(acc, position)
+            ok = k < len(acc) and acc[k] == position
+        self._on[sid] = ok
+
+    def free(self, sid: int) -> None:
+        self._on.pop(sid, None)
+
+    def op(self, position: int, op: Any) -> None:
+        if self.in_sync:
+            keys = self._keys
+            self.in_sync = position < len(keys) and keys[position] == (op.name, op.module)
+
+    def exact(self, sid: int) -> bool:
+        """``sid`` is on plan and the iteration in step with the previous one."""
+        return self.in_sync and self._on.get(sid, False)

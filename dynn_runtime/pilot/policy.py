@@ -58,8 +58,16 @@ it has beaten it on a later iteration's rows. Every decision point then rescores
 accesses, the window recall of the model, of ``replay`` and of ``lru`` at every decision point
 once its window has run; while another one's recent recall beats the model's, the decision
 point's predictions are that one's (the cache and heaps take them as they take the model's), and
-so are the provisional predictions until the next one. Every decision point then rescores
-everything on the numpy rows, as the online refit does.
+so are the provisional predictions until the next one. The model side itself takes replay's
+prediction for a storage where replay's plan has held to the operator so far in the iteration
+(:class:`~.adapt.ExactReplay`: the same operators at the same positions, the storage born and
+accessed where its match was): there the plan is exact, where the model estimates. Every decision
+point then rescores everything on the numpy rows, as the online refit does.
+
+**A planned optimizer** (:func:`~.replay.plan_scores`): in an optimizer phase that
+:class:`~.replay.OptimizerMemory` re-planned (the parameters updated changed), a storage with a
+replayed next use is predicted at it, not at the model's estimate; such decision points take the
+numpy-rows path.
 
 Weights load on first use (``attach``), not at import. Inference is numpy or C only: no torch
 operator runs inside the runtime's dispatch mode. The measurements behind these choices are in
@@ -160,6 +168,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         #: fallback: per storage, its last access (lru's prediction); the predictor followed now, and
         #: how many decision points followed each
         self._last_access: dict[int, int] = {}
+        #: fallback: where replay's plan has held exactly so far (the model side takes replay's there)
+        self._exact: Any = None
         self.following = "pilot"
         self.followed: dict[str, int] = {}
         #: inference backend: "native", "numpy", or None: native when it is available; after
@@ -240,12 +250,13 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             self._refit = OnlineRefit(model, refit_every=self._refit_every, background=self.config.refit_background)
         if self._fallback and self._judge is None:
             from ..policies.nextuse import ReplayPolicy
-            from .adapt import RecallJudge
+            from .adapt import ExactReplay, RecallJudge
             from .training.evaluate import WINDOW_OPS
 
             self._judge = RecallJudge(window=WINDOW_OPS)
             self._shadow = ReplayPolicy()
             self._shadow.attach(view)
+            self._exact = ExactReplay(self._shadow)
         cls = type(self)
         self._fused = (self._judge is None and cls.on_alloc is PilotPolicy.on_alloc
                        and cls.on_access is PilotPolicy.on_access)
@@ -268,6 +279,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         if self._judge is not None:
             self._judge.close()  # the iteration's accesses are all its open windows will hold
             self._shadow.begin_iteration(index, context)
+            self._exact.begin_iteration(history)
             self._last_access.clear()
         state = self._state
         state.begin_iteration(index, history)
@@ -300,12 +312,16 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         return max(position, 0) + self._prior_rows[_PHASES.get(self.view.phase, 0)][cls]
 
     def on_alloc(self, sid: int, position: int) -> None:
+        v = None
         if self._shadow is not None:
             self._shadow.on_alloc(sid, position)
             self._last_access[sid] = position
+            self._exact.alloc(sid, position)
+            if self.following == "pilot" and self._exact.exact(sid):
+                v = self._shadow.predict(sid)
         state = self._state
         s, kind, saved = state.alloc(sid, position)
-        state.pred[s] = self._provisional(position, kind, saved, position >= 0)
+        state.pred[s] = self._provisional(position, kind, saved, position >= 0) if v is None else float(v)
         state.touched[s] = True
         if s >= len(self._skip):
             self._grow_due()
@@ -320,6 +336,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         if self._judge is not None:
             self._judge.access(sid, position)
             self._last_access[sid] = position
+            self._exact.access(sid, position)
         state = self._state
         s = state.slot_of(sid)
         if s is not None:
@@ -336,6 +353,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         if self._shadow is not None:
             self._shadow.on_free(sid)
             self._last_access.pop(sid, None)
+            self._exact.free(sid)
         self._state.free(sid)
         super().on_free(sid)
 
@@ -518,7 +536,12 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             s = slot.get(sid)
             if s is None:
                 continue  # freed since its access
-            v = rep.get(sid) if follow == "pilot" else self._fallback_prediction(follow, sid, position)
+            if follow != "pilot":
+                v = self._fallback_prediction(follow, sid, position)
+            elif self._exact is not None and self._exact.exact(sid):
+                v = self._shadow.predict(sid)
+            else:
+                v = rep.get(sid)
             if v is None:
                 v = self._provisional(position, self.view.kind(sid), self.view.saved(sid), False)
             pred[s] = v = float(v)
@@ -526,6 +549,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
 
     def on_op(self, position: int, op: Any) -> None:
         self.ops += 1
+        if self._exact is not None:
+            self._exact.op(position, op)
         timer = self._timer
         t0 = timer()
         state = self._state
@@ -697,6 +722,11 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         for m in judge.methods[1:]:
             vals = [self._fallback_prediction(m, sid, position) for sid in ids]
             scores[m] = np.array([math.inf if v is None else float(v) for v in vals], dtype=np.float64)
+        exact = self._exact
+        if exact.in_sync:  # the model side: replay's prediction where its plan has held exactly
+            on = np.fromiter(map(exact.exact, ids), dtype=bool, count=len(ids))
+            if on.any():
+                scores["pilot"] = pilot = np.where(on, scores["replay"], pilot)
         judge.decision(position, sids, scores)
         self.following = follow = judge.choice()
         self.followed[follow] = self.followed.get(follow, 0) + 1

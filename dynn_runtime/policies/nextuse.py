@@ -232,6 +232,10 @@ class ReplayPolicy(NextUsePolicy):
             self._plan[sid] = self._prev_acc[sid]
         super().on_alloc(sid, position)
 
+    def plan(self, sid: int) -> list[int] | None:
+        """The previous iteration's access positions of ``sid``'s match, ascending (None: no match)."""
+        return self._plan.get(sid)
+
     def predict(self, sid: int) -> float | None:
         acc = self._plan.get(sid)
         pos = self.view.position

@@ -117,3 +117,86 @@ def test_sampled_window_recall_separates_a_good_model_from_a_blind_one(trace, sh
     refit.end_iteration(trace.iterations[:2])
     groups = [(X, C[0], y) for X, C, y in zip(refit._X, refit._C, refit._y)]
     assert sampled_window_recall(shipped, groups) > sampled_window_recall(broken, groups) + 0.2
+
+
+class _Plan:
+    """A stand-in for ReplayPolicy's plan: per storage, its match's positions in the previous iteration."""
+
+    def __init__(self, plan):
+        self._plan = plan
+
+    def plan(self, sid):
+        return self._plan.get(sid)
+
+
+def test_exact_replay_holds_while_the_plan_has_held_to_the_operator():
+    from types import SimpleNamespace
+
+    from dynn_runtime.pilot.adapt import ExactReplay
+
+    ops = [SimpleNamespace(name=f"op{j}", module="m") for j in range(6)]
+    ex = ExactReplay(_Plan({1: [0, 2, 5], 2: [1, 4], 3: [3]}))
+    ex.begin_iteration([SimpleNamespace(ops=ops)])
+    ex.alloc(2, 1)  # born where its match was
+    ex.alloc(4, 2)  # replay has no match for it
+    for sid, j in ((1, 0), (1, 2), (2, 4), (3, 4)):  # storage 3 is accessed one operator off its plan
+        ex.access(sid, j)
+    for j in range(5):
+        ex.op(j, ops[j])
+    assert [ex.exact(s) for s in (1, 2, 3, 4)] == [True, True, False, False]
+    ex.op(5, SimpleNamespace(name="other", module="m"))  # the sequence leaves the previous iteration's
+    assert not ex.in_sync and not ex.exact(1)
+    ex.begin_iteration([])  # no previous iteration: nothing is on plan
+    assert not ex.in_sync
+
+
+STATIC = '''
+import torch
+from torch import nn
+
+
+class Static:
+    def __init__(self, preset):
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def make_batch(self, step):
+        g = torch.Generator().manual_seed(step)
+        return {"x": torch.randn(8, 16, generator=g)}
+
+    def loss(self, model, batch):
+        return model(batch["x"]).square().mean()
+
+
+def build(preset):
+    return Static(preset)
+'''
+
+
+def test_fallback_takes_replay_where_its_plan_is_exact(tmp_path, broken):
+    """On a network whose steps run the same operators, every storage replay has a match for stays
+    on plan, and the fallback's model side predicts those at replay's positions (a blind model
+    ranks them no better than chance)."""
+    from dynn_runtime.trace import read_trace, record
+
+    (tmp_path / "static.py").write_text(STATIC)
+    path = tmp_path / "static.jsonl.gz"
+    record(f"{tmp_path / 'static.py'}:build", path, steps=3)
+    trace = read_trace(path)
+    fb = make_policy("pilot", model=broken, backend="numpy", fallback=True)
+    checked = []
+    follow = fb._follow
+
+    def spy(position, sids, pilot):
+        out = follow(position, sids, pilot)
+        assert fb._exact.in_sync
+        for sid, v in zip(sids.tolist(), fb._judge._pending[-1].scores["pilot"].tolist()):
+            if fb._exact.exact(sid):
+                r = fb._shadow.predict(sid)
+                assert v == (np.inf if r is None else r)
+                checked.append(sid)
+        return out
+
+    fb._follow = spy
+    assert simulate(trace, fb, 0.5).feasible
+    assert len(set(checked)) > 10
