@@ -6,7 +6,7 @@ For each network of this folder (each a ``file.py:build`` workload, evaluation o
    (bytes, so that every step, the first included, runs under it).
 2. **Live.** The same steps under the memory manager at that cap, per method: ``pilot (shipped)``,
    ``pilot (fallback)`` (per decision point, replay's or lru's predictions while their recent window
-   recall beats the model's), ``pilot (adapted)`` (the fallback and the model refit online on the
+   recall beats the model's; the model's side takes replay's where its plan has held exactly), ``pilot (adapted)`` (the fallback and the model refit online on the
    run's own accesses every step, swapped in when it beats the model in use on the latest step),
    ``replay`` and ``lru``. Per step: prefetch hits, misses, stall seconds, bytes moved.
 3. **Steps to recover.** For each pilot variant, the least ``s`` such that over steps ``s..end`` its
