@@ -66,8 +66,8 @@ point then rescores everything on the numpy rows, as the online refit does.
 
 **A planned optimizer** (:func:`~.replay.plan_scores`): in an optimizer phase that
 :class:`~.replay.OptimizerMemory` re-planned (the parameters updated changed), a storage with a
-replayed next use is predicted at it, not at the model's estimate; such decision points take the
-numpy-rows path.
+replayed next use is predicted at it, not at the model's estimate; such decision points
+materialise the rows instead of taking the kernel's fused decision.
 
 Weights load on first use (``attach``), not at import. Inference is numpy or C only: no torch
 operator runs inside the runtime's dispatch mode. The measurements behind these choices are in
