@@ -9,7 +9,10 @@ over PyTorch alone (thread CPU time: the median of per-repetition differences, a
 managed minus the minimum PyTorch alone, which other processes on a shared machine disturb
 less). Variants (default: all):
 
-- ``pilot``: the pilot as shipped (the fused ``on_operator``: one native kernel call per operator);
+- ``pilot``: the pilot as shipped (a batch told in one ``on_operators`` call where no ``after_op``
+  of it would act; the fused ``on_operator`` per operator inside);
+- ``per-operator``: the pilot told per operator (``on_operator`` and ``after_op`` calls: the path
+  the runtime takes while something this policy evicted is away);
 - ``python-fused``: the fused ``on_operator`` with its per-storage writes in Python (the native
   kernel's per-operator call off: the path without ``dynn_pilot_operator``);
 - ``per-notification``: the pilot told through the interface's default ``on_operator`` (separate
@@ -38,6 +41,13 @@ from dynn_runtime.runtime.manager import MemoryManager
 class _PerNotification(PilotPolicy):
     name = "pilot-per-notification"
     on_operator = Policy.on_operator
+
+
+class _PerOperator(PilotPolicy):
+    name = "pilot-per-operator"
+
+    def operators_in_bulk(self) -> bool:
+        return False
 
 
 class _PythonFused(PilotPolicy):
@@ -71,7 +81,7 @@ class _ParseOnly(PilotPolicy):
         return []  # still overridden: the runtime reads the log every 32 operators, as for the pilot
 
 
-VARIANTS = {"pilot": PilotPolicy, "python-fused": _PythonFused, "per-notification": _PerNotification, "no-op-update": _NoOpUpdate,
+VARIANTS = {"pilot": PilotPolicy, "per-operator": _PerOperator, "python-fused": _PythonFused, "per-notification": _PerNotification, "no-op-update": _NoOpUpdate,
             "parse-only": _ParseOnly, "lru": lambda: "lru", "none": lambda: "none"}
 
 

@@ -77,7 +77,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import PolicyError
-from ..policies.base import NO_CONTEXT, Action, IterationContext, register
+from ..policies.base import NO_CONTEXT, OPERATOR, TOUCH_ALLOC, Action, IterationContext, register
 from ..policies.nextuse import NextUsePolicy
 from .config import PilotPolicyConfig, cached_model, default_weights_path
 from .features import _KIND_IDX, BUCKET_EDGES, FeatureState
@@ -200,6 +200,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         self._buf = _Job()
         #: on_operator fuses the notifications (set in attach)
         self._fused = False
+        #: inside on_operators: the view's phase as the per-operator calls would find it (None: ask the view)
+        self._bulk_phase: str | None = None
 
     @property
     def model(self) -> Any:
@@ -295,7 +297,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
     def _provisional(self, position: int, kind: str, saved: bool, fresh: bool) -> float:
         """The prior: position + the median next-use distance of its phase and storage class."""
         cls = storage_class(kind, saved, fresh)
-        return max(position, 0) + self._prior_rows[_PHASES.get(self.view.phase, 0)][cls]
+        phase = self._bulk_phase
+        return max(position, 0) + self._prior_rows[_PHASES.get(self.view.phase if phase is None else phase, 0)][cls]
 
     def on_alloc(self, sid: int, position: int) -> None:
         if self._shadow is not None:
@@ -364,8 +367,9 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         push = self._heap.push
         if op.allocs:
             view = self.view
-            # _provisional of a fresh storage: its class is 0 whatever its kind
-            prior = max(position, 0) + self._prior_rows[_PHASES.get(view.phase, 0)][0]
+            # _provisional of a fresh storage: its class is 0 whatever its kind (the view's phase is
+            # the operator's when it is told)
+            prior = max(position, 0) + self._prior_rows[_PHASES.get(op.phase, 0)][0]
             for sid in op.allocs:
                 s = state.alloc(sid, position)[0]
                 state.pred[s] = prior
@@ -391,6 +395,36 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                     skip_of[s] = small.small(sid)
         self.on_op(position, op)
 
+    def operators_in_bulk(self) -> bool:
+        """True where every ``after_op`` of the batch would return nothing and change nothing: the
+        fused path, nothing evicted by this policy (so no decision point can fill the prefetch
+        heap), no decision point on the worker or put off by the governor, and no subclass that
+        changes ``on_operator`` or ``after_op``."""
+        cls = type(self)
+        return (self._fused and cls.on_operator is PilotPolicy.on_operator and cls.after_op is PilotPolicy.after_op
+                and not self._off and self._job is None and self.max_share is None and not self._away.any())
+
+    def on_operators(self, events: Sequence[tuple[Any, ...]], phase: str) -> None:
+        """The batch's notifications in order (the fused :meth:`on_operator` per operator), and
+        what each ``after_op`` would do: poll the worker (operators_in_bulk: nothing else)."""
+        try:
+            self._bulk_phase = phase
+            on_operator = self.on_operator
+            for ev in events:
+                tag = ev[0]
+                if tag == OPERATOR:
+                    op = ev[2]
+                    self._bulk_phase = op.phase
+                    on_operator(ev[1], op, ev[3])
+                    if self._job is not None:
+                        self._poll()
+                elif tag == TOUCH_ALLOC:
+                    self.on_alloc(ev[1], ev[2])
+                else:
+                    self.on_free(ev[1])
+        finally:
+            self._bulk_phase = None
+
     def _operator_native(self, position: int, op: Any, accessed: Sequence[int]) -> None:
         """The fused :meth:`on_operator` and :meth:`on_op`'s per-operator update in one kernel call
         (``dynn_pilot_operator``): Python finds the slots, classes the small storages, aligns the
@@ -411,7 +445,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         born_phase = state.phase
         prev_allocs = state._align(position, op)
         if allocs:
-            prior = max(position, 0) + self._prior_rows[_PHASES.get(view.phase, 0)][0]
+            prior = max(position, 0) + self._prior_rows[_PHASES.get(op.phase, 0)][0]
             prev_idx = state._prev_idx
             n_prev = len(prev_allocs)
             top = -1
@@ -478,7 +512,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         elif f.n_need:  # no replayed next use: the prior (_provisional)
             pred = state.pred
             push = self._heap.push
-            row = self._prior_rows[_PHASES.get(view.phase, 0)]
+            row = self._prior_rows[_PHASES.get(op.phase, 0)]
             base = max(position, 0)
             for i in ft.need[: f.n_need]:
                 sid = accessed[i]
