@@ -410,12 +410,17 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         try:
             self._bulk_phase = phase
             on_operator = self.on_operator
+            native = self._operator_native if self._fused_native is not None else None
+            state = self._state
             for ev in events:
                 tag = ev[0]
                 if tag == OPERATOR:
                     op = ev[2]
-                    self._bulk_phase = op.phase
-                    on_operator(ev[1], op, ev[3])
+                    self._bulk_phase = phase = op.phase
+                    if native is not None and not self._pending and (phase != "optimizer" or state.phase == _OPTIMIZER):
+                        native(ev[1], op, ev[3])  # what on_operator picks for it
+                    else:
+                        on_operator(ev[1], op, ev[3])
                     if self._job is not None:
                         self._poll()
                 elif tag == TOUCH_ALLOC:
@@ -464,10 +469,20 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                           small.alloc(sid, nb) if fraction else small.small(sid))
             if top >= len(self._skip):
                 self._grow_due()
-        for sid in accessed:
-            k = small.access(sid) if fraction else small.small(sid)  # access() classes it and says so
-            s = slot.get(sid)
-            words += (-1, sid, 0) if s is None else (s, sid, k)
+        if fraction:  # SmallStorages.access, inlined: class each again (the threshold is fixed from here)
+            sizes, smalls, thr = small._bytes, small._small, small.fraction * small._peak
+            for sid in accessed:
+                s = slot.get(sid)
+                if sizes.get(sid, 0) < thr:
+                    smalls.add(sid)
+                    words += (-1, sid, 0) if s is None else (s, sid, 1)
+                else:
+                    smalls.discard(sid)
+                    words += (-1, sid, 0) if s is None else (s, sid, 0)
+        else:
+            for sid in accessed:
+                s = slot.get(sid)
+                words += (-1, sid, 0) if s is None else (s, sid, small.small(sid))
         acc = list({*op.inputs, *op.outputs, *op.writes})
         words += [slot.get(sid, -1) for sid in acc]
         (_, iv), (_, ivk) = state.native_iv(op)  # before the table: new decays rebuild it
@@ -493,7 +508,14 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             ph, new_phase = state.enter(position, op)
         else:
             f.stage = 3
-            ph, new_phase = state.enter(position, op)
+            if state.phase == 0 and position != 0 and op.phase == "forward":
+                # FeatureState.enter in forward, past its first operator: the position, and the
+                # operator indexed for the mirror
+                state.position = position
+                state._fwd_log.append((position, op))
+                ph, new_phase = 0, False
+            else:
+                ph, new_phase = state.enter(position, op)
         sl = state.decays[1]
         state._hist_allocs = state._hist_allocs * sl + len(allocs) * (1 - sl)
         f.phase = ph
@@ -519,7 +541,11 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                 s = slot[sid]
                 pred[s] = v = float(base + row[storage_class(view.kind(sid), view.saved(sid), False)])
                 push(-v, sid, s)
-        tick = state._tick(position, new_phase)
+        if new_phase or position - state._last_decision >= state.group:  # FeatureState._tick
+            state._last_decision = position
+            tick = True
+        else:
+            tick = False
         self.bookkeeping_s += timer() - t0
         self._after_update(position, tick)
 
