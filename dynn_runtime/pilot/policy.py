@@ -412,6 +412,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             on_operator = self.on_operator
             native = self._operator_native if self._fused_native is not None else None
             state = self._state
+            slots, free_slots, small = state._slot, state._free, self._small
+            plain_free = type(self).on_free is PilotPolicy.on_free and self._shadow is None
             for ev in events:
                 tag = ev[0]
                 if tag == OPERATOR:
@@ -425,6 +427,17 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                         self._poll()
                 elif tag == TOUCH_ALLOC:
                     self.on_alloc(ev[1], ev[2])
+                elif plain_free:  # on_free, inlined: FeatureState.free, then SmallStorages.free
+                    sid = ev[1]
+                    s = slots.pop(sid, None)
+                    if s is not None:
+                        if state.phase == 0:
+                            state._fwd_freed[sid] = state.log_bytes.item(s)
+                        state.active[s] = False
+                        state.sid[s] = -1
+                        free_slots.append(s)
+                    small._live -= small._bytes.pop(sid, 0)
+                    small._small.discard(sid)
                 else:
                     self.on_free(ev[1])
         finally:
