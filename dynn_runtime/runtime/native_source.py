@@ -408,7 +408,9 @@ class NativeSource:
             frees = self._frees
             for sid, pos in dead:  # _forget_native's work, the policy told already
                 self._saved_pending.discard(sid)
-                x = st.pop(sid)
+                x = st.pop(sid, None)
+                if x is None:  # forgotten meanwhile (the policy's call reached a handler that read the table)
+                    continue
                 if x.status is not ABSENT:
                     self.set_status(x, ABSENT)
                 self._drop_host(x)
