@@ -9,7 +9,10 @@ over PyTorch alone (thread CPU time: the median of per-repetition differences, a
 managed minus the minimum PyTorch alone, which other processes on a shared machine disturb
 less). Variants (default: all):
 
-- ``pilot``: the pilot as shipped (the fused ``on_operator``: one native kernel call per operator);
+- ``pilot``: the pilot as shipped (a batch told in one ``on_operators`` call where no ``after_op``
+  of it would act; the fused ``on_operator`` per operator inside);
+- ``per-operator``: the pilot told per operator (``on_operator`` and ``after_op`` calls: the path
+  the runtime takes while something this policy evicted is away);
 - ``python-fused``: the fused ``on_operator`` with its per-storage writes in Python (the native
   kernel's per-operator call off: the path without ``dynn_pilot_operator``);
 - ``per-notification``: the pilot told through the interface's default ``on_operator`` (separate
@@ -38,6 +41,13 @@ from dynn_runtime.runtime.manager import MemoryManager
 class _PerNotification(PilotPolicy):
     name = "pilot-per-notification"
     on_operator = Policy.on_operator
+
+
+class _PerOperator(PilotPolicy):
+    name = "pilot-per-operator"
+
+    def operators_in_bulk(self) -> bool:
+        return False
 
 
 class _PythonFused(PilotPolicy):
@@ -71,12 +81,21 @@ class _ParseOnly(PilotPolicy):
         return []  # still overridden: the runtime reads the log every 32 operators, as for the pilot
 
 
-VARIANTS = {"pilot": PilotPolicy, "python-fused": _PythonFused, "per-notification": _PerNotification, "no-op-update": _NoOpUpdate,
+VARIANTS = {"pilot": PilotPolicy, "per-operator": _PerOperator, "python-fused": _PythonFused, "per-notification": _PerNotification, "no-op-update": _NoOpUpdate,
             "parse-only": _ParseOnly, "lru": lambda: "lru", "none": lambda: "none"}
 
 
-def measure(variant: str, reps: int) -> tuple[int, float, float]:
-    """(operators per step, median us per operator over PyTorch alone, min-min us per operator)."""
+class _Switchable(PilotPolicy):
+    """The pilot whose batches go in bulk or per operator, as set before each step (same state either way)."""
+
+    name = "pilot-switchable"
+    bulk = True
+
+    def operators_in_bulk(self) -> bool:
+        return self.bulk and super().operators_in_bulk()
+
+
+def _work() -> tuple[Any, torch.nn.Module]:
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
     lin = torch.nn.Linear(16, 16)
@@ -89,6 +108,42 @@ def measure(variant: str, reps: int) -> tuple[int, float, float]:
         lin(inp).sum().backward()
         lin.zero_grad(set_to_none=True)
 
+    return work, lin
+
+
+def measure_paired(reps: int) -> tuple[int, float, float]:
+    """One manager, one pilot: every repetition runs PyTorch alone, a step told in bulk, PyTorch alone
+    and a step told per operator (the order alternating), so both sides meet the same load.
+    (operators per step, median us per operator over PyTorch alone in bulk, and per operator)."""
+    work, lin = _work()
+    pol = _Switchable()
+    mm = MemoryManager(1 << 50, policy=pol, device="cpu", events="native")
+    mm.attach(lin)
+    diff: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for _ in range(3):
+            with mm.step():
+                work()
+        for r in range(reps):
+            for bulk in ((True, False) if r % 2 == 0 else (False, True)):
+                t0 = time.thread_time()
+                work()
+                p = time.thread_time() - t0
+                pol.bulk = bulk
+                with mm.step():
+                    t0 = time.thread_time()
+                    work()
+                    m = time.thread_time() - t0
+                ops = mm.steps[-1].ops
+                diff[bulk].append((m - p) / ops)
+    finally:
+        mm.detach()
+    return ops, statistics.median(diff[True]) * 1e6, statistics.median(diff[False]) * 1e6
+
+
+def measure(variant: str, reps: int) -> tuple[int, float, float]:
+    """(operators per step, median us per operator over PyTorch alone, min-min us per operator)."""
+    work, lin = _work()
     mm = MemoryManager(1 << 50, policy=VARIANTS[variant](), device="cpu", events="native")
     mm.attach(lin)
     try:
@@ -119,11 +174,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("variants", nargs="*", metavar="VARIANT", help=f"any of {', '.join(VARIANTS)} (default: all)")
     ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--paired", action="store_true",
+                    help="only the pilot, its batches told in bulk and per operator on alternate steps of one manager")
     args = ap.parse_args()
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad:
         ap.error(f"unknown variant(s) {', '.join(bad)}; choose from {', '.join(VARIANTS)}")
     torch.set_num_threads(1)
+    if args.paired:
+        ops, bulk, per_op = measure_paired(args.reps)
+        print(f"pilot, {ops} operators per step: +{bulk:.1f} us/op told in bulk, +{per_op:.1f} us/op per operator "
+              "(median over PyTorch alone, paired step by step)")
+        return
     print("| variant | ops/step | +us/op (median) | +us/op (min-min) |\n|---|---:|---:|---:|")
     for v in args.variants or list(VARIANTS):
         ops, med, low = measure(v, args.reps)

@@ -85,7 +85,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import PolicyError
-from ..policies.base import NO_CONTEXT, Action, IterationContext, register
+from ..policies.base import NO_CONTEXT, OPERATOR, TOUCH_ALLOC, Action, IterationContext, register
 from ..policies.nextuse import NextUsePolicy
 from .config import PilotPolicyConfig, cached_model, default_weights_path
 from .features import _KIND_IDX, BUCKET_EDGES, CAND_FEATURES, FeatureState
@@ -212,6 +212,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         self._buf = _Job()
         #: on_operator fuses the notifications (set in attach)
         self._fused = False
+        #: inside on_operators: the view's phase as the per-operator calls would find it (None: ask the view)
+        self._bulk_phase: str | None = None
 
     @property
     def model(self) -> Any:
@@ -309,7 +311,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
     def _provisional(self, position: int, kind: str, saved: bool, fresh: bool) -> float:
         """The prior: position + the median next-use distance of its phase and storage class."""
         cls = storage_class(kind, saved, fresh)
-        return max(position, 0) + self._prior_rows[_PHASES.get(self.view.phase, 0)][cls]
+        phase = self._bulk_phase
+        return max(position, 0) + self._prior_rows[_PHASES.get(self.view.phase if phase is None else phase, 0)][cls]
 
     def on_alloc(self, sid: int, position: int) -> None:
         v = None
@@ -384,8 +387,9 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         push = self._heap.push
         if op.allocs:
             view = self.view
-            # _provisional of a fresh storage: its class is 0 whatever its kind
-            prior = max(position, 0) + self._prior_rows[_PHASES.get(view.phase, 0)][0]
+            # _provisional of a fresh storage: its class is 0 whatever its kind (the view's phase is
+            # the operator's when it is told)
+            prior = max(position, 0) + self._prior_rows[_PHASES.get(op.phase, 0)][0]
             for sid in op.allocs:
                 s = state.alloc(sid, position)[0]
                 state.pred[s] = prior
@@ -411,6 +415,54 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                     skip_of[s] = small.small(sid)
         self.on_op(position, op)
 
+    def operators_in_bulk(self) -> bool:
+        """True where every ``after_op`` of the batch would return nothing and change nothing: the
+        fused path, nothing evicted by this policy (so no decision point can fill the prefetch
+        heap), no decision point on the worker or put off by the governor, and no subclass that
+        changes ``on_operator`` or ``after_op``."""
+        cls = type(self)
+        return (self._fused and cls.on_operator is PilotPolicy.on_operator and cls.after_op is PilotPolicy.after_op
+                and not self._off and self._job is None and self.max_share is None and not self._away.any())
+
+    def on_operators(self, events: Sequence[tuple[Any, ...]], phase: str) -> None:
+        """The batch's notifications in order (the fused :meth:`on_operator` per operator), and
+        what each ``after_op`` would do: poll the worker (operators_in_bulk: nothing else)."""
+        try:
+            self._bulk_phase = phase
+            on_operator = self.on_operator
+            native = self._operator_native if self._fused_native is not None else None
+            state = self._state
+            slots, free_slots, small = state._slot, state._free, self._small
+            plain_free = type(self).on_free is PilotPolicy.on_free and self._shadow is None
+            for ev in events:
+                tag = ev[0]
+                if tag == OPERATOR:
+                    op = ev[2]
+                    self._bulk_phase = phase = op.phase
+                    if native is not None and not self._pending and (phase != "optimizer" or state.phase == _OPTIMIZER):
+                        native(ev[1], op, ev[3])  # what on_operator picks for it
+                    else:
+                        on_operator(ev[1], op, ev[3])
+                    if self._job is not None:
+                        self._poll()
+                elif tag == TOUCH_ALLOC:
+                    self.on_alloc(ev[1], ev[2])
+                elif plain_free:  # on_free, inlined: FeatureState.free, then SmallStorages.free
+                    sid = ev[1]
+                    s = slots.pop(sid, None)
+                    if s is not None:
+                        if state.phase == 0:
+                            state._fwd_freed[sid] = state.log_bytes.item(s)
+                        state.active[s] = False
+                        state.sid[s] = -1
+                        free_slots.append(s)
+                    small._live -= small._bytes.pop(sid, 0)
+                    small._small.discard(sid)
+                else:
+                    self.on_free(ev[1])
+        finally:
+            self._bulk_phase = None
+
     def _operator_native(self, position: int, op: Any, accessed: Sequence[int]) -> None:
         """The fused :meth:`on_operator` and :meth:`on_op`'s per-operator update in one kernel call
         (``dynn_pilot_operator``): Python finds the slots, classes the small storages, aligns the
@@ -431,7 +483,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         born_phase = state.phase
         prev_allocs = state._align(position, op)
         if allocs:
-            prior = max(position, 0) + self._prior_rows[_PHASES.get(view.phase, 0)][0]
+            prior = max(position, 0) + self._prior_rows[_PHASES.get(op.phase, 0)][0]
             prev_idx = state._prev_idx
             n_prev = len(prev_allocs)
             top = -1
@@ -450,10 +502,20 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                           small.alloc(sid, nb) if fraction else small.small(sid))
             if top >= len(self._skip):
                 self._grow_due()
-        for sid in accessed:
-            k = small.access(sid) if fraction else small.small(sid)  # access() classes it and says so
-            s = slot.get(sid)
-            words += (-1, sid, 0) if s is None else (s, sid, k)
+        if fraction:  # SmallStorages.access, inlined: class each again (the threshold is fixed from here)
+            sizes, smalls, thr = small._bytes, small._small, small.fraction * small._peak
+            for sid in accessed:
+                s = slot.get(sid)
+                if sizes.get(sid, 0) < thr:
+                    smalls.add(sid)
+                    words += (-1, sid, 0) if s is None else (s, sid, 1)
+                else:
+                    smalls.discard(sid)
+                    words += (-1, sid, 0) if s is None else (s, sid, 0)
+        else:
+            for sid in accessed:
+                s = slot.get(sid)
+                words += (-1, sid, 0) if s is None else (s, sid, small.small(sid))
         acc = list({*op.inputs, *op.outputs, *op.writes})
         words += [slot.get(sid, -1) for sid in acc]
         (_, iv), (_, ivk) = state.native_iv(op)  # before the table: new decays rebuild it
@@ -479,7 +541,14 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             ph, new_phase = state.enter(position, op)
         else:
             f.stage = 3
-            ph, new_phase = state.enter(position, op)
+            if state.phase == 0 and position != 0 and op.phase == "forward":
+                # FeatureState.enter in forward, past its first operator: the position, and the
+                # operator indexed for the mirror
+                state.position = position
+                state._fwd_log.append((position, op))
+                ph, new_phase = 0, False
+            else:
+                ph, new_phase = state.enter(position, op)
         sl = state.decays[1]
         state._hist_allocs = state._hist_allocs * sl + len(allocs) * (1 - sl)
         f.phase = ph
@@ -498,14 +567,18 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         elif f.n_need:  # no replayed next use: the prior (_provisional)
             pred = state.pred
             push = self._heap.push
-            row = self._prior_rows[_PHASES.get(view.phase, 0)]
+            row = self._prior_rows[_PHASES.get(op.phase, 0)]
             base = max(position, 0)
             for i in ft.need[: f.n_need]:
                 sid = accessed[i]
                 s = slot[sid]
                 pred[s] = v = float(base + row[storage_class(view.kind(sid), view.saved(sid), False)])
                 push(-v, sid, s)
-        tick = state._tick(position, new_phase)
+        if new_phase or position - state._last_decision >= state.group:  # FeatureState._tick
+            state._last_decision = position
+            tick = True
+        else:
+            tick = False
         self.bookkeeping_s += timer() - t0
         self._after_update(position, tick)
 

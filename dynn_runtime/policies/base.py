@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from ..trace.format import Iteration, Trace
 
 __all__ = ["Action", "IterationContext", "MemoryView", "Policy", "PolicyRegistry", "SmallStorages", "register",
-           "register_lazy", "tells_in_bulk", "TOUCH_ACCESS", "TOUCH_ALLOC", "TOUCH_FREE", "make_policy", "POLICIES", "policy_names", "policy_class"]
+           "register_lazy", "tells_in_bulk", "OPERATOR", "TOUCH_ACCESS", "TOUCH_ALLOC", "TOUCH_FREE", "make_policy", "POLICIES", "policy_names", "policy_class"]
 
 CAPABILITIES = frozenset({"history", "future", "pilot", "gpu"})
 
@@ -310,9 +310,35 @@ class Policy:
             else:
                 on_free(sid)
 
+    def operators_in_bulk(self) -> bool:
+        """Whether the operators since the last decision point may be told now in one
+        :meth:`on_operators` call instead of one :meth:`on_operator` and one :meth:`after_op` per
+        operator: a policy answers True only when none of those ``after_op`` calls would return an
+        action or change its state. Asked by the live runtime's native source before each batch."""
+        return False
 
-#: kinds of :meth:`Policy.on_touches` events
+    def on_operators(self, events: Sequence[tuple[Any, ...]], phase: str) -> None:
+        """The events of a batch (only after :meth:`operators_in_bulk` said True), in the order they
+        happened: ``(OPERATOR, position, op, accessed)`` as :meth:`on_operator`'s arguments,
+        ``(TOUCH_ALLOC, sid, position)`` a storage that appeared between operators (``on_alloc``),
+        ``(TOUCH_FREE, sid)`` (``on_free``); ``phase`` is the view's phase before the first one (after an
+        operator it is that operator's). The view's storages stay known until the call returns, the
+        dead ones included; the view's ``phase`` and ``position`` are not those of each event.
+
+        This default makes those calls in that order (no ``after_op``: the policy said it would not
+        act); an override must leave the policy in the state they would."""
+        for ev in events:
+            if ev[0] == OPERATOR:
+                self.on_operator(ev[1], ev[2], ev[3])
+            elif ev[0] == TOUCH_ALLOC:
+                self.on_alloc(ev[1], ev[2])
+            else:
+                self.on_free(ev[1])
+
+
+#: kinds of :meth:`Policy.on_touches` events, and of :meth:`Policy.on_operators`' (OPERATOR)
 TOUCH_ACCESS, TOUCH_ALLOC, TOUCH_FREE = 0, 1, 2
+OPERATOR = 3
 
 #: the per-operator hooks a policy that :func:`tells_in_bulk` must leave as :class:`Policy` has them
 _PER_OPERATOR = ("on_op", "on_operator", "after_op", "on_hint")

@@ -7,7 +7,10 @@ instead of raising it through the C++ frames; it surfaces at the next forward or
 step. The operator log is read in batches (:meth:`NativeSource._native_parse`) and told to the policy
 in log order: births and deaths between operators, and each operator in one
 :meth:`~dynn_runtime.policies.base.Policy.on_operator` call (the separate calls of the Python
-source, where the policy does not fuse them).
+source, where the policy does not fuse them); the whole batch in one
+:meth:`~dynn_runtime.policies.base.Policy.on_operators` call where the policy says no ``after_op``
+of it would act (:meth:`NativeSource._native_operators`), or in one
+:meth:`~dynn_runtime.policies.base.Policy.on_touches` call for a policy that reads only recency.
 
 State: ``_obs``, ``_names``, ``_idiom_by_name``, ``_pending_error``, ``_last_busy``, ``_last_name``,
 ``_engaged``.
@@ -23,7 +26,7 @@ import torch
 
 from ..errors import BudgetError, internal_assert
 from ..memory import format_bytes
-from ..policies.base import TOUCH_ACCESS, TOUCH_ALLOC, TOUCH_FREE, Policy, tells_in_bulk
+from ..policies.base import OPERATOR, TOUCH_ACCESS, TOUCH_ALLOC, TOUCH_FREE, Policy, tells_in_bulk
 from ..residency import Status
 from ..trace.format import Op
 
@@ -151,6 +154,9 @@ class NativeSource:
         if (tell and not measuring and self._trace is None and not self.record_every_op
                 and tells_in_bulk(type(pol))):
             self._native_touches(log.tolist())
+            return
+        if tell and not measuring and self._trace is None and pol.operators_in_bulk():
+            self._native_operators(log.tolist())
             return
         OP, ALLOC, FREE = _C_TAGS
         i, n = 0, len(log)
@@ -301,6 +307,115 @@ class NativeSource:
             t1 = time.perf_counter()
             self.policy.on_touches(events)
             cur.policy_seconds += time.perf_counter() - t1
+
+    def _native_operators(self, log: list[int]) -> None:
+        """The in-step parse for a policy that reads operators and said the batch may be told in
+        bulk (:meth:`~dynn_runtime.policies.base.Policy.operators_in_bulk`: no ``after_op`` of the
+        batch would act): the runtime's own work per event is the per-operator path's, in log order
+        (records, ``Op`` records, access fields, timeline, collectives), and the policy gets every
+        event in one :meth:`~dynn_runtime.policies.base.Policy.on_operators` call. The records of the
+        storages that died in the batch are forgotten after that call, so the policy's view still
+        answers for them (sids are never reused, so no birth in the batch can meet a dead record)."""
+        st = self.st
+        names = self._names
+        mods = self._modules
+        idioms = self._idiom_by_name
+        ops = self._ops
+        timeline = self._timeline
+        step = self._step_index
+        cur = self._cur
+        now = time.perf_counter() - self._t0
+        events: list[tuple] = []
+        add = events.append
+        dead: list[tuple[int, int]] = []
+        phase0 = phase = self.phase
+        busy: set[int] = self._last_busy
+        name = self._last_name
+        OP, ALLOC, FREE = _C_TAGS
+        i, n = 0, len(log)
+        while i < n:
+            tag = log[i]
+            if tag == OP:
+                j = self.position
+                _, name_id, pm, node, used, ni, no, nw, na = log[i:i + 9]
+                k = i + 9
+                ins = tuple(log[k:k + ni])
+                k += ni
+                outs = tuple(log[k:k + no])
+                k += no
+                writes = tuple(log[k:k + nw])
+                k += nw
+                allocs = tuple(log[k:k + na])
+                i = k + na
+                name = names[name_id]
+                phase, module = _PHASES[pm & 3], pm >> 2
+                if writes:
+                    self._drop_stale_hosts(writes)
+                if mods is not None and phase == "backward":
+                    module = mods.node_modules.get(node, 0)
+                iv = idioms.get(name)
+                # positional, as _native_op builds it
+                op = Op(name, self._idiom_of(name) if iv is None else iv, phase,
+                        mods.paths[module] if mods is not None and module < len(mods.paths) else "",
+                        ins, outs, writes, allocs, 0.0, 0, 0, node)
+                ops.append(op)
+                busy = set(ins).union(outs)
+                if name.startswith("c10d::"):  # the observer does not see the Work: held until the step ends
+                    self._hold_for_collective(busy, None)
+                accessed = []
+                for sid in busy:
+                    s = st.get(sid)
+                    if s is None:
+                        continue
+                    s.last_access = j
+                    s.last_access_t = now
+                    s.count += 1
+                    if s.pf:
+                        s.pf = False
+                        cur.prefetch_hits += 1
+                    accessed.append(sid)
+                add((OPERATOR, j, op, accessed))
+                timeline.append((step, j, used, phase))
+                self.position = j + 1
+            elif tag == ALLOC:
+                sid, nb, fresh = log[i + 1], log[i + 2], log[i + 3]
+                i += 4
+                if st.get(sid) is None:
+                    self._new_native(sid, "temp" if fresh else "input", nb, True, self.position)
+                if not fresh:
+                    pos = self.position
+                    self._pre.setdefault(pos, []).append(sid)
+                    add((TOUCH_ALLOC, sid, -1 if pos == 0 else pos))
+            elif tag == FREE:
+                sid = log[i + 1]
+                i += 2
+                if sid in st:  # an unknown storage's death is told to nobody (_forget_native)
+                    dead.append((sid, self.position))
+                    add((TOUCH_FREE, sid))
+                else:
+                    self._saved_pending.discard(sid)
+            else:
+                internal_assert(False, f"runtime: corrupt native event log (tag {tag} at word {i})")
+        self.phase = phase
+        self._last_busy = busy
+        self._last_name = name
+        t1 = time.perf_counter()
+        try:
+            if events:
+                self.policy.on_operators(events, phase0)
+        finally:
+            cur.policy_seconds += time.perf_counter() - t1
+            frees = self._frees
+            for sid, pos in dead:  # _forget_native's work, the policy told already
+                self._saved_pending.discard(sid)
+                x = st.pop(sid, None)
+                if x is None:  # forgotten meanwhile (the policy's call reached a handler that read the table)
+                    continue
+                if x.status is not ABSENT:
+                    self.set_status(x, ABSENT)
+                self._drop_host(x)
+                frees.setdefault(pos, []).append(sid)
+                self._pinned.discard(sid)
 
     def _drop_stale_hosts(self, sids: Iterable[int]) -> None:
         """Storages written since their host copy was made (the observer clears ``host_valid`` on a

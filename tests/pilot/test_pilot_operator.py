@@ -10,7 +10,7 @@ import torch
 
 import dynn_runtime as dr
 from dynn_runtime.pilot.policy import PilotPolicy
-from dynn_runtime.policies.base import Policy
+from dynn_runtime.policies.base import OPERATOR, TOUCH_ALLOC, TOUCH_FREE, Policy
 from dynn_runtime.runtime.events import native_module
 from dynn_runtime.workload import load_workload, make_optimizer, train_step
 
@@ -71,6 +71,66 @@ class _Lockstep(PilotPolicy):
         if self.decisions != decisions or position % 5 == 0:
             assert_same(self, self.shadow, f"after operator {position} ({op.name})")
             self.compared += 1
+
+
+class _BulkLockstep(PilotPolicy):
+    """The runtime's pilot told in batches (``on_operators``), with a shadow told the same events one
+    notification at a time, with the view's phase and position as the per-operator path gives them and
+    its ``after_op`` asked after each operator (it must have nothing to do); after every batch both
+    must hold the same state."""
+
+    name = "pilot-bulk-lockstep"
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)
+        self.shadow = _PerNotification(**kw)
+        self.compared = self.batches = self.bulk_ops = 0
+        self._in_batch = False
+        for name in ("on_alloc", "on_free", "on_hint"):  # outside a batch, both are told
+            setattr(self, name, self._both(getattr(self, name), getattr(self.shadow, name)))
+
+    def _both(self, mine: object, shadow: object) -> object:
+        def call(*args: object) -> None:
+            mine(*args)
+            if not self._in_batch:
+                shadow(*args)
+        return call
+
+    def attach(self, view: object) -> None:
+        super().attach(view)
+        self.shadow.attach(view)
+
+    def begin_iteration(self, index: int, context: object = None) -> None:
+        super().begin_iteration(index, context)
+        self.shadow.begin_iteration(index, context)
+
+    def on_operators(self, events: object, phase: str) -> None:
+        self._in_batch = True
+        try:
+            super().on_operators(events, phase)
+        finally:
+            self._in_batch = False
+        view, shadow = self.view, self.shadow
+        kept = view.phase, view.position
+        try:
+            view.phase = phase
+            for ev in events:
+                if ev[0] == OPERATOR:
+                    _, j, op, accessed = ev
+                    view.phase, view.position = op.phase, j
+                    shadow.on_operator(j, op, accessed)
+                    assert shadow.after_op(j) == [], f"after operator {j}: operators_in_bulk broke its promise"
+                    self.bulk_ops += 1
+                elif ev[0] == TOUCH_ALLOC:
+                    shadow.on_alloc(ev[1], ev[2])
+                else:
+                    assert ev[0] == TOUCH_FREE
+                    shadow.on_free(ev[1])
+        finally:
+            view.phase, view.position = kept
+        self.batches += 1
+        assert_same(self, shadow, f"after the batch ending at operator {view.position - 1}")
+        self.compared += 1
 
 
 def assert_same(a: PilotPolicy, b: PilotPolicy, where: str) -> None:
@@ -148,6 +208,16 @@ def test_fused_operator_notification_keeps_the_per_notification_state(family, ba
     assert pol.compared > 50 and pol.decisions > 3
 
 
+@pytest.mark.parametrize(("family", "backend"), [("tree_lstm", "native"), ("moe", "numpy")])
+def test_operators_told_in_bulk_keep_the_per_notification_state(family, backend):
+    """The runtime tells the pilot a batch in one ``on_operators`` call (nothing away): after every batch
+    it holds the state of a pilot told each notification of the batch separately, and none of the
+    ``after_op`` calls the batch skips would have acted."""
+    pol = _BulkLockstep(backend=backend)
+    _run(family, pol, 1 << 40)
+    assert pol.batches > 10 and pol.bulk_ops > 200 and pol.decisions > 3
+
+
 def test_fused_operator_notification_keeps_the_state_where_the_optimizer_is_planned():
     """LayerDrop changes which parameters the optimizer updates, so from the second step the pilot
     re-plans the previous iteration's optimizer when the phase begins: the fused native path must
@@ -158,6 +228,9 @@ def test_fused_operator_notification_keeps_the_state_where_the_optimizer_is_plan
     pol = _Lockstep(backend="native")
     _run(spec, pol, 1 << 40, steps=5)
     assert pol.compared > 50 and pol.decisions > 3
+    bulk = _BulkLockstep(backend="native")
+    _run(spec, bulk, 1 << 40, steps=5)
+    assert bulk.batches > 10 and bulk.decisions > 3
 
 
 @pytest.mark.parametrize("family", ["evoformer", "moe"])
