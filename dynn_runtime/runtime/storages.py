@@ -9,7 +9,8 @@ between steps by the program stays put (only model state and what a step creates
 ``kind`` only ever gets more specific (``_RANK``).
 
 State (set by :meth:`MemoryManager._reset_state`): ``st``, ``_key_sid``, ``_next_sid``, ``_dead``,
-``_saved_pending``, ``_grad_pending``, ``_pinned``, ``_t0``, ``_slack_mark``.
+``_saved_pending``, ``_grad_pending``, ``_pinned``, ``_t0``, ``_slack_mark``; ``_tell_labels`` (set at attach:
+the policy ``reads_labels``).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class StorageTable:
                 s.kind = kind
                 if kind in _MOVABLE_ALWAYS and not s.movable:
                     s.movable = st.resizable()
+                self._labelled(sid)
             return sid
         n = st.nbytes()
         if n == 0:
@@ -156,6 +158,7 @@ class StorageTable:
             s.kind = kind
             if kind in _MOVABLE_ALWAYS and not s.movable:
                 s.movable = t.untyped_storage().resizable()
+            self._labelled(sid)
         return sid
 
     def _new_native(self, sid: int, kind: str, nbytes: int, movable: bool, born: int) -> _S:
@@ -167,7 +170,7 @@ class StorageTable:
         if sid in self._saved_pending:
             self._saved_pending.discard(sid)
             s.saved = True
-            if kind in ("temp", "input"):
+            if kind == "temp":  # the trace's rule (a saved input stays an input)
                 s.kind = "activation"
         if sid in self._grad_pending:  # labelled by the optimizer's pre-hook before its birth was read
             self._grad_pending.discard(sid)
@@ -237,10 +240,38 @@ class StorageTable:
             self._saved_pending.add(sid)  # born since the log was last read
         elif sid is not None:
             s = self.st[sid]
-            s.saved = True
-            if s.kind in ("temp", "input"):
-                s.kind = "activation"
+            if not s.saved:
+                s.saved = True
+                if s.kind == "temp":  # the trace's rule (a saved input stays an input)
+                    s.kind = "activation"
+                self._labelled(sid)
         return t.detach()
+
+    def _labelled(self, sid: int) -> None:
+        """``sid``'s kind or saved flag changed after the policy was told of it: a policy that reads
+        labels is told now (in a step it is told of; at a step's start every storage is announced
+        again with its labels as they are then)."""
+        if self._tell_labels and self._in_step and not self._measure_step:
+            with no_mode():
+                self.policy.on_label(sid)
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        """A parameter's gradient was accumulated (autograd's post-accumulate-grad hook, installed for
+        a policy that reads labels): labelled "grad" now, not when the optimizer starts."""
+        if self._in_step and p.grad is not None:
+            self._label_grad(p.grad)
+
+    def _label_grad(self, g: torch.Tensor) -> None:
+        """Label the gradient ``g`` "grad". On the native source, one whose birth the manager has not
+        read yet is labelled when it reads it (``_new_native``); one that dies first is never
+        registered in Python at all."""
+        obs = self._obs
+        if obs is not None and type(g) is torch.Tensor:
+            sid = obs.sid_of(g)
+            if sid >= 0 and sid not in self.st:
+                self._grad_pending.add(sid)
+                return
+        self._track(g, "grad", fresh=False)
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
