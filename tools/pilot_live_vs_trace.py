@@ -145,6 +145,39 @@ def map_storages(live_ops: list[Any], trace_ops: list[Any]) -> tuple[dict[int, i
     return m, pos, why
 
 
+def label_mismatches(live: dict[str, Any], trace: Any, iterations: range) -> tuple[int, list[tuple[Any, ...]]]:
+    """At the first live decision point of backward and of the optimizer in each of ``iterations``
+    (forward has saved all it saves; backward has made every gradient), the labels in the pilot's
+    rows (the kind one-hot and the saved flag) against the trace's final ones, for every candidate
+    mapped to a trace storage. Returns the candidates compared and the mismatches
+    ``(iteration, phase, trace kind, trace saved, live kind, live saved)``."""
+    from dynn_runtime.pilot.features import CAND_FEATURES
+    from dynn_runtime.trace.format import KINDS
+
+    saved_col = CAND_FEATURES.index("saved")
+    compared, bad = 0, []
+    for i in iterations:
+        ops = live["ops"][i]
+        smap, _, _ = map_storages(ops, trace.iterations[i].ops)
+        seen: set[str] = set()
+        for position, sids, X, _ctx in live["decisions"][i]:
+            phase = ops[position].phase
+            if phase == "forward" or phase in seen:
+                continue
+            seen.add(phase)
+            for r, sid in enumerate(sids.tolist()):
+                t = smap.get(sid)
+                if t is None:
+                    continue
+                st = trace.storages[t]
+                kind = KINDS[int(np.argmax(X[r, : len(KINDS)]))]
+                saved = bool(X[r, saved_col] > 0)
+                compared += 1
+                if kind != st.kind or saved != st.saved:
+                    bad.append((i, phase, st.kind, st.saved, kind, saved))
+    return compared, bad
+
+
 def _next_uses(ops: list[Any]) -> tuple[dict[int, int], np.ndarray]:
     from dynn_runtime.pilot.training.data import _access_index
 
@@ -296,6 +329,10 @@ def compare(workload: str, steps: int, preset: str, seed: int, fraction: float,
     out["context_differs"] = dict(ctx_diff.most_common(12))
     out["told_vs_trace"] = {f"{k[0]} ({k[1]})" if isinstance(k, tuple) else k: n
                             for k, n in told_vs_trace.most_common()}
+    compared, bad = label_mismatches(live, trace, range(1, min(steps, len(trace.iterations))))
+    out["labels_at_phase_starts"] = {"compared": compared, "mismatched": len(bad),
+                                     "by_kind": dict(Counter(f"{b[2]} saved={b[3]}: told {b[4]} saved={b[5]}"
+                                                             for b in bad))}
     out["seconds"] = time.perf_counter() - t0
     return out
 

@@ -227,6 +227,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._idiom_by_name: dict[str, tuple[int, ...]] = {}
         self._saved_pending: set[int] = set()
         self._grad_pending: set[int] = set()
+        self._saved_unlogged: list[tuple[int, torch.Tensor]] = []
         self._tell_labels = False
         self._engaged = False
         self._pending_error: BaseException | None = None

@@ -138,6 +138,8 @@ class NativeSource:
             return
         if in_step and not light and not self._measure_step:
             self._engaged = True
+        if self._saved_unlogged:
+            self._resolve_saved_unlogged()  # before the births they belong to are read
         words, names = obs.take_log(light)
         if names:
             self._names.extend(names)

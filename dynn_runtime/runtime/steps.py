@@ -313,6 +313,7 @@ class Steps:
         """After a sweep and the log read: each storage alive is in ``st``, so a pending label's
         storage died unread."""
         self._saved_pending.clear()
+        self._saved_unlogged.clear()
         self._grad_pending.clear()
 
     def _opt_pre(self, *args: Any) -> None:

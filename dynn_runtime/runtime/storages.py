@@ -9,7 +9,7 @@ between steps by the program stays put (only model state and what a step creates
 ``kind`` only ever gets more specific (``_RANK``).
 
 State (set by :meth:`MemoryManager._reset_state`): ``st``, ``_key_sid``, ``_next_sid``, ``_dead``,
-``_saved_pending``, ``_grad_pending``, ``_pinned``, ``_t0``, ``_slack_mark``; ``_tell_labels`` (set at attach:
+``_saved_pending``, ``_saved_unlogged``, ``_grad_pending``, ``_pinned``, ``_t0``, ``_slack_mark``; ``_tell_labels`` (set at attach:
 the policy ``reads_labels``).
 """
 
@@ -233,7 +233,15 @@ class StorageTable:
     def _pack(self, t: torch.Tensor) -> Any:
         if self._obs is not None:
             sid = self._obs.sid_of(t) if type(t) in (torch.Tensor, nn.Parameter) else -1
-            sid = None if sid < 0 else sid
+            if sid < 0:
+                if self._in_step and type(t) is torch.Tensor and t.device == self.device:
+                    # an output saved by the operator that makes it (layer norm's statistics, softmax):
+                    # autograd packs it before the observer has logged the operator; looked up again
+                    # once it has (the references last about one operator: autograd holds them anyway)
+                    if self._saved_unlogged:
+                        self._resolve_saved_unlogged()
+                    self._saved_unlogged.append((self._obs.position, t))
+                return t.detach()
         else:
             sid = self._sid(t)
         if sid is not None and sid not in self.st:
@@ -246,6 +254,28 @@ class StorageTable:
                     s.kind = "activation"
                 self._labelled(sid)
         return t.detach()
+
+    def _resolve_saved_unlogged(self) -> None:
+        """The outputs :meth:`_pack` met before the observer logged them, now that it has: labelled saved
+        (when their birth is read, or now if it was)."""
+        obs = self._obs
+        now = obs.position  # operators before it are logged
+        pending, self._saved_unlogged = self._saved_unlogged, []
+        for position, t in pending:
+            if position >= now:
+                self._saved_unlogged.append((position, t))
+                continue
+            sid = obs.sid_of(t)
+            if sid < 0:
+                continue
+            s = self.st.get(sid)
+            if s is None:
+                self._saved_pending.add(sid)
+            elif not s.saved:
+                s.saved = True
+                if s.kind == "temp":
+                    s.kind = "activation"
+                self._labelled(sid)
 
     def _labelled(self, sid: int) -> None:
         """``sid``'s kind or saved flag changed after the policy was told of it: a policy that reads
