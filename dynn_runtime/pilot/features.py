@@ -366,16 +366,14 @@ class FeatureState(ReplayState, MirrorState):
         positions; the stack indices after it move up by one (in place: the kernel reads these arrays)."""
         n = self._cap
         idx = self.stack_idx[:n]
-        self.stack_idx[s] = -1
-        on = idx >= 0
-        before = on & (self.stack_pos[:n] <= position)
-        if before.any():
-            x = int(idx[before].max()) + 1
-        elif on.any():
-            x = int(idx[on].min())
+        idx[s] = -1
+        # pushes are made in position order, so the ones after ``position`` hold the top indices
+        later = np.flatnonzero((self.stack_pos[:n] > position) & (idx >= 0))
+        if len(later):
+            x = int(idx[later].min())
+            idx[later] += 1
         else:
             x = self._stack_counter
-        idx[idx >= x] += 1
         idx[s] = x
         self.stack_pos[s] = position
         self._stack_counter += 1
