@@ -59,6 +59,14 @@ class _S(Record):
         self.stream = 0  # Python source, CUDA: the stream id of its last access (the native observer keeps its own)
 
 
+def _mark_saved(s: _S) -> None:
+    """Autograd saved ``s``. As in a trace, what the step made becomes an ``activation``, and an input
+    from outside the step (the batch, made between steps, so never movable) stays an ``input``."""
+    s.saved = True
+    if s.kind == "temp" or (s.kind == "input" and s.movable):
+        s.kind = "activation"
+
+
 def _storage_key(st: torch.UntypedStorage) -> int:
     return st._cdata
 
@@ -169,9 +177,7 @@ class StorageTable:
         s.born_pos = born
         if sid in self._saved_pending:
             self._saved_pending.discard(sid)
-            s.saved = True
-            if kind == "temp":  # the trace's rule (a saved input stays an input)
-                s.kind = "activation"
+            _mark_saved(s)
         if sid in self._grad_pending:  # labelled by the optimizer's pre-hook before its birth was read
             self._grad_pending.discard(sid)
             if _RANK["grad"] < _RANK[s.kind]:
@@ -249,9 +255,7 @@ class StorageTable:
         elif sid is not None:
             s = self.st[sid]
             if not s.saved:
-                s.saved = True
-                if s.kind == "temp":  # the trace's rule (a saved input stays an input)
-                    s.kind = "activation"
+                _mark_saved(s)
                 self._labelled(sid)
         return t.detach()
 
@@ -272,9 +276,7 @@ class StorageTable:
             if s is None:
                 self._saved_pending.add(sid)
             elif not s.saved:
-                s.saved = True
-                if s.kind == "temp":
-                    s.kind = "activation"
+                _mark_saved(s)
                 self._labelled(sid)
 
     def _labelled(self, sid: int) -> None:
