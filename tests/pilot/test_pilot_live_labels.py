@@ -19,13 +19,16 @@ from dynn_runtime.runtime.events import native_module
 pytestmark = pytest.mark.skipif(native_module() is None, reason="the native event source is not built")
 
 
-def test_live_labels_equal_the_traces_once_forward_and_backward_have_run() -> None:
+def test_live_labels_equal_the_traces_once_forward_and_backward_have_run(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
     from pilot_live_vs_trace import label_mismatches, live_run
 
     from dynn_runtime.trace import read_trace, record
 
     torch.set_num_threads(1)
+    # the native source (the Python source registers the batch at its first use in the step, as
+    # movable, and labels it otherwise than the trace once saved: docs/benchmarks.md, session 23)
+    monkeypatch.delenv("DYNN_EVENTS", raising=False)
     steps = 3
     live = live_run("moe", steps, "tiny", 0, 0.25)
     assert live["digest_ok"]  # bit-identical to PyTorch alone
