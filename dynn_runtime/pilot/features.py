@@ -337,6 +337,47 @@ class FeatureState(ReplayState, MirrorState):
         self.born_phase[s] = self.phase if position >= 0 else -1
         return s, kind, saved
 
+    def label(self, sid: int) -> None:
+        """``on_label``: the view knows more of ``sid``'s kind or saved flag than at its announcement
+        (live only: autograd saved it, or it became a gradient). Its row takes the view's labels, as a
+        trace's row has its storage's final ones from the start; and one that joins the
+        saved-activation stack in forward is pushed where the trace's rule pushed it: a storage produced
+        in this iteration at its production, an external one at its latest forward access."""
+        s = self._slot.get(sid)
+        if s is None:
+            return
+        view = self.view
+        kind_idx = _KIND_IDX.get(view.kind(sid), _KIND_IDX["temp"])
+        saved = 1.0 if view.saved(sid) else 0.0
+        self.kind[s] = kind_idx
+        self.saved[s] = saved
+        self.touched[s] = True
+        if self.phase != 0 or not saved or kind_idx <= 2:
+            return
+        if self.born[s] >= 0:
+            if self.stack_idx[s] < 0 and self.born_phase[s] == 0:
+                self._push_at(s, int(self.born[s]))
+        elif self.last_phase[s] == 0:
+            self._push_at(s, int(self.last[s]))
+
+    def _push_at(self, s: int, position: int) -> None:
+        """Push slot ``s`` on the saved-activation stack as if at operator ``position`` (at or before now):
+        after every push made at or before it, so the stack order stays the order of the pushes'
+        positions; the stack indices after it move up by one (in place: the kernel reads these arrays)."""
+        n = self._cap
+        idx = self.stack_idx[:n]
+        idx[s] = -1
+        # pushes are made in position order, so the ones after ``position`` hold the top indices
+        later = np.flatnonzero((self.stack_pos[:n] > position) & (idx >= 0))
+        if len(later):
+            x = int(idx[later].min())
+            idx[later] += 1
+        else:
+            x = self._stack_counter
+        idx[s] = x
+        self.stack_pos[s] = position
+        self._stack_counter += 1
+
     def free(self, sid: int) -> None:
         s = self._slot.pop(sid, None)
         if s is not None:

@@ -120,6 +120,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
     name = "pilot"
     reads_modules = True
     reads_saved = True
+    reads_labels = True
     requires = frozenset({"pilot"})
     description = "Belady over next uses predicted by the learned pilot model (idiom features)"
     Config: ClassVar[type[PilotPolicyConfig]] = PilotPolicyConfig
@@ -363,6 +364,11 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
     def on_hint(self, hint: Any) -> None:
         t0 = self._timer()
         self._state.hint(hint)
+        self.bookkeeping_s += self._timer() - t0
+
+    def on_label(self, sid: int) -> None:
+        t0 = self._timer()
+        self._state.label(sid)
         self.bookkeeping_s += self._timer() - t0
 
     def on_operator(self, position: int, op: Any, accessed: Sequence[int]) -> None:

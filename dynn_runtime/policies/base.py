@@ -33,7 +33,7 @@ trace of earlier iterations (``history``), knowledge of the future (``future``: 
 a trained pilot model (``pilot``), or a GPU (``gpu``). :func:`make_policy` checks those against
 what the caller can provide and says what is missing. What a mechanism must do differently for a
 policy is declared on its class too (``recomputes``, ``moves_nothing``, ``reads_operators``, ``sync_copies``,
-``page_bytes``, ``reads_modules``, ``reads_saved``, ``host_cost_as``): mechanisms read those, never a policy's name. A policy that lives outside this package
+``page_bytes``, ``reads_modules``, ``reads_saved``, ``reads_labels``, ``host_cost_as``): mechanisms read those, never a policy's name. A policy that lives outside this package
 (the pilot) is named with :func:`register_lazy`: its module is imported on the first lookup of its
 name, so this interface never imports its plug-ins.
 """
@@ -206,6 +206,10 @@ class Policy:
     reads_modules: ClassVar[bool] = False
     #: reads which storages autograd saved (``view.saved``): the mechanism hooks saved tensors for it
     reads_saved: ClassVar[bool] = False
+    #: keeps a storage's kind and saved flag from its announcement and wants them as early as the
+    #: mechanism can know them: the live runtime labels gradients as autograd accumulates them and
+    #: calls :meth:`on_label` when a label changes after the announcement
+    reads_labels: ClassVar[bool] = False
     #: page-granular demand migration (UVM); None for tensor-granular policies
     page_bytes: ClassVar[int | None] = None
     #: what this policy rebuilds instead of copying: ``"operators"`` (any dropped storage's producer,
@@ -286,6 +290,12 @@ class Policy:
 
     def on_hint(self, hint: Any) -> None:
         """The workload gave a :class:`~dynn_runtime.hints.Hint` before the next operator."""
+
+    def on_label(self, sid: int) -> None:
+        """``view.kind(sid)`` or ``view.saved(sid)`` says more than when ``sid`` was announced (live
+        only, to a policy that ``reads_labels``: autograd saved it, it became a parameter's gradient or
+        optimizer state). The simulator never calls it: a trace's labels are its storages' final ones
+        from the start."""
 
     def on_touches(self, events: Sequence[int]) -> None:
         """Allocations, accesses and frees since the last decision point, in the order they happened,

@@ -227,6 +227,8 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._idiom_by_name: dict[str, tuple[int, ...]] = {}
         self._saved_pending: set[int] = set()
         self._grad_pending: set[int] = set()
+        self._saved_unlogged: list[tuple[int, torch.Tensor]] = []
+        self._tell_labels = False
         self._engaged = False
         self._pending_error: BaseException | None = None
         self._last_busy: set[int] = set()
@@ -325,6 +327,13 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
                                         hooks=self._hooks_requested)
         # the parameters the model has at attach, the ones whose gradients each step labels "grad"
         self._grad_params = list(model.parameters())
+        # a policy that reads labels is told them as they change, and each gradient's as autograd
+        # accumulates it (else gradients are labelled when the optimizer starts)
+        self._tell_labels = type(self.policy).reads_labels
+        if self._tell_labels:
+            for p in self._grad_params:
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         for name, p in model.named_parameters():
             sid = self._track(p, "param", fresh=False)
             if sid is not None:

@@ -141,6 +141,8 @@ class NativeSource:
             return
         if in_step and not light and not self._measure_step:
             self._engaged = True
+        if self._saved_unlogged:
+            self._resolve_saved_unlogged()  # before the births they belong to are read
         words, names = obs.take_log(light)
         if names:
             self._names.extend(names)
@@ -188,8 +190,8 @@ class NativeSource:
                 sid, nb, fresh = log[i + 1], log[i + 2], log[i + 3]
                 i += 4
                 x = st.get(sid)
-                if x is None:
-                    x = self._new_native(sid, "temp" if fresh else "input", nb, in_step, self.position)
+                if x is None:  # born between steps: the program's input to the next one (the trace's kind)
+                    x = self._new_native(sid, "temp" if fresh and in_step else "input", nb, in_step, self.position)
                 if in_step and not fresh:
                     pos = self.position
                     self._pre.setdefault(pos, []).append(sid)

@@ -313,6 +313,7 @@ class Steps:
         """After a sweep and the log read: each storage alive is in ``st``, so a pending label's
         storage died unread."""
         self._saved_pending.clear()
+        self._saved_unlogged.clear()
         self._grad_pending.clear()
 
     def _opt_pre(self, *args: Any) -> None:
@@ -328,20 +329,12 @@ class Steps:
             self._obs.set_phase(-1)
 
     def _mark_kind_of_grads(self) -> None:
-        """Label the gradients "grad". On the native source, one whose birth the manager has not read
-        yet is labelled when it reads it (``_new_native``); one that dies first is never registered
-        in Python at all."""
-        track, obs, st, pending = self._track, self._obs, self.st, self._grad_pending
+        """Label the gradients "grad" (:meth:`_label_grad`)."""
+        label = self._label_grad
         for p in self._grad_params:
             g = p.grad
-            if g is None:
-                continue
-            if obs is not None and type(g) is torch.Tensor:
-                sid = obs.sid_of(g)
-                if sid >= 0 and sid not in st:
-                    pending.add(sid)
-                    continue
-            track(g, "grad", fresh=False)
+            if g is not None:
+                label(g)
 
     def _mark_optimizer_state(self) -> None:
         """Label the optimizer's state tensors. One already labelled is skipped while the same tensor

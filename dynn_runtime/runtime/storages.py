@@ -9,7 +9,8 @@ between steps by the program stays put (only model state and what a step creates
 ``kind`` only ever gets more specific (``_RANK``).
 
 State (set by :meth:`MemoryManager._reset_state`): ``st``, ``_key_sid``, ``_next_sid``, ``_dead``,
-``_saved_pending``, ``_grad_pending``, ``_pinned``, ``_t0``, ``_slack_mark``.
+``_saved_pending``, ``_saved_unlogged``, ``_grad_pending``, ``_pinned``, ``_t0``, ``_slack_mark``; ``_tell_labels`` (set at attach:
+the policy ``reads_labels``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ class _S(Record):
         self.born_pos = 0
         self.obs: Any = None  # the native observer, which must see the next access while a copy is in flight
         self.stream = 0  # Python source, CUDA: the stream id of its last access (the native observer keeps its own)
+
+
+def _mark_saved(s: _S) -> None:
+    """Autograd saved ``s``. As in a trace, what the step made becomes an ``activation``, and an input
+    from outside the step (the batch, made between steps, so never movable) stays an ``input``."""
+    s.saved = True
+    if s.kind == "temp" or (s.kind == "input" and s.movable):
+        s.kind = "activation"
 
 
 def _storage_key(st: torch.UntypedStorage) -> int:
@@ -106,6 +115,7 @@ class StorageTable:
                 s.kind = kind
                 if kind in _MOVABLE_ALWAYS and not s.movable:
                     s.movable = st.resizable()
+                self._labelled(sid)
             return sid
         n = st.nbytes()
         if n == 0:
@@ -156,6 +166,7 @@ class StorageTable:
             s.kind = kind
             if kind in _MOVABLE_ALWAYS and not s.movable:
                 s.movable = t.untyped_storage().resizable()
+            self._labelled(sid)
         return sid
 
     def _new_native(self, sid: int, kind: str, nbytes: int, movable: bool, born: int) -> _S:
@@ -166,9 +177,7 @@ class StorageTable:
         s.born_pos = born
         if sid in self._saved_pending:
             self._saved_pending.discard(sid)
-            s.saved = True
-            if kind in ("temp", "input"):
-                s.kind = "activation"
+            _mark_saved(s)
         if sid in self._grad_pending:  # labelled by the optimizer's pre-hook before its birth was read
             self._grad_pending.discard(sid)
             if _RANK["grad"] < _RANK[s.kind]:
@@ -230,17 +239,71 @@ class StorageTable:
     def _pack(self, t: torch.Tensor) -> Any:
         if self._obs is not None:
             sid = self._obs.sid_of(t) if type(t) in (torch.Tensor, nn.Parameter) else -1
-            sid = None if sid < 0 else sid
+            if sid < 0:
+                if self._in_step and type(t) is torch.Tensor and t.device == self.device:
+                    # an output saved by the operator that makes it (layer norm's statistics, softmax):
+                    # autograd packs it before the observer has logged the operator; looked up again
+                    # once it has (the references last about one operator: autograd holds them anyway)
+                    if self._saved_unlogged:
+                        self._resolve_saved_unlogged()
+                    self._saved_unlogged.append((self._obs.position, t))
+                return t.detach()
         else:
             sid = self._sid(t)
         if sid is not None and sid not in self.st:
             self._saved_pending.add(sid)  # born since the log was last read
         elif sid is not None:
             s = self.st[sid]
-            s.saved = True
-            if s.kind in ("temp", "input"):
-                s.kind = "activation"
+            if not s.saved:
+                _mark_saved(s)
+                self._labelled(sid)
         return t.detach()
+
+    def _resolve_saved_unlogged(self) -> None:
+        """The outputs :meth:`_pack` met before the observer logged them, now that it has: labelled saved
+        (when their birth is read, or now if it was)."""
+        obs = self._obs
+        now = obs.position  # operators before it are logged
+        pending, self._saved_unlogged = self._saved_unlogged, []
+        for position, t in pending:
+            if position >= now:
+                self._saved_unlogged.append((position, t))
+                continue
+            sid = obs.sid_of(t)
+            if sid < 0:
+                continue
+            s = self.st.get(sid)
+            if s is None:
+                self._saved_pending.add(sid)
+            elif not s.saved:
+                _mark_saved(s)
+                self._labelled(sid)
+
+    def _labelled(self, sid: int) -> None:
+        """``sid``'s kind or saved flag changed after the policy was told of it: a policy that reads
+        labels is told now (in a step it is told of; at a step's start every storage is announced
+        again with its labels as they are then)."""
+        if self._tell_labels and self._in_step and not self._measure_step:
+            with no_mode():
+                self.policy.on_label(sid)
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        """A parameter's gradient was accumulated (autograd's post-accumulate-grad hook, installed for
+        a policy that reads labels): labelled "grad" now, not when the optimizer starts."""
+        if self._in_step and p.grad is not None:
+            self._label_grad(p.grad)
+
+    def _label_grad(self, g: torch.Tensor) -> None:
+        """Label the gradient ``g`` "grad". On the native source, one whose birth the manager has not
+        read yet is labelled when it reads it (``_new_native``); one that dies first is never
+        registered in Python at all."""
+        obs = self._obs
+        if obs is not None and type(g) is torch.Tensor:
+            sid = obs.sid_of(g)
+            if sid >= 0 and sid not in self.st:
+                self._grad_pending.add(sid)
+                return
+        self._track(g, "grad", fresh=False)
 
     def now(self) -> float:
         return time.perf_counter() - self._t0

@@ -42,7 +42,7 @@ class _Lockstep(PilotPolicy):
         self.compared = 0
         # what the runtime tells outside on_operator goes to both; instance attributes, so that the
         # class's on_alloc stays the pilot's and its on_operator stays fused
-        for name in ("on_alloc", "on_free", "on_hint"):
+        for name in ("on_alloc", "on_free", "on_hint", "on_label"):
             setattr(self, name, self._both(getattr(self, name), getattr(self.shadow, name)))
 
     @staticmethod
