@@ -86,7 +86,7 @@ class _BulkLockstep(PilotPolicy):
         self.shadow = _PerNotification(**kw)
         self.compared = self.batches = self.bulk_ops = 0
         self._in_batch = False
-        for name in ("on_alloc", "on_free", "on_hint"):  # outside a batch, both are told
+        for name in ("on_alloc", "on_free", "on_hint", "on_label"):  # outside a batch, both are told
             setattr(self, name, self._both(getattr(self, name), getattr(self.shadow, name)))
 
     def _both(self, mine: object, shadow: object) -> object:
