@@ -65,28 +65,39 @@ class LRUPolicy(Policy):
 
     def on_touches(self, events: Sequence[int]) -> None:
         # on_alloc / on_access / on_free inlined, in the same order: the same state
-        # (SmallStorages.access inlined: its threshold changes only in alloc)
+        # (SmallStorages' alloc, access and free inlined on local copies of its counters)
         order, small = self._order, self._small
         move = order.move_to_end
         classes = bool(self.small_fraction)
         sizes, smalls, fraction = small._bytes, small._small, small.fraction
-        threshold = fraction * small._peak
+        live, peak = small._live, small._peak
+        threshold = fraction * peak
         for i in range(0, len(events), 4):
             kind, sid = events[i], events[i + 1]
             if kind == TOUCH_FREE:
                 order.pop(sid, None)
-                small.free(sid)
+                live -= sizes.pop(sid, 0)
+                smalls.discard(sid)
                 continue
             order[sid] = None
             move(sid)
             if classes:
                 if kind == TOUCH_ALLOC:
-                    small.alloc(sid, events[i + 3])
-                    threshold = fraction * small._peak
+                    nbytes = events[i + 3]
+                    live += nbytes - sizes.get(sid, 0)
+                    sizes[sid] = nbytes
+                    if live > peak:
+                        peak = live
+                        threshold = fraction * peak
+                    if nbytes < threshold:
+                        smalls.add(sid)
+                    else:
+                        smalls.discard(sid)
                 elif sizes.get(sid, 0) < threshold:
                     smalls.add(sid)
                 else:
                     smalls.discard(sid)
+        small._live, small._peak = live, peak
 
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
         view = self.view
