@@ -2,7 +2,9 @@
 // done in C++ so that Python runs only at decision points.
 //
 // An `Observer` puts a dispatch key of its own in the calling thread's included key set (autograd's
-// worker threads inherit it) and serves that key with a boxed fallback. The key sits above autograd,
+// worker threads inherit it) and serves that key with a boxed fallback, and the most frequent
+// operators with unboxed kernels of its own that do the same on typed arguments (no boxing of their
+// arguments, no unboxing for the kernel below; `register_unboxed`). The key sits above autograd,
 // so the fallback sees each operator once as its caller called it; composite-implicit operators fall
 // through the key (their decompositions reach it instead), and the fallback excludes the key while
 // the kernel runs, so operators a kernel calls internally do not reach it. For each operator it
