@@ -2,7 +2,9 @@
 // done in C++ so that Python runs only at decision points.
 //
 // An `Observer` puts a dispatch key of its own in the calling thread's included key set (autograd's
-// worker threads inherit it) and serves that key with a boxed fallback. The key sits above autograd,
+// worker threads inherit it) and serves that key with a boxed fallback, and the most frequent
+// operators with unboxed kernels of its own that do the same on typed arguments (no boxing of their
+// arguments, no unboxing for the kernel below; `register_unboxed`). The key sits above autograd,
 // so the fallback sees each operator once as its caller called it; composite-implicit operators fall
 // through the key (their decompositions reach it instead), and the fallback excludes the key while
 // the kernel runs, so operators a kernel calls internally do not reach it. For each operator it
@@ -40,8 +42,12 @@
 //      `used` is covered (`exposed_` == 0), deaths are known without sweeping the table, so `used`
 //      and the peak are exact with no sweep. Covering never changes what is freed or when; only
 //      deleters whose context is the data pointer itself (the CPU and CUDA allocators') are wrapped.
+//  10. A wrapped number (a Python scalar an operator's binding made a tensor of) is never tracked: no
+//      entry, no log record, no fault. Nothing but that operator's argument holds it, so it can be
+//      neither away nor read by a later kernel.
 
 #include <ATen/ATen.h>
+#include <ATen/Operators.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/StorageImpl.h>
@@ -61,6 +67,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -134,6 +142,70 @@ struct Ctx {
 };
 
 void dispatch_cb(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+void register_unboxed(torch::Library& lib);
+
+// The tensors in one typed argument or return value of an operator with an unboxed kernel at the
+// key. Every type such an operator takes or returns must be listed: a tensor-holding type missing
+// here would hide its tensors from the observer (a fault missed), so any type that is neither a
+// tensor container below nor a known plain type fails to compile.
+template <class T>
+struct Plain : std::false_type {};
+#define DYNN_PLAIN(...) \
+  template <>           \
+  struct Plain<__VA_ARGS__> : std::true_type {}
+DYNN_PLAIN(bool);
+DYNN_PLAIN(int64_t);
+DYNN_PLAIN(double);
+DYNN_PLAIN(at::Scalar);
+DYNN_PLAIN(c10::SymInt);
+DYNN_PLAIN(at::IntArrayRef);
+DYNN_PLAIN(c10::SymIntArrayRef);
+DYNN_PLAIN(at::OptionalIntArrayRef);
+DYNN_PLAIN(at::OptionalSymIntArrayRef);
+DYNN_PLAIN(at::ScalarType);
+DYNN_PLAIN(c10::string_view);
+DYNN_PLAIN(std::array<bool, 3>);
+DYNN_PLAIN(std::optional<at::Scalar>);
+DYNN_PLAIN(std::optional<int64_t>);
+DYNN_PLAIN(std::optional<double>);
+DYNN_PLAIN(std::optional<bool>);
+DYNN_PLAIN(std::optional<c10::SymInt>);
+DYNN_PLAIN(std::optional<at::ScalarType>);
+DYNN_PLAIN(std::optional<at::Layout>);
+DYNN_PLAIN(std::optional<at::Device>);
+DYNN_PLAIN(std::optional<at::MemoryFormat>);
+DYNN_PLAIN(std::optional<at::Generator>);
+DYNN_PLAIN(std::optional<c10::string_view>);
+#undef DYNN_PLAIN
+
+template <class T, class F>
+void visit_tensors(const T&, F&&) {
+  static_assert(Plain<std::decay_t<T>>::value, "dynn: an operator argument or return type the unboxed observer does not know");
+}
+template <class F>
+void visit_tensors(const at::Tensor& t, F&& f) {
+  f(t);
+}
+template <class F>
+void visit_tensors(const std::optional<at::Tensor>& t, F&& f) {
+  if (t.has_value()) f(*t);
+}
+template <class F>
+void visit_tensors(const at::TensorList& ts, F&& f) {
+  for (const at::Tensor& t : ts) f(t);
+}
+template <class F>
+void visit_tensors(const at::ITensorListRef& ts, F&& f) {
+  for (const at::Tensor& t : ts) f(t);
+}
+template <class F>
+void visit_tensors(const std::vector<at::Tensor>& ts, F&& f) {
+  for (const at::Tensor& t : ts) f(t);
+}
+template <class F, class... Ts>
+void visit_tensors(const std::tuple<Ts...>& tp, F&& f) {
+  std::apply([&](const auto&... x) { (visit_tensors(x, f), ...); }, tp);
+}
 
 // The key's registrations, made once per process at the first start: the fallback, and a
 // fallthrough for every operator the observer skips, so that those cost nothing at the key.
@@ -142,6 +214,7 @@ struct Registrations {
   std::string problem;  // why the key cannot be served ("" where it can)
   std::unique_ptr<torch::Library> fallback;
   std::unordered_map<std::string, std::unique_ptr<torch::Library>> skips;  // by namespace
+  std::unique_ptr<torch::Library> unboxed;  // the unboxed kernels (register_unboxed)
 };
 
 // Operators the observer does not log: composite-implicit ones without a kernel of their own (what
@@ -185,6 +258,8 @@ Registrations& registrations() {
       if (!name.overload_name.empty()) full += "." + name.overload_name;
       lib->impl(full.c_str(), torch::CppFunction::makeFallthrough());
     }
+    r->unboxed = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", kKey, __FILE__, __LINE__);
+    register_unboxed(*r->unboxed);
     g_registered = true;
     return r;
   }();
@@ -280,6 +355,14 @@ class Observer {
     if (impl == nullptr) return -1;
     Entry** e = table_.find(key(impl));
     return e == nullptr ? -1 : (*e)->sid;
+  }
+
+  // sid_of() of each tensor, in one call (the optimizer's pre-hook asks for every gradient).
+  std::vector<int64_t> sids_of(const std::vector<at::Tensor>& ts) {
+    std::vector<int64_t> out;
+    out.reserve(ts.size());
+    for (const at::Tensor& t : ts) out.push_back(sid_of(t));
+    return out;
   }
 
   // The storage behind `sid` as a Python object, or None if it died.
@@ -472,6 +555,9 @@ class Observer {
     // tensor subclasses and wrappers (fake, functional) manage their own storage
     if (t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize})))
       return nullptr;
+    // a Python number wrapped for one operator (`x.add_(1)`): only that operator's arguments hold it,
+    // and on an accelerator it lives on the CPU anyway; untracked on every device alike (invariant 10)
+    if (t.unsafeGetTensorImpl()->is_wrapped_number()) return nullptr;
     return t.storage().unsafeGetStorageImpl();
   }
 
@@ -572,6 +658,8 @@ class Observer {
 
   // ---- the operator -------------------------------------------------------------------------
  public:
+  // The boxed path: every operator without an unboxed kernel at the key (below) reaches it with
+  // its arguments on a stack.
   void dispatch(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
     const c10::DispatchKeySet below = ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kKey);
     OpInfo& inf = info(op);
@@ -579,80 +667,135 @@ class Observer {
       op.redispatchBoxed(below, stack);
       return;
     }
-    if (depth_ == ctxs_.size()) ctxs_.push_back(std::make_unique<Ctx>());
-    Ctx& ctx = *ctxs_[depth_++];
-    ctx.clear();
-    struct Leave {
-      size_t& depth;
-      ~Leave() { --depth; }
-    } leave{depth_};
-    before(op, inf, *stack, ctx);
-    {
-      c10::impl::ExcludeDispatchKeyGuard inside(kKey);
-      op.redispatchBoxed(below, stack);
-    }
-    after(op, inf, *stack, ctx);
-  }
-
- private:
-  void before(const c10::OperatorHandle& op, const OpInfo& inf, const torch::jit::Stack& stack, Ctx& ctx) {
+    Ctx& ctx = enter();
+    Leave leave{depth_};
     const size_t n = op.schema().arguments().size();
-    const size_t first = stack.size() - n;
+    const size_t first = stack->size() - n;
     size_t w = 0;  // next entry of inf.writes (ascending)
     for (size_t i = 0; i < n; ++i) {
       const bool written = w < inf.writes.size() && inf.writes[w] == static_cast<int>(i);
       if (written) ++w;
-      for_tensors(stack[first + i], [&](const at::Tensor& t) {
-        c10::StorageImpl* impl = managed_impl(t);
-        if (impl == nullptr) return;
-        Entry* e = lookup_or_add(impl, t, /*fresh=*/false).first;
-        const size_t n_ins = ctx.ins.size();
-        add_unique(ctx.ins, e->sid);
-        if (ctx.ins.size() != n_ins) ctx.in_entries.push_back(e);
-        if (e->away || e->watch) add_unique(ctx.fault, e->sid);
-        if (written) {
-          add_unique(ctx.writes, e->sid);
-          e->host_valid = false;
-        }
-      });
+      for_tensors((*stack)[first + i], [&](const at::Tensor& t) { see_input(t, written, ctx); });
     }
+    before_kernel(op.schema().name().c_str(), ctx);
+    {
+      c10::impl::ExcludeDispatchKeyGuard inside(kKey);
+      op.redispatchBoxed(below, stack);
+    }
+    const int64_t j = begin_outputs();
+    const int64_t stream = current_stream();
+    int64_t made = 0;
+    const size_t n_out = op.schema().returns().size();
+    for (size_t r = stack->size() - n_out; r < stack->size(); ++r)
+      for_tensors((*stack)[r], [&](const at::Tensor& t) { see_output(t, j, stream, made, ctx); });
+    finish(inf, j, made, ctx);
+  }
+
+  // The unboxed path, for the operators registered with `Unboxed<Op>` (below): the same steps as
+  // dispatch(), on the typed arguments, so that PyTorch neither boxes them nor unboxes them again
+  // for the kernel. Argument i of the C++ signature is argument i of the schema (the dispatcher's
+  // calling convention), so the schema's written indices apply as they are.
+  template <class Op, class Ret, class... Args>
+  Ret dispatch_unboxed(const c10::OperatorHandle& op, c10::DispatchKeySet below, Args... args) {
+    OpInfo& inf = info(op);
+    if (inf.skip) return Op::redispatch(below, args...);
+    Ctx& ctx = enter();
+    Leave leave{depth_};
+    size_t i = 0, w = 0;
+    auto in = [&](const auto& arg) {
+      const bool written = w < inf.writes.size() && inf.writes[w] == static_cast<int>(i);
+      if (written) ++w;
+      ++i;
+      visit_tensors(arg, [&](const at::Tensor& t) { see_input(t, written, ctx); });
+    };
+    (in(args), ...);
+    before_kernel(Op::name, ctx);
+    if constexpr (std::is_void_v<Ret>) {
+      {
+        c10::impl::ExcludeDispatchKeyGuard inside(kKey);
+        Op::redispatch(below, args...);
+      }
+      finish(inf, begin_outputs(), 0, ctx);
+    } else {
+      Ret out = [&]() -> Ret {
+        c10::impl::ExcludeDispatchKeyGuard inside(kKey);
+        return Op::redispatch(below, args...);
+      }();
+      const int64_t j = begin_outputs();
+      const int64_t stream = current_stream();
+      int64_t made = 0;
+      visit_tensors(out, [&](const at::Tensor& t) { see_output(t, j, stream, made, ctx); });
+      finish(inf, j, made, ctx);
+      return out;
+    }
+  }
+
+ private:
+  struct Leave {
+    size_t& depth;
+    ~Leave() { --depth; }
+  };
+
+  Ctx& enter() {
+    if (depth_ == ctxs_.size()) ctxs_.push_back(std::make_unique<Ctx>());
+    Ctx& ctx = *ctxs_[depth_++];
+    ctx.clear();
+    return ctx;
+  }
+
+  // One tensor among the operator's arguments (`written`: the schema marks its argument written).
+  void see_input(const at::Tensor& t, bool written, Ctx& ctx) {
+    c10::StorageImpl* impl = managed_impl(t);
+    if (impl == nullptr) return;
+    Entry* e = lookup_or_add(impl, t, /*fresh=*/false).first;
+    const size_t n_ins = ctx.ins.size();
+    add_unique(ctx.ins, e->sid);
+    if (ctx.ins.size() != n_ins) ctx.in_entries.push_back(e);
+    if (e->away || e->watch) add_unique(ctx.fault, e->sid);
+    if (written) {
+      add_unique(ctx.writes, e->sid);
+      e->host_valid = false;
+    }
+  }
+
+  // After the inputs were seen, before the kernel runs: faults, then the inputs' accesses.
+  void before_kernel(const char* name, Ctx& ctx) {
     ++observed_;
     if (!ctx.fault.empty()) {
       ++faults_;
-      call(on_fault_, [&] {
-        return py::make_tuple(py::cast(ctx.fault), py::cast(ctx.ins), py::str(op.schema().name()));
-      });
+      call(on_fault_, [&] { return py::make_tuple(py::cast(ctx.fault), py::cast(ctx.ins), py::str(name)); });
     }
-    // The inputs' accesses, at the position after() gives the operator: once the fault handler
+    // The inputs' accesses, at the position finish() gives the operator: once the fault handler
     // has seen the previous ones, and before the kernel, which may free an input (set_): its entry
-    // may be gone in after(). Until then each is alive (the stack holds it), so no sweep erased it.
+    // may be gone after it. Until then each is alive (the arguments hold it), so no sweep erased it.
     const int64_t stream = current_stream();
     for (Entry* e : ctx.in_entries) touch(*e, position_, stream);
   }
 
-  void after(const c10::OperatorHandle& op, const OpInfo& inf, const torch::jit::Stack& stack, Ctx& ctx) {
+  // After the kernel: releases reported while it ran are acted on first; returns the operator's position.
+  int64_t begin_outputs() {
     drain();
+    return position_++;
+  }
+
+  // One tensor the operator returned.
+  void see_output(const at::Tensor& t, int64_t j, int64_t stream, int64_t& made, Ctx& ctx) {
+    c10::StorageImpl* impl = managed_impl(t);
+    if (impl == nullptr) return;
+    const auto [e, added] = lookup_or_add(impl, t, /*fresh=*/true);
+    if (added) {  // a new entry: its sid is not in allocs yet
+      ctx.allocs.push_back(e->sid);
+      made += e->nbytes;
+    }
+    const size_t n_outs = ctx.outs.size();
+    add_unique(ctx.outs, e->sid);
+    if (ctx.outs.size() != n_outs) touch(*e, j, stream);
+  }
+
+  // The operator's log record, sweeps, the peak, and the decision handler when one is due.
+  void finish(const OpInfo& inf, int64_t j, int64_t made, Ctx& ctx) {
     std::vector<int64_t>& outs = ctx.outs;
     std::vector<int64_t>& allocs = ctx.allocs;
-    const int64_t j = position_++;
-    const int64_t stream = current_stream();
-    int64_t made = 0;
-    const size_t n_out = op.schema().returns().size();
-    for (size_t r = stack.size() - n_out; r < stack.size(); ++r) {
-      const c10::IValue& v = stack[r];
-      for_tensors(v, [&](const at::Tensor& t) {
-        c10::StorageImpl* impl = managed_impl(t);
-        if (impl == nullptr) return;
-        const auto [e, added] = lookup_or_add(impl, t, /*fresh=*/true);
-        if (added) {  // a new entry: its sid is not in allocs yet
-          allocs.push_back(e->sid);
-          made += e->nbytes;
-        }
-        const size_t n_outs = outs.size();
-        add_unique(outs, e->sid);
-        if (outs.size() != n_outs) touch(*e, j, stream);
-      });
-    }
     // the autograd node: in backward the one running; in forward the one this op created, if any
     int64_t node = -1;
     const int64_t phase = current_phase();
@@ -780,12 +923,111 @@ void dispatch_cb(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::j
   self->dispatch(op, ks, stack);
 }
 
+// An operator's unboxed kernel at the key: the observer's work on its typed arguments
+// (Observer::dispatch_unboxed), for the operators the zoo, the README's example and the optimizers
+// call most; the boxed fallback serves every other operator. The kernel receives the dispatch key
+// set first, as redispatching kernels do.
+template <class Op, class Sig = typename Op::schema>
+struct Unboxed;
+template <class Op, class Ret, class... Args>
+struct Unboxed<Op, Ret(Args...)> {
+  static Ret call(c10::DispatchKeySet ks, Args... args) {
+    const c10::DispatchKeySet below = ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kKey);
+    Observer* self = g_active.load(std::memory_order_relaxed);
+    if (self == nullptr) {  // as in dispatch_cb: the key is still included where no observer runs
+      c10::impl::ExcludeDispatchKeyGuard off(kKey);
+      return Op::redispatch(below, args...);
+    }
+    static const c10::OperatorHandle handle =
+        c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, Op::overload_name);
+    return self->template dispatch_unboxed<Op, Ret, Args...>(handle, below, args...);
+  }
+};
+
+template <class Op>
+void register_one(torch::Library& lib) {
+  auto op = c10::Dispatcher::singleton().findSchema({Op::name, Op::overload_name});
+  if (!op.has_value() || skipped(*op) || op->hasKernelForDispatchKey(kKey)) return;
+  std::string full = Op::name;
+  if (Op::overload_name[0] != '\0') full += std::string(".") + Op::overload_name;
+  lib.impl(full.c_str(), torch::CppFunction::makeFromUnboxedFunction(TORCH_FN(Unboxed<Op>::call)));
+}
+
+void register_unboxed(torch::Library& lib) {
+  // the optimizers' element-wise updates (single-tensor Adam, SGD, ...)
+  register_one<at::_ops::add__Tensor>(lib);
+  register_one<at::_ops::mul__Tensor>(lib);
+  register_one<at::_ops::lerp__Scalar>(lib);
+  register_one<at::_ops::addcmul_>(lib);
+  register_one<at::_ops::addcdiv_>(lib);
+  register_one<at::_ops::sqrt>(lib);
+  register_one<at::_ops::div_Tensor>(lib);
+  register_one<at::_ops::div_Scalar>(lib);
+  register_one<at::_ops::_local_scalar_dense>(lib);
+  // forward and backward
+  register_one<at::_ops::add_Tensor>(lib);
+  register_one<at::_ops::sub_Tensor>(lib);
+  register_one<at::_ops::mul_Tensor>(lib);
+  register_one<at::_ops::t>(lib);
+  register_one<at::_ops::mm>(lib);
+  register_one<at::_ops::addmm>(lib);
+  register_one<at::_ops::bmm>(lib);
+  register_one<at::_ops::view>(lib);
+  register_one<at::_ops::_unsafe_view>(lib);
+  register_one<at::_ops::_reshape_alias>(lib);
+  register_one<at::_ops::expand>(lib);
+  register_one<at::_ops::transpose_int>(lib);
+  register_one<at::_ops::permute>(lib);
+  register_one<at::_ops::select_int>(lib);
+  register_one<at::_ops::slice_Tensor>(lib);
+  register_one<at::_ops::squeeze_dim>(lib);
+  register_one<at::_ops::unsqueeze>(lib);
+  register_one<at::_ops::index_select>(lib);
+  register_one<at::_ops::index_add_>(lib);
+  register_one<at::_ops::index_add>(lib);
+  register_one<at::_ops::new_zeros>(lib);
+  register_one<at::_ops::sum_dim_IntList>(lib);
+  register_one<at::_ops::mean_dim>(lib);
+  register_one<at::_ops::relu>(lib);
+  register_one<at::_ops::threshold_backward>(lib);
+  register_one<at::_ops::sigmoid>(lib);
+  register_one<at::_ops::sigmoid_backward>(lib);
+  register_one<at::_ops::tanh>(lib);
+  register_one<at::_ops::tanh_backward>(lib);
+  register_one<at::_ops::gelu>(lib);
+  register_one<at::_ops::gelu_backward>(lib);
+  register_one<at::_ops::_softmax>(lib);
+  register_one<at::_ops::_softmax_backward_data>(lib);
+  register_one<at::_ops::native_layer_norm>(lib);
+  register_one<at::_ops::native_layer_norm_backward>(lib);
+  register_one<at::_ops::clone>(lib);
+  register_one<at::_ops::copy_>(lib);
+  register_one<at::_ops::cat>(lib);
+  register_one<at::_ops::stack>(lib);
+  register_one<at::_ops::split_Tensor>(lib);
+  register_one<at::_ops::unbind_int>(lib);
+  register_one<at::_ops::clamp_min>(lib);
+  register_one<at::_ops::linalg_vector_norm>(lib);
+  register_one<at::_ops::masked_fill_Scalar>(lib);
+  register_one<at::_ops::eq_Scalar>(lib);
+  register_one<at::_ops::ones_like>(lib);
+  register_one<at::_ops::empty_memory_format>(lib);
+  register_one<at::_ops::mse_loss>(lib);
+  register_one<at::_ops::mse_loss_backward>(lib);
+  // the zoo's own data (random draws inside a step)
+  register_one<at::_ops::linspace>(lib);
+  register_one<at::_ops::rand_generator>(lib);
+  register_one<at::_ops::randn_generator>(lib);
+  register_one<at::_ops::randint_low_generator>(lib);
+  register_one<at::_ops::multinomial>(lib);
+}
+
 }  // namespace
 }  // namespace dynn
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 3;
+  m.attr("ABI") = 4;
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
   m.attr("LOG_FREE") = dynn::kFree;
@@ -812,6 +1054,7 @@ PYBIND11_MODULE(_C, m) {
       .def("set_seen_backward", &Observer::set_seen_backward)
       .def("track", &Observer::track)
       .def("sid_of", &Observer::sid_of)
+      .def("sids_of", &Observer::sids_of)
       .def("storage", &Observer::storage)
       .def("set_away", &Observer::set_away)
       .def("set_host_valid", &Observer::set_host_valid)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from itertools import accumulate, repeat
+from operator import sub
 from typing import ClassVar
 
 from .base import (
@@ -65,28 +67,68 @@ class LRUPolicy(Policy):
 
     def on_touches(self, events: Sequence[int]) -> None:
         # on_alloc / on_access / on_free inlined, in the same order: the same state
-        # (SmallStorages.access inlined: its threshold changes only in alloc)
+        # (SmallStorages' alloc, access and free inlined on local copies of its counters)
+        if events[0::4].count(TOUCH_ALLOC) * 4 == len(events) and self._allocs_at_once(events):
+            return
         order, small = self._order, self._small
         move = order.move_to_end
         classes = bool(self.small_fraction)
         sizes, smalls, fraction = small._bytes, small._small, small.fraction
-        threshold = fraction * small._peak
+        live, peak = small._live, small._peak
+        threshold = fraction * peak
         for i in range(0, len(events), 4):
             kind, sid = events[i], events[i + 1]
             if kind == TOUCH_FREE:
                 order.pop(sid, None)
-                small.free(sid)
+                live -= sizes.pop(sid, 0)
+                smalls.discard(sid)
                 continue
             order[sid] = None
             move(sid)
             if classes:
                 if kind == TOUCH_ALLOC:
-                    small.alloc(sid, events[i + 3])
-                    threshold = fraction * small._peak
+                    nbytes = events[i + 3]
+                    live += nbytes - sizes.get(sid, 0)
+                    sizes[sid] = nbytes
+                    if live > peak:
+                        peak = live
+                        threshold = fraction * peak
+                    if nbytes < threshold:
+                        smalls.add(sid)
+                    else:
+                        smalls.discard(sid)
                 elif sizes.get(sid, 0) < threshold:
                     smalls.add(sid)
                 else:
                     smalls.discard(sid)
+        small._live, small._peak = live, peak
+
+    def _allocs_at_once(self, events: Sequence[int]) -> bool:
+        """A batch of allocations of distinct storages (what the program holds, announced when a
+        step starts) applied as whole-list operations, to the state the ``on_alloc`` calls in turn
+        would leave: the storages last in the order, in the batch's order; each storage's size
+        counted again, the running footprint's maximum after each; each classed by the threshold of
+        its moment. False (nothing done) where a storage comes twice."""
+        sids = events[1::4]
+        told = set(sids)
+        if len(told) != len(sids):
+            return False
+        if not sids:
+            return True
+        self._order = OrderedDict.fromkeys([sid for sid in self._order if sid not in told] + list(sids))
+        if not self.small_fraction:
+            return True
+        small = self._small
+        sizes, fraction = small._bytes, small.fraction
+        nbytes = events[3::4]
+        live = list(accumulate(map(sub, nbytes, map(sizes.get, sids, repeat(0))), initial=small._live))
+        peaks = list(accumulate(live, max, initial=small._peak))[2:]  # the maximum after each allocation
+        sizes.update(zip(sids, nbytes))
+        small._live, small._peak = live[-1], max(small._peak, peaks[-1])
+        smalls = small._small
+        smalls.difference_update(sids)
+        smalls.update(sid for sid, n, p in zip(sids, nbytes, peaks) if n < fraction * p)
+        return True
 
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
         view = self.view

@@ -28,7 +28,7 @@ from .. import hints
 from ..errors import BudgetError, ConfigError
 from ..hints import Hint
 from ..memory import format_bytes
-from ..policies.base import IterationContext, Policy
+from ..policies.base import TOUCH_ALLOC, IterationContext, Policy, tells_in_bulk
 from ..residency import Status
 from ..trace.format import Iteration
 from .devicemem import default_budget
@@ -201,11 +201,20 @@ class Steps:
         with no_mode():
             ctx = IterationContext(history=list(self.history), trace=self._trace)
             self.policy.begin_iteration(self._step_index, ctx)
-            if type(self.policy).on_alloc is not Policy.on_alloc:  # what the program holds, told to a policy that listens
-                on_alloc = self.policy.on_alloc
-                for sid, s in list(self.st.items()):
-                    if s.status != ABSENT:
-                        on_alloc(sid, -1)
+            pol = self.policy
+            if type(pol).on_alloc is not Policy.on_alloc:  # what the program holds, told to a policy that listens
+                if tells_in_bulk(type(pol)):  # the same on_alloc(sid, -1) calls, in one on_touches
+                    held: list[int] = []
+                    add = held.extend
+                    for sid, s in self.st.items():
+                        if s.status is not ABSENT:
+                            add((TOUCH_ALLOC, sid, -1, s.nbytes))
+                    pol.on_touches(held)
+                else:
+                    on_alloc = pol.on_alloc
+                    for sid, s in list(self.st.items()):
+                        if s.status != ABSENT:
+                            on_alloc(sid, -1)
             self._map_oracle_persistent()
             if not self._measure_step and self.used > self.budget:
                 # what the program holds between steps may exceed the budget (after the measuring
@@ -329,12 +338,22 @@ class Steps:
             self._obs.set_phase(-1)
 
     def _mark_kind_of_grads(self) -> None:
-        """Label the gradients "grad" (:meth:`_label_grad`)."""
-        label = self._label_grad
-        for p in self._grad_params:
-            g = p.grad
-            if g is not None:
-                label(g)
+        """Label the gradients "grad", as :meth:`_label_grad` does one, with the sids looked up in one
+        native call."""
+        track, obs, st, pending = self._track, self._obs, self.st, self._grad_pending
+        grads = [g for g in (p.grad for p in self._grad_params) if g is not None]
+        if obs is None:
+            for g in grads:
+                track(g, "grad", fresh=False)
+            return
+        sids = iter(obs.sids_of([g for g in grads if type(g) is torch.Tensor]))  # one native call
+        for g in grads:
+            if type(g) is torch.Tensor:
+                sid = next(sids)
+                if sid >= 0 and sid not in st:
+                    pending.add(sid)
+                    continue
+            track(g, "grad", fresh=False)
 
     def _mark_optimizer_state(self) -> None:
         """Label the optimizer's state tensors. One already labelled is skipped while the same tensor

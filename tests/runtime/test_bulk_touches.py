@@ -92,6 +92,43 @@ def test_lru_on_touches_leaves_the_state_of_the_separate_calls():
     assert (bulk._small._live, bulk._small._peak) == (single._small._live, single._small._peak)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_lru_told_a_batch_of_allocations_at_once_leaves_the_state_of_the_separate_calls(seed):
+    """What the program holds, announced when a step starts, takes lru's whole-list path
+    (``_allocs_at_once``): after a random history, the same order, sizes, classes and footprint."""
+    import random
+
+    rng = random.Random(seed)
+    sizes: dict[int, int] = {}
+
+    class View:
+        def nbytes(self, sid):
+            return sizes[sid]
+
+    history = []
+    for pos in range(rng.randint(0, 30)):
+        sid, nb = rng.randint(1, 40), rng.choice([1, 8, 100, 10**4, 10**6, 10**7])
+        history += [rng.choice([TOUCH_ALLOC, TOUCH_ACCESS, TOUCH_FREE]), sid, pos, nb]
+    held = []
+    for sid in rng.sample(range(1, 60), rng.randint(1, 25)):
+        held += [TOUCH_ALLOC, sid, -1, rng.choice([1, 100, 10**4, 10**6, 10**8])]
+    bulk, single = LRUPolicy(), LRUPolicy()
+    for p in (bulk, single):
+        p.attach(View())
+        for i in range(0, len(history), 4):
+            if history[i] == TOUCH_ALLOC:
+                sizes[history[i + 1]] = history[i + 3]
+        Policy.on_touches(p, history)  # the separate calls
+    for i in range(0, len(held), 4):
+        sizes[held[i + 1]] = held[i + 3]
+    Policy.on_touches(single, held)
+    bulk.on_touches(held)
+    a, b = bulk._small, single._small
+    assert list(bulk._order) == list(single._order)
+    assert (a._bytes, a._small, a._live, a._peak) == (b._bytes, b._small, b._live, b._peak)
+    assert bulk._order and list(bulk._order)[-len(held) // 4:] == held[1::4]
+
+
 @pytest.mark.skipif(not NATIVE, reason="the native event source is not built")
 @pytest.mark.parametrize("fraction", [0.5, 0.25])
 @pytest.mark.parametrize("family", ["tree_lstm", "moe", "early_exit", "evoformer"])

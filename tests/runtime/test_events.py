@@ -60,6 +60,84 @@ def test_the_observer_logs_each_kernel_once_and_skips_what_decomposes():
     assert ob.position == 5 and ob.tracked >= 3
 
 
+def _op_records(log: bytes) -> list[tuple[int, list[int], list[int], list[int], list[int]]]:
+    """(op id, inputs, outputs, writes, allocations) of every operator record in a raw log."""
+    w = struct.unpack(f"{len(log) // 8}q", log)
+    out, i = [], 0
+    while i < len(w):
+        if w[i] == C.LOG_OP:
+            ni, no, nw, na = w[i + 5:i + 9]
+            k = i + 9
+            ins, outs = list(w[k:k + ni]), list(w[k + ni:k + ni + no])
+            writes = list(w[k + ni + no:k + ni + no + nw])
+            allocs = list(w[k + ni + no + nw:k + ni + no + nw + na])
+            out.append((w[i + 1], ins, outs, writes, allocs))
+            i = k + ni + no + nw + na
+        else:
+            i += 4 if w[i] == C.LOG_ALLOC else 2
+    return out
+
+
+def _served_unboxed(name: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(name, "DeferredInit")
+
+
+def test_operators_with_an_unboxed_kernel_are_recorded_as_the_boxed_fallback_records_them():
+    ob = C.Observer("cpu")
+    ob.start(None, None)
+    try:
+        # the unboxed kernels are registered at the first start; sub_ and exp stay on the fallback
+        assert _served_unboxed("aten::add_.Tensor") and _served_unboxed("aten::sigmoid")
+        assert _served_unboxed("aten::cat") and _served_unboxed("aten::native_layer_norm")
+        assert not _served_unboxed("aten::sub_.Tensor") and not _served_unboxed("aten::exp")
+        ob.set_in_step(True)
+        x, y, w = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8)
+        _, names = ob.take_log()
+        sx, sy, sw = ob.sid_of(x), ob.sid_of(y), ob.sid_of(w)
+        x.add_(y)  # unboxed, writes its first argument
+        x.sub_(y)  # boxed, the same schema
+        a = torch.sigmoid(x)  # unboxed, allocates
+        b = torch.exp(x)  # boxed, the same schema
+        torch.cat([a, b])  # a tensor list (ITensorListRef)
+        torch.stack([a, b])  # a tensor list (TensorList)
+        torch.split(a, 2)  # views of its input's storage, returned as a list
+        torch.native_layer_norm(x, [8], w, None, 1e-5)  # optional tensors; a tuple of three returned
+        log, more = ob.take_log()
+    finally:
+        ob.stop()
+    names = names + more
+    recs = [(names[r[0]], *r[1:]) for r in _op_records(log)]
+    sa, sb = ob.sid_of(a), ob.sid_of(b)
+    add, sub, sig, exp, cat, stack, split, norm = recs
+    assert add == ("aten::add_.Tensor", [sx, sy], [sx], [sx], [])
+    assert sub == ("aten::sub_.Tensor", [sx, sy], [sx], [sx], [])
+    assert sig == ("aten::sigmoid", [sx], [sa], [], [sa])
+    assert exp == ("aten::exp", [sx], [sb], [], [sb])
+    assert cat[:2] == ("aten::cat", [sa, sb]) and len(cat[4]) == 1 and cat[2] == cat[4]
+    assert stack[:2] == ("aten::stack", [sa, sb]) and len(stack[4]) == 1 and stack[2] == stack[4]
+    assert split == ("aten::split.Tensor", [sa], [sa], [], [])
+    assert norm[:2] == ("aten::native_layer_norm", [sx, sw]) and len(norm[2]) == 3 and norm[2] == norm[4]
+
+
+def test_a_python_number_wrapped_for_one_operator_is_not_tracked():
+    ob = C.Observer("cpu")
+    ob.start(None, None)
+    try:
+        ob.set_in_step(True)
+        x = torch.randn(4)
+        ob.take_log()
+        tracked = ob.tracked
+        x.add_(1)  # the binding wraps 1 in a 0-dimensional tensor: add_.Tensor(x, tensor(1))
+        x.mul_(2.0)
+        log, names = ob.take_log()
+    finally:
+        ob.stop()
+    recs = _op_records(log)
+    assert [r[1] for r in recs] == [[ob.sid_of(x)], [ob.sid_of(x)]]  # x alone is read
+    assert ob.tracked == tracked
+    assert len(log) // 8 == 2 * (9 + 3)  # the two operator records (x in, out, written), no birth
+
+
 def test_the_observers_key_is_included_only_while_it_runs_and_not_for_the_managers_own_work():
     included = lambda: C.key_state()[0]  # noqa: E731
     excluded = lambda: C.key_state()[1]  # noqa: E731

@@ -1,0 +1,172 @@
+"""The managed step against PyTorch alone, paired step by step in one process (native event source).
+
+Usage: ``python tools/overhead_pair.py FAMILY[,FAMILY...] [--steps N] [--configs none,lru,lru@0.5]
+[--profile CONFIG] [--rounds R]`` (``small`` presets; a family may be ``examples/my_workload.py:build``).
+
+Two copies of the model start from the same weights and train on the same batches: one under a
+manager (policy ``none`` or ``lru`` with a budget far above the peak, or ``lru@F`` at F of the
+measured peak), the other alone. Each step runs both, in alternating order, and times each with
+the stepping thread's CPU time; PyTorch alone runs with the observer suspended on the thread (its
+key excluded), so it costs what it costs without a manager attached. Prints, per configuration,
+the median of the per-step ratios (the first two steps left out: the measuring step and the first
+managed one), the median step times, the time spent opening and closing the step, and whether the
+managed side's losses are PyTorch alone's. ``--profile CONFIG`` writes a cProfile of that
+configuration's managed steps to ``/tmp/overhead_pair.<family>.<config>.prof`` and prints its top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import cProfile
+import gc
+import pstats
+import statistics
+import time
+
+import torch
+
+import dynn_runtime as dr
+from dynn_runtime.runtime.events import QUIET
+from dynn_runtime.workload import load_workload, make_optimizer, train_step, workload_name
+
+_BIG = 1 << 50
+_EXPERIMENT = ""
+
+
+def _timed(fn, acc: list[float]):
+    def wrapper(*a, **k):
+        t0 = time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc.append(time.thread_time() - t0)
+    return wrapper
+
+
+class _Phases:
+    """``train_step``'s phase factory: thread CPU time per phase, summed per step."""
+
+    def __init__(self) -> None:
+        self.step: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.thread_time()
+        try:
+            yield
+        finally:
+            self.step[name] = self.step.get(name, 0.0) + time.thread_time() - t0
+
+    def close(self) -> None:
+        self.steps.append(self.step)
+        self.step = {}
+
+
+def run(family: str, config: str, steps: int, profile: bool) -> dict:
+    torch.manual_seed(0)
+    wl = load_workload(family, preset="small", seed=0)
+    initial = copy.deepcopy(wl.model)
+    batches = [wl.make_batch(s) for s in range(steps)]
+    policy, _, frac = config.partition("@")
+    budget = float(frac) if frac else _BIG
+    m_model, a_model = copy.deepcopy(initial), copy.deepcopy(initial)
+    m_opt, a_opt = make_optimizer(wl, m_model.parameters()), make_optimizer(wl, a_model.parameters())
+    mm = dr.MemoryManager(budget, policy=policy, device="cpu", events="native")
+    begin, end, hooks = [], [], []
+    mm._opt_pre = _timed(mm._opt_pre, hooks)
+    mm._opt_post = _timed(mm._opt_post, hooks)
+    mm.attach(m_model, m_opt)
+    obs = QUIET[-1]
+    mm._begin_step = _timed(mm._begin_step, begin)
+    mm._end_step = _timed(mm._end_step, end)
+    prof = cProfile.Profile() if profile else None
+    ratios, mt, at, ml, al = [], [], [], [], []
+    mph, aph = _Phases(), _Phases()
+
+    def managed(batch) -> float:
+        t0 = time.thread_time()
+        if prof is not None:
+            prof.enable()
+        with mm.step():
+            loss = train_step(wl, m_model, m_opt, batch, phase=mph)
+        mph.close()
+        if prof is not None:
+            prof.disable()
+        t = time.thread_time() - t0
+        ml.append(loss.item())
+        return t
+
+    def alone(batch) -> float:
+        obs.suspend()
+        try:
+            t0 = time.thread_time()
+            loss = train_step(wl, a_model, a_opt, batch, phase=aph)
+            t = time.thread_time() - t0
+            aph.close()
+        finally:
+            obs.resume()
+        al.append(loss.item())
+        return t
+
+    try:
+        for s, batch in enumerate(batches):
+            gc.collect()
+            if s % 2:
+                ta, tm = alone(batch), managed(batch)
+            else:
+                tm, ta = managed(batch), alone(batch)
+            if s >= 2:
+                ratios.append(tm / ta)
+                mt.append(tm)
+                at.append(ta)
+        st = mm.stats()
+        per = st["per_step"][2:]
+    finally:
+        mm.detach()
+    out = {
+        "ratio": statistics.median(ratios), "managed_ms": 1e3 * statistics.median(mt),
+        "alone_ms": 1e3 * statistics.median(at), "begin_ms": 1e3 * statistics.median(begin[2:]),
+        "end_ms": 1e3 * statistics.median(end[2:]),
+        "hooks_ms": 1e3 * statistics.median(a + b for a, b in zip(hooks[4::2], hooks[5::2])), "same": ml == al,
+        "evictions": sum(p["evictions"] for p in per) / max(len(per), 1),
+        "decisions": sum(p["decision_points"] for p in per) / max(len(per), 1),
+        "ops": statistics.median(p["ops"] for p in per),
+        "phases": {k: 1e3 * statistics.median(m[k] - a[k] for m, a in zip(mph.steps[2:], aph.steps[2:]))
+                   for k in ("forward", "backward", "optimizer")},
+    }
+    if prof is not None:
+        path = f"/tmp/overhead_pair.{workload_name(family)}.{config}.prof"
+        prof.dump_stats(path)
+        pstats.Stats(path).sort_stats("tottime").print_stats(25)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("families")
+    ap.add_argument("--steps", type=int, default=22)
+    ap.add_argument("--configs", default="none,lru,lru@0.5")
+    ap.add_argument("--profile", default="")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--experiment", default="")
+    args = ap.parse_args()
+    global _EXPERIMENT
+    _EXPERIMENT = args.experiment
+    torch.set_num_threads(1)
+    for family in args.families.split(","):
+        for r in range(args.rounds):
+            for config in args.configs.split(","):
+                o = run(family, config, args.steps, config == args.profile and r == 0)
+                print(f"{workload_name(family)} {config} round {r}: ratio {o['ratio']:.3f} (managed "
+                      f"{o['managed_ms']:.2f} ms, alone {o['alone_ms']:.2f} ms; begin {o['begin_ms']:.3f}, end "
+                      f"{o['end_ms']:.3f} ms, optimizer hooks {o['hooks_ms']:.3f} ms; ops {o['ops']}, decisions/step {o['decisions']:.1f}, evictions/step "
+                      f"{o['evictions']:.1f}; managed - alone ms: "
+                      + ", ".join(f"{k} {v:+.3f}" for k, v in o["phases"].items())
+                      + f"); losses PyTorch alone's: {o['same']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
