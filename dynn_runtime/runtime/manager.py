@@ -51,6 +51,7 @@ from __future__ import annotations
 import collections
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -232,6 +233,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._engaged = False
         self._pending_error: BaseException | None = None
         self._last_busy: set[int] = set()
+        self._last_outs: Sequence[int] = ()  # the last operator's outputs (made or written)
         self._last_name = ""
         self.st: dict[int, _S] = {}
         self._key_sid: dict[int, int] = {}

@@ -12,7 +12,7 @@ source, where the policy does not fuse them); the whole batch in one
 of it would act (:meth:`NativeSource._native_operators`), or in one
 :meth:`~dynn_runtime.policies.base.Policy.on_touches` call for a policy that reads only recency.
 
-State: ``_obs``, ``_names``, ``_idiom_by_name``, ``_pending_error``, ``_last_busy``, ``_last_name``,
+State: ``_obs``, ``_names``, ``_idiom_by_name``, ``_pending_error``, ``_last_busy``, ``_last_outs``, ``_last_name``,
 ``_engaged``.
 """
 
@@ -125,7 +125,13 @@ class NativeSource:
                     f"operator {self._last_name} (position {position}, {self.phase}) touches {format_bytes(busy)}. "
                     f"Raise the budget to at least {format_bytes(busy)}.")
             try:
-                self.make_room(reserve, self._last_busy, where)
+                try:
+                    self.make_room(reserve, self._last_busy, where)
+                except BudgetError:
+                    # what the operator read may leave too once it has run (an eviction waits for the
+                    # stream of its last access); what it made stays, the program may read it next
+                    # without an operator (``tolist``)
+                    self.make_room(reserve, set(self._last_outs), where)
             except BudgetError:
                 if type(self.policy).victims is Policy.victims and self.used > self.budget + reserve:
                     raise  # a policy that never moves anything, and over by more than one operator's allocation
@@ -230,6 +236,7 @@ class NativeSource:
         cur = self._cur
         now = time.perf_counter() - self._t0
         busy: set[int] = self._last_busy
+        outs = self._last_outs
         name = self._last_name
         OP, ALLOC, FREE = _C_TAGS
         i, n = 0, len(log)
@@ -239,7 +246,8 @@ class NativeSource:
                 j = self.position
                 _, name_id, pm, _node, used, ni, no, nw, na = log[i:i + 9]
                 k = i + 9 + ni + no
-                busy = set(log[i + 9:i + 9 + ni]).union(log[i + 9 + ni:k])
+                outs = log[i + 9 + ni:k]
+                busy = set(log[i + 9:i + 9 + ni]).union(outs)
                 if nw:
                     written += log[k:k + nw]
                 k += nw
@@ -302,6 +310,7 @@ class NativeSource:
                 internal_assert(False, f"runtime: corrupt native event log (tag {tag} at word {i})")
         self._record_born(born, now)
         self._last_busy = busy
+        self._last_outs = outs
         self._last_name = name
         if written:  # before the decision reads them: no eviction keeps a stale host copy
             self._drop_stale_hosts(written)
@@ -332,6 +341,7 @@ class NativeSource:
         dead: list[tuple[int, int]] = []
         phase0 = phase = self.phase
         busy: set[int] = self._last_busy
+        last_outs = self._last_outs
         name = self._last_name
         OP, ALLOC, FREE = _C_TAGS
         i, n = 0, len(log)
@@ -362,6 +372,7 @@ class NativeSource:
                         ins, outs, writes, allocs, 0.0, 0, 0, node)
                 ops.append(op)
                 busy = set(ins).union(outs)
+                last_outs = outs
                 if name.startswith("c10d::"):  # the observer does not see the Work: held until the step ends
                     self._hold_for_collective(busy, None)
                 accessed = []
@@ -400,6 +411,7 @@ class NativeSource:
                 internal_assert(False, f"runtime: corrupt native event log (tag {tag} at word {i})")
         self.phase = phase
         self._last_busy = busy
+        self._last_outs = last_outs
         self._last_name = name
         t1 = time.perf_counter()
         try:
@@ -474,6 +486,7 @@ class NativeSource:
                 ins, outs, writes, allocs, 0.0, 0, 0, node)
         self._ops.append(op)
         self._last_busy = set(ins).union(outs)
+        self._last_outs = outs
         self._last_name = name
         if name.startswith("c10d::"):  # the observer does not see the Work: held until the step ends
             self._hold_for_collective(self._last_busy, None)
