@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -34,6 +34,21 @@ RESIDENT, ABSENT = Status.RESIDENT, Status.ABSENT
 
 _PHASES = ("forward", "backward", "optimizer", "forward")
 _C_TAGS = (1, 2, 3)  # dynn_runtime._C's LOG_OP, LOG_ALLOC, LOG_FREE (checked by a test)
+
+
+def _op_record(log: Sequence[int], i: int) -> tuple:
+    """The operator record at word ``i`` of the native log (events.cpp's layout): its name id,
+    phase-and-module word, autograd node, bytes in use, its inputs, outputs, writes and allocations
+    as tuples (an ``Op`` record keeps them as they are), and the word where the next record starts."""
+    _, name_id, pm, node, used, ni, no, nw, na = log[i:i + 9]
+    k = i + 9
+    ins = tuple(log[k:k + ni])
+    k += ni
+    outs = tuple(log[k:k + no])
+    k += no
+    writes = tuple(log[k:k + nw])
+    k += nw
+    return name_id, pm, node, used, ins, outs, writes, tuple(log[k:k + na]), k + na
 
 
 class NativeSource:
@@ -172,17 +187,7 @@ class NativeSource:
             tag = log[i]
             if tag == OP:
                 j = self.position
-                _, name_id, pm, node, used, ni, no, nw, na = log[i:i + 9]
-                k = i + 9
-                # tuples: the Op record keeps them as they are
-                ins = tuple(log[k:k + ni])
-                k += ni
-                outs = tuple(log[k:k + no])
-                k += no
-                writes = tuple(log[k:k + nw])
-                k += nw
-                allocs = tuple(log[k:k + na])
-                i = k + na
+                name_id, pm, node, used, ins, outs, writes, allocs, i = _op_record(log, i)
                 name = self._names[name_id]
                 phase, module = _PHASES[pm & 3], pm >> 2
                 self.phase = phase
@@ -349,16 +354,7 @@ class NativeSource:
             tag = log[i]
             if tag == OP:
                 j = self.position
-                _, name_id, pm, node, used, ni, no, nw, na = log[i:i + 9]
-                k = i + 9
-                ins = tuple(log[k:k + ni])
-                k += ni
-                outs = tuple(log[k:k + no])
-                k += no
-                writes = tuple(log[k:k + nw])
-                k += nw
-                allocs = tuple(log[k:k + na])
-                i = k + na
+                name_id, pm, node, used, ins, outs, writes, allocs, i = _op_record(log, i)
                 name = names[name_id]
                 phase, module = _PHASES[pm & 3], pm >> 2
                 if writes:
