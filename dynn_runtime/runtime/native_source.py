@@ -334,8 +334,6 @@ class NativeSource:
         answers for them (sids are never reused, so no birth in the batch can meet a dead record)."""
         st = self.st
         names = self._names
-        mods = self._modules
-        idioms = self._idiom_by_name
         ops = self._ops
         timeline = self._timeline
         step = self._step_index
@@ -359,31 +357,13 @@ class NativeSource:
                 phase, module = _PHASES[pm & 3], pm >> 2
                 if writes:
                     self._drop_stale_hosts(writes)
-                if mods is not None and phase == "backward":
-                    module = mods.node_modules.get(node, 0)
-                iv = idioms.get(name)
-                # positional, as _native_op builds it
-                op = Op(name, self._idiom_of(name) if iv is None else iv, phase,
-                        mods.paths[module] if mods is not None and module < len(mods.paths) else "",
-                        ins, outs, writes, allocs, 0.0, 0, 0, node)
+                op = self._op_of(name, phase, module, node, ins, outs, writes, allocs)
                 ops.append(op)
                 busy = set(ins).union(outs)
                 last_outs = outs
                 if name.startswith("c10d::"):  # the observer does not see the Work: held until the step ends
                     self._hold_for_collective(busy, None)
-                accessed = []
-                for sid in busy:
-                    s = st.get(sid)
-                    if s is None:
-                        continue
-                    s.last_access = j
-                    s.last_access_t = now
-                    s.count += 1
-                    if s.pf:
-                        s.pf = False
-                        cur.prefetch_hits += 1
-                    accessed.append(sid)
-                add((OPERATOR, j, op, accessed))
+                add((OPERATOR, j, op, self._accessed(busy, j, now)))
                 timeline.append((step, j, used, phase))
                 self.position = j + 1
             elif tag == ALLOC:
@@ -471,15 +451,7 @@ class NativeSource:
             touched = sum(st[x].nbytes for x in ins if x in st) + sum(st[x].nbytes for x in allocs if x in st)
             if touched > self._largest_op[0]:
                 self._largest_op = (touched, f"operator {name} (position {j}, {phase})")
-        mods = self._modules
-        if mods is not None and phase == "backward":
-            module = mods.node_modules.get(node, 0)
-        iv = self._idiom_by_name.get(name)
-        # positional: Op's fields in declaration order (name, idiom, phase, module, inputs, outputs,
-        # writes, allocs, duration_s, flops, nbytes, node)
-        op = Op(name, self._idiom_of(name) if iv is None else iv, phase,
-                mods.paths[module] if mods is not None and module < len(mods.paths) else "",
-                ins, outs, writes, allocs, 0.0, 0, 0, node)
+        op = self._op_of(name, phase, module, node, ins, outs, writes, allocs)
         self._ops.append(op)
         self._last_busy = set(ins).union(outs)
         self._last_outs = outs
@@ -490,20 +462,7 @@ class NativeSource:
             return
         t0 = time.perf_counter()
         pol = self.policy
-        now = t0 - self._t0
-        cur = self._cur
-        accessed = []
-        for sid in self._last_busy:
-            s = st.get(sid)
-            if s is None:
-                continue
-            s.last_access = j
-            s.last_access_t = now
-            s.count += 1
-            if s.pf:
-                s.pf = False
-                cur.prefetch_hits += 1
-            accessed.append(sid)
+        accessed = self._accessed(self._last_busy, j, t0 - self._t0)
         self.position = j
         if self._trace is None:
             pol.on_operator(j, op, accessed)
@@ -515,7 +474,39 @@ class NativeSource:
             self._map_oracle_op(j, ins, allocs, name)
             pol.on_op(j, op)
         self._apply(pol.after_op(j), self._last_busy)
-        cur.policy_seconds += time.perf_counter() - t0
+        self._cur.policy_seconds += time.perf_counter() - t0
+
+    def _op_of(self, name: str, phase: str, module: int, node: int, ins: tuple[int, ...],
+               outs: tuple[int, ...], writes: tuple[int, ...], allocs: tuple[int, ...]) -> Op:
+        """The ``Op`` record of a logged operator (in backward its module is its autograd node's)."""
+        mods = self._modules
+        if mods is not None and phase == "backward":
+            module = mods.node_modules.get(node, 0)
+        iv = self._idiom_by_name.get(name)
+        # positional: Op's fields in declaration order (name, idiom, phase, module, inputs, outputs,
+        # writes, allocs, duration_s, flops, nbytes, node)
+        return Op(name, self._idiom_of(name) if iv is None else iv, phase,
+                  mods.paths[module] if mods is not None and module < len(mods.paths) else "",
+                  ins, outs, writes, allocs, 0.0, 0, 0, node)
+
+    def _accessed(self, busy: Iterable[int], j: int, now: float) -> list[int]:
+        """Operator ``j`` touched ``busy``: the access fields of those the manager has a record of
+        (last access, count, a prefetch's first use counted as a hit), which are returned."""
+        st = self.st
+        cur = self._cur
+        accessed = []
+        for sid in busy:
+            s = st.get(sid)
+            if s is None:
+                continue
+            s.last_access = j
+            s.last_access_t = now
+            s.count += 1
+            if s.pf:
+                s.pf = False
+                cur.prefetch_hits += 1
+            accessed.append(sid)
+        return accessed
 
     def _idiom_of(self, name: str) -> tuple[int, ...]:
         iv = self._idiom_by_name.get(name)
