@@ -1,18 +1,22 @@
 """`make gpu-check`: everything the project checks on a GPU, in one command, one JSON and one report.
 
     python tools/gpu_check.py [--out out/gpu-check] [--append docs/benchmarks.md] [--quick]
+                              [--sections tests,events,real,racecheck] [--time-scale X]
 
 Sections, each a subprocess under its own time limit (a section that fails or runs out of time is
 recorded as such and the rest still run):
 
 1. ``tests``: the ``gpu``-marked tests (``pytest -m gpu``).
-2. ``events``: the live manager with lru against PyTorch alone, per event source (python, native), at
-   a budget above the peak (pure overhead) and at 1/2, 1/4, 1/8 of it, plus torch's ``save_on_cpu``;
+2. ``events``: the live manager against PyTorch alone, per event source (python, native): none and
+   lru at a budget above the peak (pure overhead), lru at 1/2, 1/4, 1/8 of it, plus torch's ``save_on_cpu``;
    step time, peak, host synchronizations per step, bit identity (deterministic algorithms).
 3. ``real``: ``dynn bench --real`` at ``small`` for moe, varlen, evoformer at caps 1/2, 1/4, 1/8
    (hard cap), and at 1/4 as a logical budget: each policy against unlimited memory, ``torch.autograd.graph.save_on_cpu`` and
    ``torch.utils.checkpoint``, with the simulator's prediction of the same runs beside them.
 4. ``racecheck``: ``compute-sanitizer --tool racecheck`` on a short managed run.
+
+``--sections`` runs a subset (a device lease is short: split the check over calls); ``--time-scale``
+multiplies every section's time limit.
 
 Without CUDA every section says so and the command succeeds: the tests skip, the rest is skipped,
 and nothing is appended. The report is written to ``<out>/gpu-check-<stamp>.json`` and ``.md`` and,
@@ -45,7 +49,7 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
 
 
 def events_section(steps: int, fractions: list[float], out: Path) -> None:
-    """Runs in a child process (``--section events``): lru per event source against PyTorch alone."""
+    """Runs in a child process (``--section events``): none and lru per event source against PyTorch alone."""
     import torch
 
     from dynn_runtime.runtime.train import deterministic, train_managed, train_unmanaged
@@ -65,12 +69,13 @@ def events_section(steps: int, fractions: list[float], out: Path) -> None:
                              identical=soc.digest == base.digest))
             for ev in ("python", "native"):
                 os.environ["DYNN_EVENTS"] = ev
-                for frac in (None, *fractions):
+                # none above the peak: every event source on, nothing moved (the 1.05x target)
+                for policy, frac in [("none", None), ("lru", None), *(("lru", f) for f in fractions)]:
                     budget = 64 << 30 if frac is None else int(peak * frac)
-                    label = f"lru, {ev} events, " + ("above the peak" if frac is None else f"1/{round(1 / frac)}")
+                    label = f"{policy}, {ev} events, " + ("above the peak" if frac is None else f"1/{round(1 / frac)}")
                     torch.cuda.reset_peak_memory_stats()
                     try:
-                        r = train_managed(fam, budget, "lru", steps=steps, preset="small", device="cuda",
+                        r = train_managed(fam, budget, policy, steps=steps, preset="small", device="cuda",
                                           hard_cap=frac is not None)
                     except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
                         rows.append(dict(family=fam, method=label, error=f"{type(e).__name__}: {e}"[:700]))
@@ -106,54 +111,21 @@ def _fmt_events(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="out/gpu-check")
-    ap.add_argument("--append", default="docs/benchmarks.md", help="report appended here ('' for none)")
-    ap.add_argument("--quick", action="store_true", help="fewer steps, caps 1/4 only (a smoke run)")
-    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--steps", type=int, default=None)
-    a = ap.parse_args()
-    steps = a.steps or (3 if a.quick else 5)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if a.section == "events":
-        events_section(steps, [0.25] if a.quick else [0.5, 0.25, 0.125], out / "events.json")
-        return 0
-
-    import torch
-
-    t_all = time.perf_counter()
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+def _gpu_sections(a: argparse.Namespace, want: set[str], sec: dict, say, out: Path, steps: int, limit) -> None:
+    """Sections 2-4 (CUDA only), each a subprocess under ``limit(seconds)``."""
     py = sys.executable
-    cuda = torch.cuda.is_available()
-    report: dict = {"kind": "dynn-gpu-check", "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
-                    "device": torch.cuda.get_device_name() if cuda else "none (CUDA not available)", "sections": {}}
-    sec = report["sections"]
-
-    js = out / f"gpu-check-{stamp}.json"
-
-    def say(text: str) -> None:
-        report["wall_s"] = round(time.perf_counter() - t_all, 1)
-        js.write_text(json.dumps(report, indent=1))  # what ran so far survives a kill
-        print(f"gpu-check [{time.perf_counter() - t_all:5.0f} s] {text}", file=sys.stderr, flush=True)
-
-    say("1/4 gpu-marked tests")
-    sec["tests"] = _run([py, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"], 240)
-    if not cuda:
-        for name in ("events", "real", "racecheck"):
-            sec[name] = {"rc": "skipped", "why": "CUDA is not available"}
-    else:
+    if "events" in want:
         say("2/4 event sources against PyTorch alone")
         ev = out / "events.json"
         sec["events"] = _run([py, __file__, "--section", "events", "--out", str(out), "--steps", str(steps)]
-                             + (["--quick"] if a.quick else []), 150)
+                             + (["--quick"] if a.quick else []), limit(150))
         sec["events"]["rows"] = json.loads(ev.read_text()) if ev.exists() else []
+    if "real" in want:
         sec["real"] = {"runs": []}
 
         def real(args: list[str], rj: Path, timeout: float) -> None:
             run = _run([py, "-m", "dynn_runtime.cli", "bench", "--real", *args, "--json", str(rj), "--out", str(out),
-                        "-q"], timeout, env={"DYNN_EVENTS": "native"})
+                        "-q"], limit(timeout), env={"DYNN_EVENTS": "native"})
             run["markdown"] = run.pop("tail").split("\nwrote ")[0][-6000:] if run["rc"] == 0 else run.pop("tail")
             run["results"] = json.loads(rj.read_text())["results"] if rj.exists() else []
             sec["real"]["runs"].append(run)
@@ -172,16 +144,72 @@ def main() -> int:
             rj = out / "real-large-moe.json"
             real(["--families", "moe", "--preset", "large", "--cap", "1/4", "--policies", "lru", "--steps", "3",
                   "--max-scale", "0", "--no-predict"], rj, 170)
+    if "racecheck" in want:
         say("4/4 compute-sanitizer --tool racecheck on a short managed run")
         san = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
         if Path(san).exists():
             code = ("from dynn_runtime.runtime.train import train_managed as t;"
                     "r = t('moe', '1/2', 'lru', steps=3, preset='tiny', device='cuda');"
                     "print('moved', r.stats['bytes_offloaded'])")
-            sec["racecheck"] = _run([san, "--tool", "racecheck", "--racecheck-report", "hazard", py, "-c", code], 150,
-                                    env={"DYNN_EVENTS": "native"})
+            sec["racecheck"] = _run([san, "--tool", "racecheck", "--racecheck-report", "hazard", py, "-c", code],
+                                    limit(150), env={"DYNN_EVENTS": "native"})
         else:
             sec["racecheck"] = {"rc": "skipped", "why": "compute-sanitizer not found"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="out/gpu-check")
+    ap.add_argument("--append", default="docs/benchmarks.md", help="report appended here ('' for none)")
+    ap.add_argument("--quick", action="store_true", help="fewer steps, caps 1/4 only (a smoke run)")
+    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--sections", default="tests,events,real,racecheck",
+                    help="comma-separated subset of tests,events,real,racecheck (default: all)")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="multiplies every section's time limit")
+    a = ap.parse_args()
+    want = set(a.sections.split(","))
+    unknown = want - {"tests", "events", "real", "racecheck"}
+    if unknown:
+        ap.error(f"--sections: unknown {sorted(unknown)}; expected a subset of tests,events,real,racecheck")
+
+    def limit(seconds: float) -> float:
+        return seconds * a.time_scale
+
+    steps = a.steps or (3 if a.quick else 5)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.section == "events":
+        events_section(steps, [0.25] if a.quick else [0.5, 0.25, 0.125], out / "events.json")
+        return 0
+
+    import torch
+
+    t_all = time.perf_counter()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    py = sys.executable
+    cuda = torch.cuda.is_available()
+    report: dict = {"kind": "dynn-gpu-check", "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name() if cuda else "none (CUDA not available)", "sections": {},
+                    "args": "".join(f" {x}" for x in sys.argv[1:])}
+    sec = report["sections"]
+
+    js = out / f"gpu-check-{stamp}.json"
+
+    def say(text: str) -> None:
+        report["wall_s"] = round(time.perf_counter() - t_all, 1)
+        js.write_text(json.dumps(report, indent=1))  # what ran so far survives a kill
+        print(f"gpu-check [{time.perf_counter() - t_all:5.0f} s] {text}", file=sys.stderr, flush=True)
+
+    if "tests" in want:
+        say("1/4 gpu-marked tests")
+        sec["tests"] = _run([py, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"], limit(240))
+    if not cuda:
+        for name in ("events", "real", "racecheck"):
+            if name in want:
+                sec[name] = {"rc": "skipped", "why": "CUDA is not available"}
+    else:
+        _gpu_sections(a, want, sec, say, out, steps, limit)
     report["wall_s"] = round(time.perf_counter() - t_all, 1)
     js.write_text(json.dumps(report, indent=1))
     md = render(report)
@@ -202,10 +230,11 @@ def main() -> int:
 def render(report: dict) -> str:
     sec = report["sections"]
     lines = [f"## make gpu-check: {report['device']}, torch {report['torch']} ({report['date']})", "",
-             f"`make gpu-check`, {report['wall_s']:.0f} s end to end.", ""]
-    t = sec["tests"]
-    last = [ln for ln in t.get("tail", "").strip().splitlines() if ln.strip()][-1:] or ["?"]
-    lines += [f"**gpu-marked tests** (`pytest -m gpu`): {last[0].strip('= ')} ({t.get('seconds', 0):.0f} s)", ""]
+             f"`make gpu-check{report.get('args', '')}`, {report['wall_s']:.0f} s end to end.", ""]
+    t = sec.get("tests")
+    if t:
+        last = [ln for ln in t.get("tail", "").strip().splitlines() if ln.strip()][-1:] or ["?"]
+        lines += [f"**gpu-marked tests** (`pytest -m gpu`): {last[0].strip('= ')} ({t.get('seconds', 0):.0f} s)", ""]
     ev = sec.get("events", {})
     if ev.get("rows"):
         lines += ["**Event sources** (lru, `small`, median step without the first, hard cap at the fractions; "
