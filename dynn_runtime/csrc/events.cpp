@@ -88,6 +88,7 @@ struct OpInfo {
   int64_t id = -1;           // interned name, -1 until assigned
   bool skip = false;         // composite-implicit, or ignored (detach, lift_fresh)
   std::vector<int> writes;   // schema argument indices written in place
+  int stream_arg = -1;       // a Stream argument (record_stream): the stream the operator uses the inputs on
 };
 
 struct Entry {
@@ -605,6 +606,8 @@ class Observer {
     for (size_t i = 0; i < args.size(); ++i) {
       const auto* a = args[i].alias_info();
       if (a != nullptr && a->isWrite()) inf.writes.push_back(static_cast<int>(i));
+      if (inf.stream_arg < 0 && args[i].type()->kind() == c10::TypeKind::StreamObjType)
+        inf.stream_arg = static_cast<int>(i);
     }
     if (!inf.skip) {
       std::string name = op.schema().name();
@@ -677,7 +680,12 @@ class Observer {
       if (written) ++w;
       for_tensors((*stack)[first + i], [&](const at::Tensor& t) { see_input(t, written, ctx); });
     }
-    before_kernel(op.schema().name().c_str(), ctx);
+    int64_t on = current_stream();
+    if (inf.stream_arg >= 0) {  // record_stream(t, s): t is in use on s from here (invariant 7)
+      const c10::IValue& v = (*stack)[first + inf.stream_arg];
+      if (v.isStream() && v.toStream().device_type() == device_type_) on = v.toStream().id();
+    }
+    before_kernel(op.schema().name().c_str(), ctx, on);
     {
       c10::impl::ExcludeDispatchKeyGuard inside(kKey);
       op.redispatchBoxed(below, stack);
@@ -709,7 +717,7 @@ class Observer {
       visit_tensors(arg, [&](const at::Tensor& t) { see_input(t, written, ctx); });
     };
     (in(args), ...);
-    before_kernel(Op::name, ctx);
+    before_kernel(Op::name, ctx, current_stream());
     if constexpr (std::is_void_v<Ret>) {
       {
         c10::impl::ExcludeDispatchKeyGuard inside(kKey);
@@ -759,7 +767,7 @@ class Observer {
   }
 
   // After the inputs were seen, before the kernel runs: faults, then the inputs' accesses.
-  void before_kernel(const char* name, Ctx& ctx) {
+  void before_kernel(const char* name, Ctx& ctx, int64_t stream) {
     ++observed_;
     if (!ctx.fault.empty()) {
       ++faults_;
@@ -768,7 +776,6 @@ class Observer {
     // The inputs' accesses, at the position finish() gives the operator: once the fault handler
     // has seen the previous ones, and before the kernel, which may free an input (set_): its entry
     // may be gone after it. Until then each is alive (the arguments hold it), so no sweep erased it.
-    const int64_t stream = current_stream();
     for (Entry* e : ctx.in_entries) touch(*e, position_, stream);
   }
 

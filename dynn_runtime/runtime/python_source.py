@@ -228,6 +228,8 @@ class PythonSource:
         j = self.position
         now = time.perf_counter() - self._t0
         stream = torch._C._cuda_getCurrentStream(self.device.index)[0] if self.cuda else 0
+        if name == "aten::record_stream" and self.cuda:  # the tensor is in use on that stream (invariant 7)
+            stream = args[1].stream_id
         pol = self.policy
         t0 = time.perf_counter()
         # the mode is popped while __torch_dispatch__ runs: policy work does not re-enter it

@@ -1,0 +1,117 @@
+"""GPU diagnostics for a short lease: where managed training stops being bit-identical, and the
+manager's step time against PyTorch alone measured both before and after it (A-B-A).
+
+    python tools/gpu_diag.py identity [--families varlen evoformer] [--fraction 0.25]
+    python tools/gpu_diag.py overhead [--families moe varlen evoformer] [--steps 8]
+    python tools/gpu_diag.py one FAMILY FRACTION VARIANT      (a child: one managed run, one JSON line)
+
+``identity`` runs each family at ``--fraction`` of its peak with lru (a logical budget) in one child
+process per variant: native events; python events; native with synchronous copies (every copy on
+the compute stream); native under ``CUDA_LAUNCH_BLOCKING=1``. A variant that is identical where the
+default is not names the missing order (asynchronous copies, or launches overlapping the host).
+For each it prints the first step whose loss differs and how many state tensors differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+DEVICE = os.environ.get("DYNN_DIAG_DEVICE", "cuda")  # cpu: a smoke run of this script
+
+VARIANTS = {
+    "native": ({"DYNN_EVENTS": "native"}, {}),
+    "python": ({"DYNN_EVENTS": "python"}, {}),
+    "native-sync-copies": ({"DYNN_EVENTS": "native"}, {"async_copies": False}),
+    "native-launch-blocking": ({"DYNN_EVENTS": "native", "CUDA_LAUNCH_BLOCKING": "1"}, {}),
+}
+
+
+def one(family: str, fraction: float, variant: str, steps: int) -> dict:
+    from dynn_runtime.runtime.train import deterministic, train_managed, train_unmanaged
+
+    kw = VARIANTS[variant][1]
+    with deterministic():
+        base = train_unmanaged(family, steps=steps, preset="small", device=DEVICE)
+        r = train_managed(family, int(max(base.peak_bytes) * fraction), "lru", steps=steps, preset="small",
+                          device=DEVICE, **kw)
+    differ = sorted(k for k, v in r.tensor_digests.items() if base.tensor_digests.get(k) != v)
+    first = next((i for i, (a, b) in enumerate(zip(base.losses, r.losses, strict=True)) if a != b), None)
+    st = r.stats
+    return dict(family=family, variant=variant, fraction=fraction, identical=not differ and first is None,
+                first_loss_step=first, differ=len(differ), examples=differ[:6], moved=st["bytes_offloaded"],
+                on_demand=st.get("bytes_fetched_on_demand"), event_source=st.get("event_source"))
+
+
+def identity(families: list[str], fraction: float, steps: int, timeout: float) -> list[dict]:
+    rows = []
+    for fam in families:
+        for variant, (env, _) in VARIANTS.items():
+            t0 = time.perf_counter()
+            try:
+                p = subprocess.run([sys.executable, __file__, "one", fam, str(fraction), variant, "--steps", str(steps)],
+                                   capture_output=True, text=True, timeout=timeout, env={**os.environ, **env})
+                line = [x for x in p.stdout.splitlines() if x.startswith("{")]
+                row = json.loads(line[-1]) if line else dict(family=fam, variant=variant, error=p.stderr[-1500:])
+            except subprocess.TimeoutExpired:
+                row = dict(family=fam, variant=variant, error=f"timeout after {timeout} s")
+            row["seconds"] = round(time.perf_counter() - t0, 1)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def overhead(families: list[str], steps: int) -> list[dict]:
+    """PyTorch alone, none (native), PyTorch alone, lru (native), PyTorch alone: a budget above the peak."""
+    import torch
+
+    from dynn_runtime.runtime.train import deterministic, train_managed, train_unmanaged
+
+    os.environ["DYNN_EVENTS"] = "native"
+    rows = []
+    with deterministic():
+        for fam in families:
+            train_unmanaged(fam, steps=2, preset="small", device=DEVICE)  # warm-up: handles, kernels, the allocator
+            times: dict[str, list[float]] = {}
+            for label in ("alone", "none", "alone", "lru", "alone"):
+                if label == "alone":
+                    r = train_unmanaged(fam, steps=steps, preset="small", device=DEVICE)
+                else:
+                    r = train_managed(fam, 64 << 30, label, steps=steps, preset="small", device=DEVICE)
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+                times.setdefault(label, []).append(r.median_step_seconds())
+            alone = sorted(times["alone"])[1]
+            row = dict(family=fam, steps=steps, alone_ms=[round(x * 1e3, 2) for x in times["alone"]],
+                       none_ms=round(times["none"][0] * 1e3, 2), lru_ms=round(times["lru"][0] * 1e3, 2),
+                       none_ratio=round(times["none"][0] / alone, 3), lru_ratio=round(times["lru"][0] / alone, 3))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=["identity", "overhead", "one"])
+    ap.add_argument("rest", nargs="*")
+    ap.add_argument("--families", nargs="+", default=None)
+    ap.add_argument("--fraction", type=float, default=0.25)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--timeout", type=float, default=60.0)
+    a = ap.parse_args()
+    if a.mode == "one":
+        fam, frac, variant = a.rest
+        print(json.dumps(one(fam, float(frac), variant, a.steps or 3)), flush=True)
+    elif a.mode == "identity":
+        identity(a.families or ["varlen", "evoformer"], a.fraction, a.steps or 3, a.timeout)
+    else:
+        overhead(a.families or ["moe", "varlen", "evoformer"], a.steps or 8)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
