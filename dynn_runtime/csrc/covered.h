@@ -3,9 +3,11 @@
 // `cover(impl)` replaces the deleter of `impl`'s data with `release_cb`, remembering the original
 // by the data pointer; `release_cb` records the storage as released (while someone listens) and
 // then frees the data with the original deleter, on whatever thread frees it. Covering never
-// changes what is freed or when. Only deleters whose context is the data pointer itself (the CPU
-// and CUDA allocators') are wrapped; `cover` returns false for anything else, and the caller
-// finds out about those storages some other way. `uncover` restores the original deleter.
+// changes what is freed or when. Only CPU data whose deleter's context is the data pointer itself
+// (the CPU allocator's) is wrapped; `cover` returns false for anything else, and the caller finds
+// out about those storages some other way. Not CUDA data: the caching allocator's recordStream
+// ignores a pointer whose deleter is not its own, so a covered block would be reused while a copy
+// on another stream still reads it. `uncover` restores the original deleter.
 //
 // The state is never destroyed: covered data may be freed while the process exits, after static
 // destructors ran.
@@ -68,6 +70,7 @@ inline bool cover(c10::StorageImpl* impl) {
   void* ctx = dp.get_context();
   const c10::DeleterFnPtr original = dp.get_deleter();
   if (original == &release_cb) return true;
+  if (dp.device().type() != c10::DeviceType::CPU) return false;  // recordStream must keep working
   if (ctx == nullptr || ctx != dp.get() || original == nullptr) return false;
   State& st = state();
   std::lock_guard<std::mutex> lock(st.mu);

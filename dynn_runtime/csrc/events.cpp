@@ -41,7 +41,8 @@
 //      released before freeing it with the allocator's own deleter. While every storage counted in
 //      `used` is covered (`exposed_` == 0), deaths are known without sweeping the table, so `used`
 //      and the peak are exact with no sweep. Covering never changes what is freed or when; only
-//      deleters whose context is the data pointer itself (the CPU and CUDA allocators') are wrapped.
+//      CPU data whose deleter's context is the data pointer itself (the CPU allocator's) is wrapped:
+//      CUDA storages stay exposed and their deaths are swept for (covered.h says why).
 //  10. A wrapped number (a Python scalar an operator's binding made a tensor of) is never tracked: no
 //      entry, no log record, no fault. Nothing but that operator's argument holds it, so it can be
 //      neither away nor read by a later kernel.

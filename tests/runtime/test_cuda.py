@@ -119,3 +119,25 @@ def test_an_eviction_waits_for_the_stream_that_last_wrote_the_tensor(events, mon
             torch.cuda.current_stream().wait_stream(side)
             got = (y + 0.0).cpu()
         assert torch.all(got == 7.0), "the host copy was taken before the side stream wrote the tensor"
+
+
+@pytest.mark.parametrize("events", _sources())
+def test_record_stream_is_honoured_on_managed_storages(events, monkeypatch):
+    """The caching allocator keeps a block that a side stream was recorded on until that stream
+    passes: the observer must not hide a managed storage's block from ``record_stream`` (the
+    manager's own evictions rely on it to release a block while its copy still reads it)."""
+    monkeypatch.setenv("DYNN_EVENTS", events)
+    model = torch.nn.Linear(256, 256).cuda()
+    side = torch.cuda.Stream()
+    with MemoryManager(budget=1 << 30, policy="none", device="cuda").attach(model) as mm:
+        with mm.step():
+            x = model(torch.randn(1024, 256, device="cuda"))
+            block = x.data_ptr()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(50_000_000)  # the side stream is busy for tens of milliseconds
+            x.record_stream(side)
+            del x
+            y = torch.empty(1024, 256, device="cuda")  # the same size: the freed block would fit
+            assert y.data_ptr() != block, "a block recorded on a busy stream was handed out again"
+        torch.cuda.synchronize()
