@@ -271,7 +271,8 @@ Registrations& registrations() {
 class Observer {
  public:
   Observer(const std::string& device_type, int64_t device_index)
-      : device_type_(c10::Device(device_type).type()), device_index_(device_index) {}
+      : device_type_(c10::Device(device_type).type()), device_index_(device_index),
+        cover_(device_type_ == c10::DeviceType::CPU) {}
 
   ~Observer() {
     stop();
@@ -384,7 +385,7 @@ class Observer {
     used_ += away ? -e.nbytes : e.nbytes;
     away_ += away ? e.nbytes : -e.nbytes;
     if (!away) {
-      if (auto strong = e.weak.lock()) e.covered = covered::cover(strong.get());
+      if (auto strong = e.weak.lock()) e.covered = cover_ && covered::cover(strong.get());
     }
     exposed_ += exposed(e);
     if (used_ > peak_) peak_ = used_;
@@ -502,6 +503,13 @@ class Observer {
   int64_t position() const { return position_; }
   int64_t tracked() const { return static_cast<int64_t>(table_.size()); }
   int64_t exposed_count() const { return exposed_; }
+  bool cover() const { return cover_; }
+  void set_cover(bool on) {
+    TORCH_CHECK(!started_, "dynn: set the observer's cover before start()");
+    TORCH_CHECK(!on || device_type_ == c10::DeviceType::CPU,
+                "dynn: CUDA storages are never covered (covered.h: recordStream must keep working)");
+    cover_ = on;
+  }
   int64_t faults() const { return faults_; }
   int64_t decisions() const { return decisions_; }
   int64_t observed() const { return observed_; }
@@ -580,7 +588,7 @@ class Observer {
         exposed_ -= exposed(e);
         used_ += n - e.nbytes;
         e.nbytes = n;
-        e.covered = is_covered || covered::cover(impl);
+        e.covered = is_covered || (cover_ && covered::cover(impl));
         exposed_ += exposed(e);
       }
       return {&e, false};
@@ -590,7 +598,7 @@ class Observer {
     Entry& fresh_entry = *entries_.make(t.storage().getWeakStorageImpl(), impl, sid, n, current_stream());
     table_.insert(key(impl), &fresh_entry);
     by_sid_.insert(static_cast<uint64_t>(sid), &fresh_entry);
-    fresh_entry.covered = covered::cover(impl);
+    fresh_entry.covered = cover_ && covered::cover(impl);
     exposed_ += exposed(fresh_entry);
     used_ += n;
     log_.insert(log_.end(), {kAlloc, sid, n, fresh ? int64_t(1) : int64_t(0)});
@@ -900,6 +908,9 @@ class Observer {
   int64_t peak_position_ = 0;
   int64_t away_ = 0;  // invariant 8
   int64_t exposed_ = 0;  // invariant 9
+  // whether storages registered from now on are covered (invariant 9): on the CPU by default; off,
+  // the CPU observer keeps the books as it does on CUDA (every storage exposed, deaths swept for)
+  bool cover_;
   int64_t live_peak_ = 0;
   int64_t live_peak_position_ = 0;
   int64_t max_made_ = 0;  // the most bytes one operator has allocated so far
@@ -1086,6 +1097,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("position", &Observer::position)
       .def_property_readonly("tracked", &Observer::tracked)
       .def_property_readonly("exposed", &Observer::exposed_count)
+      .def_property("cover", &Observer::cover, &Observer::set_cover)
       .def_property_readonly("faults", &Observer::faults)
       .def_property_readonly("decisions", &Observer::decisions)
       .def_property_readonly("observed", &Observer::observed)
