@@ -132,7 +132,7 @@ def overhead_section(py: str, out: Path, quick: bool, limit) -> dict:
     # `small` either way: the calibration is charged to the simulator's `small` and larger runs
     args = ["--preset", "small", "--steps", "2" if quick else "3", "--reps", "9" if quick else "15"]
     run = _run([py, "-m", "dynn_runtime.cli", "bench", "--overhead", "--device", "cuda", "--events", "native", *args,
-                "--json", str(oj), "--write-calibration", str(cal), "-q"], limit(300))
+                "--json", str(oj), "--write-calibration", str(cal), "-q"], limit(240))
     run["markdown"] = oj.with_suffix(".md").read_text() if oj.with_suffix(".md").exists() else ""
     run["calibration"] = str(cal) if run["rc"] == 0 else None
     return run
@@ -142,7 +142,7 @@ def thirdparty_section(py: str, out: Path, steps: int, limit) -> dict:
     """The networks outside the zoo, live on the GPU (tools/third_party/evaluate.py --device cuda)."""
     tj = out / "thirdparty.json"
     run = _run([py, str(ROOT / "tools" / "third_party" / "evaluate.py"), "--device", "cuda", "--steps", str(steps),
-                "--no-trace", "--json", str(tj)], limit(240))
+                "--no-trace", "--json", str(tj)], limit(180))
     run["results"] = json.loads(tj.read_text())["results"] if tj.exists() else {}
     return run
 
