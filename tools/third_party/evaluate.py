@@ -5,8 +5,9 @@ For each network of this folder (each a ``file.py:build`` workload, evaluation o
 judged on the manager alone):
 
 1. **Cap.** PyTorch alone for ``--steps`` steps; the cap is ``--fraction`` of the largest step's peak
-   (bytes, so that every step, the first included, runs under it). Its median step time (the first
-   step left out) is what each method's step time is divided by (``step x alone``).
+   (bytes, so that every step, the first included, runs under it). PyTorch alone runs again after
+   the methods; the mean of the two runs' median step times (the first step left out) is what each
+   method's median step time is divided by (``step x alone``).
 2. **Live.** The same steps under the memory manager at that cap, per method: ``pilot (shipped)``,
    ``pilot (fallback)`` (per decision point, replay's or lru's predictions while their recent window
    recall beats the model's; the model's side takes replay's where its plan has held exactly), ``pilot (adapted)`` (the fallback and the model refit online on the
@@ -115,7 +116,7 @@ def steps_to_recover(per_step: dict[str, list[dict[str, Any]]], method: str, sta
 
 
 def _one_run(name: str, spec: str, cap: int, method: str, policy: str, options: dict[str, Any] | None,
-             steps: int, ref_digest: str, device: str = "cpu", ref_step_s: float | None = None) -> dict[str, Any]:
+             steps: int, ref_digest: str, device: str = "cpu") -> dict[str, Any]:
     from dynn_runtime.policies import make_policy
     from dynn_runtime.runtime.train import train_managed
 
@@ -131,7 +132,6 @@ def _one_run(name: str, spec: str, cap: int, method: str, policy: str, options: 
         "bytes_moved": st["bytes_offloaded"] + st["bytes_prefetched"] + st["bytes_fetched_on_demand"],
         "bit_identical": r.digest == ref_digest, "wall_s": time.perf_counter() - t0, "per_step": rows,
         "step_s": r.median_step_seconds(),
-        "step_ratio": r.median_step_seconds() / ref_step_s if ref_step_s else None,
     }
     if policy == "pilot" and pol.judged_recall:  # the fallback's judge: recall of each predictor, live
         out["live_window_recall"] = pol.judged_recall
@@ -167,15 +167,20 @@ def live(name: str, fraction: float, steps: int, candidate: str | None = None, r
     with deterministic():  # on any device: the CPU runs the path a GPU does
         ref = train_unmanaged(spec, steps=steps, preset="tiny", device=device)
         cap = int(max(ref.peak_bytes) * fraction)
-        ref_step_s = ref.median_step_seconds()
         for k in range(rounds):
             order = list(todo) if k % 2 == 0 else list(reversed(todo))  # pairs every method with every other in time
             for method in order:
                 policy, options = todo[method]
-                runs[method].append(_one_run(name, spec, cap, method, policy, options, steps, ref.digest, device,
-                                             ref_step_s))
+                runs[method].append(_one_run(name, spec, cap, method, policy, options, steps, ref.digest, device))
+        # PyTorch alone again after the methods: its step time is the mean of the runs before and after,
+        # so that a drift of the machine over the runs (warm-up, other load) weighs on both sides
+        again = train_unmanaged(spec, steps=steps, preset="tiny", device=device)
+    alone = [ref.median_step_seconds(), again.median_step_seconds()]
+    ref_step_s = sum(alone) / 2
+    for run in (r for rs in runs.values() for r in rs):
+        run["step_ratio"] = run["step_s"] / ref_step_s if ref_step_s else None
     out: dict[str, Any] = {"cap_bytes": cap, "peak_bytes": max(ref.peak_bytes), "rounds": rounds, "device": device,
-                           "alone_step_s": ref_step_s, "methods": {}}
+                           "alone_step_s": ref_step_s, "alone_step_s_before_after": alone, "methods": {}}
     for method in todo:
         out["methods"][method] = _combine(runs[method])
     for method in todo:
