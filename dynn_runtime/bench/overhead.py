@@ -471,6 +471,7 @@ def run_overhead(cfg: OverheadConfig, progress: bool = True) -> OverheadReport:
                dynamic_ncols=True)
     micro: list[dict[str, Any]] = []
     workloads: list[dict[str, Any]] = []
+    failed: list[dict[str, str]] = []
     try:
         for source in cfg.sources:
             for policy in cfg.policies:
@@ -478,13 +479,18 @@ def run_overhead(cfg: OverheadConfig, progress: bool = True) -> OverheadReport:
                 micro.append(_micro(cfg, source, policy, bar))
             for spec in cfg.workloads:
                 bar.set_postfix_str(f"{source} {spec}")
-                workloads += _workload(cfg, spec, source, bar)
+                try:
+                    workloads += _workload(cfg, spec, source, bar)
+                except Exception as exc:  # noqa: BLE001 - recorded and reported; the other workloads still calibrate
+                    logger.warning("bench: --overhead: %s on %s failed: %s", spec, source, exc)
+                    failed.append({"workload": spec, "source": source, "error": f"{type(exc).__name__}: {exc}"[:500]})
     finally:
         bar.close()
         torch.set_num_threads(threads)
     now = time.localtime()
     meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%S", now), "dynn_runtime": __version__,
-            "machine": _machine(cfg.device), "threads": cfg.threads, "wall_s": time.perf_counter() - t_start}
+            "machine": _machine(cfg.device), "threads": cfg.threads, "wall_s": time.perf_counter() - t_start,
+            "failed": failed}
     report = OverheadReport(config=cfg, micro=micro, workloads=workloads, calibration={}, meta=meta)
     report.calibration = calibration_from(report)
     return report
@@ -553,6 +559,9 @@ def render_overhead_markdown(report: OverheadReport) -> str:
                 lines.append(f"| {r['workload']} | {p['decisions_per_step']:.0f} | "
                              f"{p['inference_us_per_decision']:.1f} | {p['policy_us_per_decision']:.1f} | "
                              f"{p['share_of_step'] * 100:.1f}% | {p['inference_share_of_step'] * 100:.1f}% |")
+    for f in report.meta.get("failed", []):
+        lines += ["", f"**{f['workload']} ({f['source']}) failed**, left out of the tables and the calibration: "
+                      f"{f['error']}"]
     if report.calibration:
         where = "sources" if cfg.device == "cpu" else f"devices.{cfg.device}"
         lines += ["", f"## Calibration of the simulator's host cost (dynn_runtime/sim/host_cost.json, {where})", "",

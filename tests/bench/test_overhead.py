@@ -212,3 +212,24 @@ def test_every_timed_run_ends_synchronized(monkeypatch):
     overhead._workload(cfg, "tree_lstm", "python", Bar())
     # (lru above the peak, lru at half) x 2 rounds x (alone + managed) x (steps + 1)
     assert calls == ["cpu"] * (2 * 2 * 2 * 2)
+
+
+def test_a_failing_workload_is_reported_and_the_others_still_calibrate(report, monkeypatch):
+    from dynn_runtime.bench import overhead
+
+    assert report.meta["failed"] == []
+    real = overhead._workload
+
+    def workload(cfg, spec, source, bar):
+        if spec == "skipnet":
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return real(cfg, spec, source, bar)
+
+    monkeypatch.setattr(overhead, "_workload", workload)
+    cfg = OverheadConfig(workloads=["skipnet", "tree_lstm"], policies=["lru"], sources=["python"], preset="tiny",
+                         steps=1, reps=1)
+    rep = run_overhead(cfg, progress=False)
+    assert rep.meta["failed"] == [{"workload": "skipnet", "source": "python",
+                                   "error": "RuntimeError: CUDA error: an illegal memory access"}]
+    assert {r["workload"] for r in rep.workloads} == {"tree_lstm"} and rep.calibration["python"]["per_op_s"] >= 0
+    assert "**skipnet (python) failed**" in render_overhead_markdown(rep)
