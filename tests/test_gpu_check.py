@@ -23,5 +23,32 @@ def test_gpu_check_runs_cleanly_without_cuda(tmp_path):
     (report,) = (tmp_path / "out").glob("gpu-check-*.json")
     sec = json.loads(report.read_text())["sections"]
     assert sec["tests"]["rc"] == 0 and "skipped" in sec["tests"]["tail"]
-    assert all(sec[k]["rc"] == "skipped" and "CUDA" in sec[k]["why"] for k in ("events", "real", "racecheck"))
+    assert all(sec[k]["rc"] == "skipped" and "CUDA" in sec[k]["why"]
+               for k in ("events", "real", "racecheck", "overhead", "thirdparty"))
     assert bench.read_text() == "# before\n"
+
+
+def _gpu_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_report_renders_the_overhead_and_thirdparty_sections():
+    gc = _gpu_check()
+    method = {"prefetch_hits": 3, "prefetch_misses": 1, "hit_rate": 0.75, "stall_seconds": 0.002, "bytes_moved": 3 << 20,
+              "bit_identical": True, "step_ratio": 2.5, "steps_to_recover": 1, "steps_to_recover_with_stalls": None}
+    live = {"alone_step_s": 0.012, "methods": {"pilot (shipped)": method, "lru": {**method, "step_ratio": 1.75}}}
+    report = {"device": "NVIDIA H200", "torch": "2.11", "date": "d", "wall_s": 1.0, "sections": {
+        "overhead": {"rc": 0, "seconds": 100.0, "calibration": "out/host_cost.json",
+                     "markdown": "# dynn bench --overhead (d): manager on cuda\n\n## Operators: host us\n"},
+        "thirdparty": {"rc": 0, "seconds": 90.0, "results": {"moe_lm": {"trace": None, "live": live}}}}}
+    md = gc.render(report)
+    assert "### dynn bench --overhead (d): manager on cuda" in md and "#### Operators" in md
+    assert "calibration written to `out/host_cost.json`" in md
+    assert "PyTorch alone per step: moe_lm 12.0 ms." in md
+    assert "| moe_lm | pilot (shipped) | - | 3 / 1 | 75.0% | 0.002 s | 3.0 MiB | 1 / not reached | 2.50x | yes |" in md
+    assert "| moe_lm | lru | - | 3 / 1 | 75.0% | 0.002 s | 3.0 MiB |  | 1.75x | yes |" in md

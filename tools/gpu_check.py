@@ -1,7 +1,7 @@
 """`make gpu-check`: everything the project checks on a GPU, in one command, one JSON and one report.
 
     python tools/gpu_check.py [--out out/gpu-check] [--append docs/benchmarks.md] [--quick]
-                              [--sections tests,events,real,racecheck] [--time-scale X]
+                              [--sections tests,events,real,racecheck,overhead,thirdparty] [--time-scale X]
 
 Sections, each a subprocess under its own time limit (a section that fails or runs out of time is
 recorded as such and the rest still run):
@@ -14,6 +14,14 @@ recorded as such and the rest still run):
    (hard cap), and at 1/4 as a logical budget: each policy against unlimited memory, ``torch.autograd.graph.save_on_cpu`` and
    ``torch.utils.checkpoint``, with the simulator's prediction of the same runs beside them.
 4. ``racecheck``: ``compute-sanitizer --tool racecheck`` on a short managed run.
+5. ``overhead``: ``dynn bench --overhead --device cuda`` (native events): the operator microbenchmark
+   and every zoo family with the manager above the peak (none, lru, pilot) and lru at 1/2, timed with
+   the GPU synchronized at each step's end; the simulator's host-cost calibration measured on this
+   GPU is written into ``<out>/host_cost.json`` (a copy of the shipped file with ``devices.cuda``
+   added: commit it as ``dynn_runtime/sim/host_cost.json``).
+6. ``thirdparty``: the networks outside the zoo (``tools/third_party/evaluate.py --device cuda``):
+   per network and method (the pilot shipped, with its fallback, adapted; replay; lru) at 1/4 of the
+   peak, hits / misses / stalls / bytes moved, steps to recover, step time over PyTorch alone.
 
 ``--sections`` runs a subset (a device lease is short: split the check over calls); ``--time-scale``
 multiplies every section's time limit.
@@ -36,6 +44,8 @@ from pathlib import Path
 
 FAMILIES = ("moe", "varlen", "evoformer")
 CAPS = ("1/2", "1/4", "1/8")
+SECTIONS = ("tests", "events", "real", "racecheck", "overhead", "thirdparty")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
@@ -111,11 +121,37 @@ def _fmt_events(rows: list[dict]) -> list[str]:
     return lines
 
 
+def overhead_section(py: str, out: Path, quick: bool, limit) -> dict:
+    """``dynn bench --overhead --device cuda`` into ``out``; the calibration goes into a copy of the
+    shipped calibration file there, so that the CPU's figures stay beside the GPU's."""
+    from dynn_runtime.sim.hostcost import CALIBRATION_PATH
+
+    cal = out / "host_cost.json"
+    shutil.copyfile(CALIBRATION_PATH, cal)
+    oj = out / "overhead.json"
+    # `small` either way: the calibration is charged to the simulator's `small` and larger runs
+    args = ["--preset", "small", "--steps", "2" if quick else "3", "--reps", "9" if quick else "15"]
+    run = _run([py, "-m", "dynn_runtime.cli", "bench", "--overhead", "--device", "cuda", "--events", "native", *args,
+                "--json", str(oj), "--write-calibration", str(cal), "-q"], limit(240))
+    run["markdown"] = oj.with_suffix(".md").read_text() if oj.with_suffix(".md").exists() else ""
+    run["calibration"] = str(cal) if run["rc"] == 0 else None
+    return run
+
+
+def thirdparty_section(py: str, out: Path, steps: int, limit) -> dict:
+    """The networks outside the zoo, live on the GPU (tools/third_party/evaluate.py --device cuda)."""
+    tj = out / "thirdparty.json"
+    run = _run([py, str(ROOT / "tools" / "third_party" / "evaluate.py"), "--device", "cuda", "--steps", str(steps),
+                "--no-trace", "--json", str(tj)], limit(180))
+    run["results"] = json.loads(tj.read_text())["results"] if tj.exists() else {}
+    return run
+
+
 def _gpu_sections(a: argparse.Namespace, want: set[str], sec: dict, say, out: Path, steps: int, limit) -> None:
-    """Sections 2-4 (CUDA only), each a subprocess under ``limit(seconds)``."""
+    """Sections 2-6 (CUDA only), each a subprocess under ``limit(seconds)``."""
     py = sys.executable
     if "events" in want:
-        say("2/4 event sources against PyTorch alone")
+        say("2/6 event sources against PyTorch alone")
         ev = out / "events.json"
         sec["events"] = _run([py, __file__, "--section", "events", "--out", str(out), "--steps", str(steps)]
                              + (["--quick"] if a.quick else []), limit(150))
@@ -133,19 +169,19 @@ def _gpu_sections(a: argparse.Namespace, want: set[str], sec: dict, say, out: Pa
         # hard caps at each fraction, then 1/4 as a logical budget (at `small` sizes the allocator's
         # segments and workspaces decide hard caps; the logical run compares the policies themselves)
         for cap, hard in [(c, True) for c in (["1/4"] if a.quick else CAPS)] + [("1/4", False)]:
-            say(f"3/4 dynn bench --real at {cap} ({'hard cap' if hard else 'logical budget'}, native events)")
+            say(f"3/6 dynn bench --real at {cap} ({'hard cap' if hard else 'logical budget'}, native events)")
             rj = out / f"real-{cap.replace('/', 'of')}{'' if hard else '-logical'}.json"
             real(["--families", *FAMILIES, "--cap", cap, "--policies", "lru", "save_on_cpu", "pilot", "--steps",
                   str(max(3, steps - 1)), "--max-scale", "0"] + ([] if hard else ["--no-hard-cap"]), rj, 110)
         if not a.quick:
             # moe `large` does not fit an 80 GB H100 alone: the manager measures its peak in a first step
             # under the device's free memory and trains at a quarter of it
-            say("3/4 dynn bench --real: moe large, which PyTorch alone cannot train here, at 1/4 (native events)")
+            say("3/6 dynn bench --real: moe large, which PyTorch alone cannot train here, at 1/4 (native events)")
             rj = out / "real-large-moe.json"
             real(["--families", "moe", "--preset", "large", "--cap", "1/4", "--policies", "lru", "--steps", "3",
                   "--max-scale", "0", "--no-predict"], rj, 170)
     if "racecheck" in want:
-        say("4/4 compute-sanitizer --tool racecheck on a short managed run")
+        say("4/6 compute-sanitizer --tool racecheck on a short managed run")
         san = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
         if Path(san).exists():
             code = ("from dynn_runtime.runtime.train import train_managed as t;"
@@ -155,6 +191,12 @@ def _gpu_sections(a: argparse.Namespace, want: set[str], sec: dict, say, out: Pa
                                     limit(150), env={"DYNN_EVENTS": "native"})
         else:
             sec["racecheck"] = {"rc": "skipped", "why": "compute-sanitizer not found"}
+    if "overhead" in want:
+        say("5/6 dynn bench --overhead --device cuda (the simulator's host cost measured on this GPU)")
+        sec["overhead"] = overhead_section(py, out, a.quick, limit)
+    if "thirdparty" in want:
+        say("6/6 networks outside the zoo, live on the GPU (tools/third_party/evaluate.py --device cuda)")
+        sec["thirdparty"] = thirdparty_section(py, out, max(4, steps), limit)
 
 
 def main() -> int:
@@ -164,14 +206,14 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer steps, caps 1/4 only (a smoke run)")
     ap.add_argument("--section", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--sections", default="tests,events,real,racecheck",
-                    help="comma-separated subset of tests,events,real,racecheck (default: all)")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
     ap.add_argument("--time-scale", type=float, default=1.0, help="multiplies every section's time limit")
     a = ap.parse_args()
     want = set(a.sections.split(","))
-    unknown = want - {"tests", "events", "real", "racecheck"}
+    unknown = want - set(SECTIONS)
     if unknown:
-        ap.error(f"--sections: unknown {sorted(unknown)}; expected a subset of tests,events,real,racecheck")
+        ap.error(f"--sections: unknown {sorted(unknown)}; expected a subset of {','.join(SECTIONS)}")
 
     def limit(seconds: float) -> float:
         return seconds * a.time_scale
@@ -202,10 +244,10 @@ def main() -> int:
         print(f"gpu-check [{time.perf_counter() - t_all:5.0f} s] {text}", file=sys.stderr, flush=True)
 
     if "tests" in want:
-        say("1/4 gpu-marked tests")
+        say("1/6 gpu-marked tests")
         sec["tests"] = _run([py, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"], limit(240))
     if not cuda:
-        for name in ("events", "real", "racecheck"):
+        for name in SECTIONS[1:]:
             if name in want:
                 sec[name] = {"rc": "skipped", "why": "CUDA is not available"}
     else:
@@ -256,7 +298,36 @@ def render(report: dict) -> str:
                   f"rc {rc.get('rc')}, {rc.get('seconds', '')} s; {'; '.join(tail) or rc.get('why', '')}", ""]
         if rc.get("rc") not in (0, "skipped"):
             lines += ["```", rc.get("tail", "")[-1500:], "```", ""]
+    ov = sec.get("overhead", {})
+    if ov:
+        lines += [f"**dynn bench --overhead --device cuda** (native events): rc {ov.get('rc')}, "
+                  f"{ov.get('seconds', '')} s{'; ' + ov['why'] if ov.get('why') else ''}"
+                  + (f"; calibration written to `{ov['calibration']}`" if ov.get("calibration") else ""), ""]
+        if ov.get("markdown"):
+            lines += [ov["markdown"].replace("\n# dynn", "\n### dynn").replace("\n## ", "\n#### ")
+                      .replace("# dynn bench", "### dynn bench", 1), ""]
+        if ov.get("rc") not in (0, "skipped"):
+            lines += ["```", ov.get("tail", "")[-1500:], "```", ""]
+    tp = sec.get("thirdparty", {})
+    if tp:
+        lines += [f"**Networks outside the zoo, live** (`tools/third_party/evaluate.py --device cuda`): rc "
+                  f"{tp.get('rc')}, {tp.get('seconds', '')} s{'; ' + tp['why'] if tp.get('why') else ''}", ""]
+        if tp.get("results"):
+            lines += [_thirdparty_table(tp["results"]), ""]
+        if tp.get("rc") not in (0, "skipped"):
+            lines += ["```", tp.get("tail", "")[-1500:], "```", ""]
     return "\n".join(lines)
+
+
+def _thirdparty_table(results: dict) -> str:
+    """The evaluation's own table (tools/third_party/evaluate.py), PyTorch alone's step time before it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("third_party_evaluate", ROOT / "tools" / "third_party" / "evaluate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    alone = ", ".join(f"{n} {r['live']['alone_step_s'] * 1e3:.1f} ms" for n, r in results.items())
+    return f"PyTorch alone per step: {alone}.\n\n" + mod.table(results)
 
 
 if __name__ == "__main__":

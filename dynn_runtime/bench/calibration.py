@@ -100,23 +100,31 @@ UNCHARGED = {
 
 
 def write_calibration(report: OverheadReport, path: str | Path | None = None) -> Path:
-    """Merge ``report``'s calibration into the calibration file (sources not measured now are kept)."""
-    from ..sim.hostcost import CALIBRATION_PATH, CALIBRATION_SCHEMA
+    """Merge ``report``'s calibration into the calibration file, under the device it was measured on
+    (the CPU's under ``sources``, a GPU's under ``devices.cuda``); figures of the other device, and of
+    sources not measured now, are kept."""
+    from ..sim.hostcost import CALIBRATION_PATH, CALIBRATION_SCHEMA, load_calibration
 
     p = Path(path) if path is not None else CALIBRATION_PATH
     data: dict[str, Any] = {"schema": CALIBRATION_SCHEMA, "uncharged": dict(UNCHARGED), "sources": {}}
     if p.is_file():
         try:
-            old = json.loads(p.read_text())
-            if old.get("schema") == CALIBRATION_SCHEMA:
-                data["sources"].update(old.get("sources", {}))
-        except ValueError:
-            pass
+            old = load_calibration(p)
+        except ConfigError:
+            old = {}  # not a calibration of this schema: measured again from scratch
+        data["sources"].update(old.get("sources", {}))
+        if old.get("devices"):
+            data["devices"] = {d: dict(v) for d, v in old["devices"].items()}
     if not report.calibration:
         raise ConfigError("bench: no event source produced a calibration (no zoo family measured with lru); "
                           "run `dynn bench --overhead` with the zoo families.")
-    data["sources"].update(report.calibration)
+    device = report.config.device
+    if device == "cpu":
+        data["sources"].update(report.calibration)
+    else:
+        data.setdefault("devices", {}).setdefault(device, {}).update(report.calibration)
     data["note"] = ("Host seconds of the live MemoryManager over PyTorch alone, measured by `dynn bench --overhead "
-                    "--write-calibration`; read by dynn_runtime.sim.hostcost (the simulator's host cost).")
+                    "--write-calibration`: with the manager on the CPU under 'sources', on a GPU under "
+                    "'devices.cuda' (`--device cuda`); read by dynn_runtime.sim.hostcost (the simulator's host cost).")
     p.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
     return p

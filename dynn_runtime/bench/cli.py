@@ -34,7 +34,8 @@ With --overhead, measures what the live manager costs on the host against PyTorc
 and examples/my_workload.py:build with a budget above the peak (none, lru, pilot) and lru at 1/2
 with where the time goes; the pilot's cost per decision point. Prints a markdown table, writes
 --json (default DIR/overhead.json, DIR from --out); --write-calibration stores the figures the simulator
-charges in dynn_runtime/sim/host_cost.json."""
+charges in dynn_runtime/sim/host_cost.json, per device (--device cpu, the default, or cuda: the simulator's
+GPU profiles charge a GPU's figures where they were measured)."""
 
 
 def _budgets(text: str) -> list[float]:
@@ -96,7 +97,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-source", default="auto", choices=("auto", "python", "native"),
                    help="which event source's calibration is charged (default auto: native where measured)")
     o = p.add_argument_group("--overhead: the live manager's host cost against PyTorch alone")
-    o.add_argument("--overhead", action="store_true", help="measure the manager's host cost (CPU)")
+    o.add_argument("--overhead", action="store_true", help="measure the manager's host cost (--device: cpu or cuda)")
     o.add_argument("--reps", type=int, default=None, help="--overhead: operator microbenchmark repetitions "
                    "(default 41, --quick 9)")
     o.add_argument("--events", nargs="+", default=[], choices=("python", "native"), metavar="SOURCE",
@@ -106,7 +107,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "dynn_runtime/sim/host_cost.json)")
     g = p.add_argument_group("--real: the live memory manager, measured")
     g.add_argument("--real", action="store_true", help="measure the live manager instead of simulating")
-    g.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="--real: device (default cuda)")
+    g.add_argument("--device", default=None, choices=["cuda", "cpu"],
+                   help="--real: device (default cuda); --overhead: where the manager runs (default cpu; cuda "
+                        "measures the GPU's host cost, calibrated under devices.cuda)")
     g.add_argument("--cap", type=_budgets, default=None, metavar="F",
                    help="--real: the cap as a fraction of the unlimited peak (default 1/8)")
     g.add_argument("--no-hard-cap", dest="hard_cap", action="store_false",
@@ -173,7 +176,7 @@ def _cmd_real(args: argparse.Namespace) -> int:
         raise ConfigError(f"bench: --cap takes one fraction, e.g. 1/8; got {len(args.cap)}.")
     cfg = RealBenchConfig(
         families=list(args.families), policies=list(args.policies),
-        fraction=args.cap[0] if args.cap else 0.125, device=args.device, preset=args.preset, steps=args.steps,
+        fraction=args.cap[0] if args.cap else 0.125, device=args.device or "cuda", preset=args.preset, steps=args.steps,
         seed=args.seed, quick=args.quick, max_scale=args.max_scale, hard_cap=args.hard_cap, simulate=args.predict,
         device_profile=args.device_profile if args.device_profile != "h100" else None,
         out_dir=args.out, json_path=args.json,
@@ -208,7 +211,7 @@ def _cmd_overhead(args: argparse.Namespace) -> int:
     cfg = OverheadConfig(
         workloads=list(args.families), policies=list(args.policies) or ["none", "lru", "pilot"],
         sources=list(args.events), preset=args.preset, steps=args.steps, reps=args.reps, seed=args.seed,
-        quick=args.quick, json_path=args.json or str(Path(args.out) / "overhead.json"),
+        quick=args.quick, json_path=args.json or str(Path(args.out) / "overhead.json"), device=args.device or "cpu",
     )
     cfg.validate()
     t0 = time.perf_counter()
@@ -218,7 +221,7 @@ def _cmd_overhead(args: argparse.Namespace) -> int:
     print(f"wrote {paths['json']} and {paths['markdown']}; {time.perf_counter() - t0:.1f} s")
     if args.write_calibration is not None:
         path = write_calibration(report, args.write_calibration or None)
-        print(f"wrote the host-cost calibration ({', '.join(report.calibration)}) to {path}")
+        print(f"wrote the host-cost calibration ({', '.join(report.calibration)}, measured on {cfg.device}) to {path}")
     return 0
 
 

@@ -322,8 +322,10 @@ class _Charges:
         mode = "none" if self.spec is None else ("calibrated" if self.spec == "calibrated" else "model")
         out: dict[str, Any] = {"mode": mode, "policies": per}
         if mode == "calibrated" and self.data is not None:
-            used = {c["source"] for c in per.values() if c}
-            out["measured"] = {src: self.data["sources"][src].get("measured") for src in used}
+            from ..sim.hostcost import calibration_table
+
+            used = {(c["source"], c["device"]) for c in per.values() if c}
+            out["measured"] = {src: calibration_table(self.data, dev)[src].get("measured") for src, dev in used}
         return out
 
 

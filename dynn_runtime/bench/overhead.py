@@ -1,7 +1,10 @@
 """``dynn bench --overhead``: what the live memory manager costs on the host, measured against PyTorch alone.
 
 Three measurements, each pairing managed and unmanaged runs in one process on the same inputs
-(the machine's noise hits both alike; ratios are taken within a pair, then the median):
+(the machine's noise hits both alike; ratios are taken within a pair, then the median), with the
+manager on ``device`` (``cpu``, or ``cuda``: tensors, models and the manager on the GPU, and every
+timed run or step ends with ``torch.cuda.synchronize()`` on both sides, so a time includes the
+kernels it launched):
 
 1. **Operators.** A loop of small ATen operators (``mul``, ``add``, ``mm``, ``relu`` on 8x8 tensors)
    and a small ``Linear`` forward and backward, one intra-op thread, alone and inside a
@@ -19,11 +22,13 @@ Three measurements, each pairing managed and unmanaged runs in one process on th
 3. **The pilot.** Per family: its decision points per step, seconds per decision point (its own
    inference, and the manager's ``policy_seconds`` over them) and its share of the step.
 
-From these, the calibration of the simulator's host cost per event source (``--write-calibration``
-writes it into :data:`~dynn_runtime.sim.hostcost.CALIBRATION_PATH`): ``per_op_s`` is the median
+From these, the calibration of the simulator's host cost per event source and device
+(``--write-calibration`` writes it into :data:`~dynn_runtime.sim.hostcost.CALIBRATION_PATH`, under
+the device measured): ``per_op_s`` is the median
 over the zoo families of (managed - unmanaged) / operators with ``lru`` above the peak;
 ``per_move_s`` the sum over the families of (step at half the peak - step above the peak on the
-same batch - stalls, which on the CPU include the synchronous copies) over the storages moved
+same batch - stalls, which on the CPU include the synchronous copies and on a GPU are the compute
+stream's timed waits) over the storages moved (evictions and fetches alike: one per-move term)
 (``per_decision_s`` is 0 on the Python path: the policy is consulted after every operator, which
 ``per_op_s`` holds, and a joint fit of a per-consultation and a per-move term is not stable on
 noisy machines; the file keeps the per-consultation figure that would explain the same seconds); the pilot's ``host_cost``
@@ -81,13 +86,16 @@ class OverheadConfig:
     """The constrained budget, a fraction of the peak (lru)."""
     threads: int = 1
     """``torch.set_num_threads`` for the run."""
+    device: str = "cpu"
+    """Where the models, the operators' tensors and the manager run: ``cpu`` or ``cuda``."""
     json_path: str = "out/bench/overhead.json"
 
     def resolved(self) -> OverheadConfig:
+        self.validate()  # the device first: the event sources are probed on it
         cfg = dataclasses.replace(
             self,
             workloads=list(self.workloads) or _default_workloads(),
-            sources=list(self.sources) or available_sources(),
+            sources=list(self.sources) or available_sources(self.device),
             preset=self.preset or ("tiny" if self.quick else "small"),
             steps=self.steps if self.steps is not None else (2 if self.quick else 6),
             reps=self.reps if self.reps is not None else (9 if self.quick else 41),
@@ -117,6 +125,14 @@ class OverheadConfig:
             raise ConfigError(f"bench: --reps must be >= 1, got {self.reps}.")
         if not 0 < self.half < 1:
             raise ConfigError(f"bench: the constrained budget is a fraction in (0, 1), got {self.half}.")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"bench: --overhead runs on --device cpu or cuda, got {self.device!r}.")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("bench: --overhead --device cuda needs a GPU, and CUDA is not available here; "
+                                  "measure on the CPU (--device cpu) or run it where a GPU is.")
 
 
 def _default_workloads() -> list[str]:
@@ -135,32 +151,41 @@ def _events_kwarg() -> bool:
     return "events" in inspect.signature(MemoryManager).parameters
 
 
-def _manager(budget: Any, policy: Any, source: str) -> Any:
+def _manager(budget: Any, policy: Any, source: str, device: str = "cpu") -> Any:
     from ..runtime.manager import MemoryManager
 
     kw = {"events": source} if _events_kwarg() else {}
-    return MemoryManager(budget, policy=policy, device="cpu", **kw)
+    return MemoryManager(budget, policy=policy, device=device, **kw)
+
+
+def _synchronizer(device: str) -> Any:
+    """What ends every timed run or step on ``device``: the host waits for the kernels (CUDA), or nothing."""
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
 
 
 def _source_used(mm: Any) -> str:
     return str(mm.stats().get("event_source", "python"))
 
 
-def available_sources() -> list[str]:
-    """The event sources this build runs: ``python`` always; ``native`` where the manager takes
-    ``events=`` and a step with ``events="native"`` reports that it used it."""
+def available_sources(device: str = "cpu") -> list[str]:
+    """The event sources this build runs on ``device``: ``python`` always; ``native`` where the manager
+    takes ``events=`` and a step with ``events="native"`` reports that it used it."""
     import torch
 
     out = ["python"]
     if not _events_kwarg():
         return out
     try:
-        model = torch.nn.Linear(4, 4)
-        mm = _manager(_BIG, "none", "native")
+        model = torch.nn.Linear(4, 4).to(device)
+        mm = _manager(_BIG, "none", "native", device)
         mm.attach(model)
         try:
             with mm.step():
-                model(torch.randn(2, 4)).sum().backward()
+                model(torch.randn(2, 4, device=device)).sum().backward()
             if _source_used(mm) == "native":
                 out.append("native")
         finally:
@@ -212,7 +237,7 @@ def _pilot_counters(pol: Any) -> dict[str, float]:
     return {k: float(getattr(pol, k, 0) or 0) for k in keys} | {"host_seconds": float(pol.host_seconds)}
 
 
-def _machine() -> dict[str, Any]:
+def _machine(device: str = "cpu") -> dict[str, Any]:
     import torch
 
     cpu = platform.processor() or platform.machine()
@@ -223,8 +248,12 @@ def _machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"host_cpu": cpu, "cores": os.cpu_count(), "device": "cpu", "torch": torch.__version__,
-            "python": platform.python_version(), "platform": platform.platform()}
+    out = {"host_cpu": cpu, "cores": os.cpu_count(), "device": device, "torch": torch.__version__,
+           "python": platform.python_version(), "platform": platform.platform()}
+    if device == "cuda":
+        out["gpu"] = torch.cuda.get_device_name()
+        out["cuda"] = torch.version.cuda
+    return out
 
 
 # ---- 1: the operator microbenchmark ---------------------------------------------------------------
@@ -234,10 +263,12 @@ def _micro(cfg: OverheadConfig, source: str, policy: str, bar: Any,
     """``probe``, if given, is called at the start of every run of the loop (tests: who observes it)."""
     import torch
 
+    dev = cfg.device
+    sync = _synchronizer(dev)
     g = torch.Generator().manual_seed(cfg.seed)
-    x, w = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
-    lin = torch.nn.Linear(16, 16)
-    inp = torch.randn(4, 16, generator=g)
+    x, w = torch.randn(8, 8, generator=g).to(dev), torch.randn(8, 8, generator=g).to(dev)
+    lin = torch.nn.Linear(16, 16).to(dev)
+    inp = torch.randn(4, 16, generator=g).to(dev)
 
     def work() -> None:
         if probe is not None:
@@ -247,8 +278,9 @@ def _micro(cfg: OverheadConfig, source: str, policy: str, bar: Any,
             y = torch.relu(torch.mm(y * 0.5 + x, w))
         lin(inp).sum().backward()
         lin.zero_grad(set_to_none=True)
+        sync()
 
-    mm = _manager(_BIG, policy, source)
+    mm = _manager(_BIG, policy, source, dev)
     per_op: list[float] = []
     ratio: list[float] = []
     plain_op: list[float] = []
@@ -309,12 +341,14 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dic
 
     import torch
 
-    from ..workload import load_workload, make_optimizer, workload_name
+    from ..workload import load_workload, make_optimizer, to_device, workload_name
 
+    dev = cfg.device
+    sync = _synchronizer(dev)
     torch.manual_seed(cfg.seed)
     wl = load_workload(spec, preset=cfg.preset, seed=cfg.seed)
-    initial = copy.deepcopy(wl.model)
-    batches = [wl.make_batch(step) for step in range(cfg.steps + 1)]
+    initial = copy.deepcopy(wl.model).to(dev)
+    batches = [to_device(wl.make_batch(step), dev) for step in range(cfg.steps + 1)]
     variants = [*((p, "above", _BIG) for p in cfg.policies), ("lru", "half", cfg.half)]
     rows: dict[tuple[str, str], list[dict[str, float]]] = {(p, b): [] for p, b, _ in variants}
     plain: list[float] = []
@@ -327,6 +361,7 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dic
         for batch in batches:
             c0, t0 = time.process_time(), time.perf_counter()
             _one_step(wl, model, opt, batch)
+            sync()
             wall.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
         return wall, cpu
@@ -334,7 +369,7 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dic
     def managed_block(policy: str, budget: Any) -> tuple[list[dict[str, float]], str]:
         model = copy.deepcopy(initial)
         opt = make_optimizer(wl, model.parameters())
-        mm = _manager(budget, _counting(policy), source)
+        mm = _manager(budget, _counting(policy), source, dev)
         pol = mm.policy
         out: list[dict[str, float]] = []
         mm.attach(model, opt)
@@ -345,6 +380,7 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dic
                 c0, t0 = time.process_time(), time.perf_counter()  # the step's start and end are the user's too
                 with mm.step():
                     _one_step(wl, model, opt, batch)
+                sync()  # the step's end waits for its copies; this waits for its compute stream too
                 dt = time.perf_counter() - t0
                 dt_cpu = time.process_time() - c0
                 bar.update(1)
@@ -435,6 +471,7 @@ def run_overhead(cfg: OverheadConfig, progress: bool = True) -> OverheadReport:
                dynamic_ncols=True)
     micro: list[dict[str, Any]] = []
     workloads: list[dict[str, Any]] = []
+    failed: list[dict[str, str]] = []
     try:
         for source in cfg.sources:
             for policy in cfg.policies:
@@ -442,13 +479,18 @@ def run_overhead(cfg: OverheadConfig, progress: bool = True) -> OverheadReport:
                 micro.append(_micro(cfg, source, policy, bar))
             for spec in cfg.workloads:
                 bar.set_postfix_str(f"{source} {spec}")
-                workloads += _workload(cfg, spec, source, bar)
+                try:
+                    workloads += _workload(cfg, spec, source, bar)
+                except Exception as exc:  # noqa: BLE001 - recorded and reported; the other workloads still calibrate
+                    logger.warning("bench: --overhead: %s on %s failed: %s", spec, source, exc)
+                    failed.append({"workload": spec, "source": source, "error": f"{type(exc).__name__}: {exc}"[:500]})
     finally:
         bar.close()
         torch.set_num_threads(threads)
     now = time.localtime()
     meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%S", now), "dynn_runtime": __version__,
-            "machine": _machine(), "threads": cfg.threads, "wall_s": time.perf_counter() - t_start}
+            "machine": _machine(cfg.device), "threads": cfg.threads, "wall_s": time.perf_counter() - t_start,
+            "failed": failed}
     report = OverheadReport(config=cfg, micro=micro, workloads=workloads, calibration={}, meta=meta)
     report.calibration = calibration_from(report)
     return report
@@ -467,8 +509,9 @@ def _pair(r: dict[str, Any]) -> str:
 
 def render_overhead_markdown(report: OverheadReport) -> str:
     cfg, m = report.config, report.meta["machine"]
-    lines = [f"# dynn bench --overhead ({report.meta['date']}): {m['host_cpu']}, {m['cores']} cores, torch "
-             f"{m['torch']}, {cfg.threads} thread(s), preset {cfg.preset}", "",
+    on = f"{m['gpu']} (CUDA {m.get('cuda')}), host " if cfg.device == "cuda" else ""
+    lines = [f"# dynn bench --overhead ({report.meta['date']}): {on}{m['host_cpu']}, {m['cores']} cores, torch "
+             f"{m['torch']}, {cfg.threads} thread(s), preset {cfg.preset}, manager on {cfg.device}", "",
              "## Operators: host us per ATen operator over PyTorch alone (budget far above the peak)", "",
              "| source | policy | ops/rep | PyTorch us/op | manager +us/op | ratio |", "|---|---|---:|---:|---:|---:|"]
     for r in report.micro:
@@ -493,7 +536,9 @@ def render_overhead_markdown(report: OverheadReport) -> str:
             tail = f" | {lru['overhead_us_per_op']:.1f} |" if lru else " | |"
             lines.append(f"| {w} | {first['ops']:.0f} | {first['plain_s'] * 1e3:.1f} | " + " | ".join(cells) + tail)
         lines += ["", f"## Workloads ({source}): lru at {cfg.half:g} of the peak, where the time goes (ms per step)",
-                  "On the CPU copies are synchronous: `stall` includes them (`copy` is that part).", "",
+                  ("On the CPU copies are synchronous: `stall` includes them (`copy` is that part)." if cfg.device == "cpu"
+                   else "On the GPU copies run on side streams: `stall` is the compute stream's timed waits, `copy` "
+                        "the host's time issuing them."), "",
                   "| workload | ratio | PyTorch | managed | stall | copy | policy | event path, rest | "
                   "decision points | moves |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for w in names:
@@ -514,8 +559,12 @@ def render_overhead_markdown(report: OverheadReport) -> str:
                 lines.append(f"| {r['workload']} | {p['decisions_per_step']:.0f} | "
                              f"{p['inference_us_per_decision']:.1f} | {p['policy_us_per_decision']:.1f} | "
                              f"{p['share_of_step'] * 100:.1f}% | {p['inference_share_of_step'] * 100:.1f}% |")
+    for f in report.meta.get("failed", []):
+        lines += ["", f"**{f['workload']} ({f['source']}) failed**, left out of the tables and the calibration: "
+                      f"{f['error']}"]
     if report.calibration:
-        lines += ["", "## Calibration of the simulator's host cost (dynn_runtime/sim/host_cost.json)", "",
+        where = "sources" if cfg.device == "cpu" else f"devices.{cfg.device}"
+        lines += ["", f"## Calibration of the simulator's host cost (dynn_runtime/sim/host_cost.json, {where})", "",
                   "| source | per operator us | per decision point us | per move us | "
                   "pilot host_cost (us/decision, us/row, us/op) |", "|---|---:|---:|---:|---|"]
         for source, c in report.calibration.items():

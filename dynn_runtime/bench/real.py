@@ -20,7 +20,9 @@ Per family (``preset``, ``steps`` steps, seed ``seed``):
   of it. There is no unlimited time or state to compare with; the report gives the measured peak.
 * **Simulator prediction.** A trace of the same workload recorded on the same device, simulated
   at the same fraction on the profile matching the device (``h100``, ``h200``, ``a100``; a CPU run
-  is projected on ``h100`` and is not comparable, which the report says).
+  is projected on ``h100`` and is not comparable, which the report says), each policy that runs in
+  the manager charged the calibrated host cost (:mod:`dynn_runtime.sim.hostcost`: a GPU's figures
+  where they were measured, else the CPU's; ``predicted_host_cost`` says which).
 * **Prefetch quality** (:mod:`.quality`). Per policy, live and simulated: prefetch hits, misses,
   stall seconds and bytes moved; beside them the window recall of the policy's predictor (pilot,
   replay, lru) on the same recorded trace, so that a trace metric can be read against what the
@@ -386,6 +388,7 @@ def _beyond_the_device(cfg: RealBenchConfig, family: str, policies: list[str], w
 def _add_predictions(cfg: RealBenchConfig, family: str, rows: list[dict[str, Any]], policies: list[str]) -> None:
     """The simulator's iteration time for the same run: a trace recorded on the same device."""
     from ..sim import simulate
+    from ..sim.hostcost import host_cost_for, policy_options_for
     from ..trace import read_trace, record
     from ..workload import workload_name
 
@@ -408,14 +411,17 @@ def _add_predictions(cfg: RealBenchConfig, family: str, rows: list[dict[str, Any
         if pol is None or row.get("feasible", True) is None:
             continue
         try:
-            res = ref if row["method"] == "unlimited" else simulate(trace, pol, float(cfg.fraction), prof)
+            hc = host_cost_for(pol)
+            res = ref if row["method"] == "unlimited" else simulate(
+                trace, pol, float(cfg.fraction), prof, host_cost=hc, policy_options=policy_options_for(pol) or None)
         except DynnError as exc:
             row["predicted_reason"] = str(exc)[:200]
             continue
         row.update(predicted_feasible=res.feasible, predicted_iter_time_s=res.iter_time_s if res.feasible else None,
                    predicted_overhead=res.iter_time_s / ref.iter_time_s if res.feasible else None,
                    predicted_unmanaged_peak_bytes=res.unmanaged_peak_bytes, predicted_profile=prof,
-                   predicted_policy=pol)
+                   predicted_policy=pol,
+                   predicted_host_cost=None if hc is None or row["method"] == "unlimited" else hc.as_dict())
         if pol in recall:
             row["window_recall"] = recall[pol]
         if res.feasible and row["method"] != "unlimited":

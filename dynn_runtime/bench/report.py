@@ -100,7 +100,8 @@ def _host_cost_line(hc: dict[str, Any] | None) -> str:
         return f"{hc['mode']}, no policy here runs in the manager"
     c = min(charged.values(), key=lambda x: x["per_op_s"])
     more = [f"{p} {x['per_op_s'] * 1e6:.1f}" for p, x in charged.items() if x["per_op_s"] != c["per_op_s"]]
-    return (f"{hc['mode']} ({c['source']}): {c['per_op_s'] * 1e6:.1f} us per operator"
+    on = f", measured on {c['device']}" if c.get("device") else ""
+    return (f"{hc['mode']} ({c['source']}{on}): {c['per_op_s'] * 1e6:.1f} us per operator"
             + (f" ({', '.join(more)})" if more else "")
             + f", {c['per_decision_s'] * 1e6:.1f} us per decision point, {c.get('per_move_s', 0.0) * 1e6:.1f} us "
             f"per storage moved, on {', '.join(charged)}")

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import BudgetError, internal_assert
 from ..memory import format_bytes
-from ..residency import IN_FLIGHT, Record, Residency, Status
+from ..residency import HOLDS_DEVICE, IN_FLIGHT, Record, Residency, Status
 from .storages import _S, _u8
 
 RESIDENT, HOST, FETCHING, ABSENT = Status.RESIDENT, Status.HOST, Status.FETCHING, Status.ABSENT
@@ -229,7 +229,26 @@ class Moves(Residency):
             f"runtime: out of memory under policy {self.policy.name!r} at {where}: {format_bytes(need)} more needed, "
             f"{format_bytes(self.used)} of {format_bytes(self.budget)} in use ({format_bytes(held)} of it needed by "
             "this operator) and nothing the policy may move. Raise the budget, or use a policy that moves more "
-            "(lru, pilot).")
+            f"(lru, pilot). In use: {self._in_use(exclude)}.")
+
+    def _in_use(self, exclude: set[int]) -> str:
+        """The device bytes in use by kind and by why each may not move (what a failed make-room is
+        read with): the largest groups first, then what is counted but not tracked here."""
+        groups: dict[tuple[str, str], int] = {}
+        tracked = 0
+        for s in self.st.values():
+            if s.status not in HOLDS_DEVICE:
+                continue
+            why = ("needed now" if s.sid in exclude else "pinned" if s.sid in self._pinned
+                   else "held by a collective" if s.sid in self._held
+                   else s.status.value if s.status is not RESIDENT
+                   else "movable" if s.movable else "not movable")
+            groups[(s.kind, why)] = groups.get((s.kind, why), 0) + s.nbytes
+            tracked += s.nbytes
+        parts = [f"{kind} {format_bytes(n)} ({why})" for (kind, why), n in sorted(groups.items(), key=lambda kv: -kv[1])]
+        if self.used != tracked:
+            parts.append(f"{format_bytes(self.used - tracked)} counted but not among the tracked storages")
+        return ", ".join(parts[:8]) or "nothing tracked"
 
     def _account(self, delta: int) -> None:
         if self._obs is None:  # the native observer counts device bytes itself (events.cpp, invariant 2)

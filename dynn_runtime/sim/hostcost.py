@@ -23,8 +23,12 @@ work at its own decision points (the pilot's inference) is the policy's
 the policy runs.
 
 Both numbers are measured by ``dynn bench --overhead --write-calibration`` per event source (the
-Python dispatch path, and the native event path where it is built) and kept in ``host_cost.json``
-beside this module, with the machine they were measured on. Policies that stand for something that
+Python dispatch path, and the native event path where it is built) and per device the manager ran
+on, and kept in ``host_cost.json`` beside this module, with the machine they were measured on: the
+CPU's figures under ``sources`` (the file's first layout, read as it was), a GPU's under
+``devices.cuda`` (``--device cuda``). The simulator's profiles are GPUs, so ``device="auto"``
+charges the GPU's figures where they were measured and the CPU's otherwise; a result says which
+(:attr:`HostCost.device`). Policies that stand for something that
 does not run in the manager (``none`` is PyTorch alone; ``save_on_cpu``, ``checkpoint``, ``uvm``
 and ``dtr`` model other mechanisms) are listed there as uncharged.
 
@@ -48,13 +52,16 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["HostCost", "CALIBRATION_PATH", "SOURCES", "load_calibration", "charged_as", "host_cost_for", "policy_options_for",
-           "parse_host_cost"]
+__all__ = ["HostCost", "CALIBRATION_PATH", "SOURCES", "DEVICES", "load_calibration", "calibration_table", "calibrated_devices", "charged_as",
+           "host_cost_for", "policy_options_for", "parse_host_cost"]
 
 #: the calibration data shipped with the package (written by ``dynn bench --overhead --write-calibration``)
 CALIBRATION_PATH = Path(__file__).resolve().parent / "host_cost.json"
 #: event sources of the live runtime: the Python dispatch mode, the native extension's event path
 SOURCES = ("python", "native")
+#: devices a calibration is measured on: the manager on the CPU (``sources`` in the file), on a GPU
+#: (``devices.cuda``)
+DEVICES = ("cpu", "cuda")
 CALIBRATION_SCHEMA = 1
 
 
@@ -71,6 +78,9 @@ class HostCost:
     source: str
     """Where the figures come from: an event source of the calibration (``python``, ``native``), or
     ``model`` for figures given by hand."""
+    device: str = ""
+    """The device the manager ran on when the figures were measured (``cpu``, ``cuda``); "" for
+    figures given by hand."""
 
     def __post_init__(self) -> None:
         for name in ("per_op_s", "per_decision_s", "per_move_s"):
@@ -84,7 +94,7 @@ class HostCost:
 
     def as_dict(self) -> dict[str, Any]:
         return {"per_op_s": self.per_op_s, "per_decision_s": self.per_decision_s, "per_move_s": self.per_move_s,
-                "source": self.source}
+                "source": self.source, "device": self.device}
 
 
 def load_calibration(path: str | Path | None = None) -> dict[str, Any]:
@@ -95,22 +105,56 @@ def load_calibration(path: str | Path | None = None) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"sim: cannot read the host-cost calibration {str(p)!r} ({exc}); re-measure it with "
                           "`dynn bench --overhead --write-calibration`.") from None
-    if data.get("schema") != CALIBRATION_SCHEMA or not isinstance(data.get("sources"), dict):
+    devices = data.get("devices", {})
+    if (data.get("schema") != CALIBRATION_SCHEMA or not isinstance(data.get("sources"), dict)
+            or not isinstance(devices, dict) or not all(isinstance(v, dict) for v in devices.values())):
         raise ConfigError(f"sim: {str(p)!r} is not a host-cost calibration of schema {CALIBRATION_SCHEMA} "
                           f"(found schema {data.get('schema')!r}); re-measure it with "
                           "`dynn bench --overhead --write-calibration`.")
+    unknown = sorted(set(devices) - set(DEVICES[1:]))
+    if unknown:
+        raise ConfigError(f"sim: {str(p)!r} has figures for unknown device(s) {unknown} under 'devices' (known: "
+                          f"{', '.join(DEVICES[1:])}; the CPU's are under 'sources'); re-measure them with "
+                          "`dynn bench --overhead --device cuda --write-calibration`.")
     return data
 
 
-def _source(data: dict[str, Any], source: str) -> str:
+def calibrated_devices(data: dict[str, Any]) -> list[str]:
+    """The devices ``data`` has figures for, of :data:`DEVICES`."""
+    return [d for d in DEVICES if calibration_table(data, d)]
+
+
+def calibration_table(data: dict[str, Any], device: str) -> dict[str, Any]:
+    """The per-source figures measured on ``device`` (empty where there are none)."""
+    return data.get("sources", {}) if device == "cpu" else data.get("devices", {}).get(device, {})
+
+
+def _device(data: dict[str, Any], device: str, source: str = "auto") -> str:
+    """``auto``: the GPU's figures where they were measured for ``source`` (every simulator profile is
+    a GPU), else the CPU's."""
+    if device == "auto":
+        gpu = calibration_table(data, "cuda")
+        return "cuda" if gpu and (source == "auto" or source in gpu) else "cpu"
+    if device not in DEVICES:
+        raise ConfigError(f"sim: a host-cost device is auto, {' or '.join(DEVICES)}; got {device!r}.")
+    if not calibration_table(data, device):
+        raise ConfigError(f"sim: the host-cost calibration has no figures measured on {device!r} (it has "
+                          f"{', '.join(calibrated_devices(data)) or 'none'}); measure them with "
+                          f"`dynn bench --overhead --device {device} --write-calibration`.")
+    return device
+
+
+def _source(data: dict[str, Any], source: str, device: str = "cpu") -> str:
     """``auto``: the native event path where it was measured (the runtime uses it where it is built),
     else the Python path."""
+    table = calibration_table(data, device)
     if source == "auto":
-        return "native" if "native" in data["sources"] else "python"
-    if source not in data["sources"]:
+        return "native" if "native" in table else "python"
+    if source not in table:
         raise ConfigError(f"sim: the host-cost calibration has no figures for the {source!r} event source "
-                          f"(it has {', '.join(data['sources']) or 'none'}); measure them with "
-                          "`dynn bench --overhead --write-calibration` where that source is available.")
+                          f"measured on {device!r} (it has {', '.join(table) or 'none'}); measure them with "
+                          f"`dynn bench --overhead --device {device} --write-calibration` where that source is "
+                          "available.")
     return source
 
 
@@ -124,28 +168,33 @@ def charged_as(policy: str) -> str:
     return (cls.host_cost_as if cls is not None else None) or policy
 
 
-def host_cost_for(policy: str, source: str = "auto", calibration: dict[str, Any] | None = None) -> HostCost | None:
+def host_cost_for(policy: str, source: str = "auto", calibration: dict[str, Any] | None = None,
+                  device: str = "auto") -> HostCost | None:
     """The calibrated :class:`HostCost` of running ``policy`` in the live manager, or None for a
-    policy that does not run in it (listed as uncharged in the calibration)."""
+    policy that does not run in it (listed as uncharged in the calibration). ``device``: the figures
+    measured with the manager on ``cpu`` or ``cuda``; ``auto`` the GPU's where measured."""
     data = calibration if calibration is not None else load_calibration()
     policy = charged_as(policy)
     if policy in data.get("uncharged", {}):
         return None
-    src = _source(data, source)
-    row = data["sources"][src]
+    dev = _device(data, device, source)
+    src = _source(data, source, dev)
+    row = calibration_table(data, dev)[src]
     per_op = float(row["per_op_s"]) + float(row.get("policy_per_op_s", {}).get(policy, 0.0))
     return HostCost(per_op_s=per_op, per_decision_s=float(row["per_decision_s"]),
-                    per_move_s=float(row.get("per_move_s", 0.0)), source=src)
+                    per_move_s=float(row.get("per_move_s", 0.0)), source=src, device=dev)
 
 
-def policy_options_for(policy: str, source: str = "auto", calibration: dict[str, Any] | None = None) -> dict:
+def policy_options_for(policy: str, source: str = "auto", calibration: dict[str, Any] | None = None,
+                       device: str = "auto") -> dict:
     """Options that make ``policy`` charge its own host time from the calibration (deterministic
     simulations): the pilot's ``host_cost`` model. Empty for every other policy."""
     data = calibration if calibration is not None else load_calibration()
     policy = charged_as(policy)
     if policy in data.get("uncharged", {}):
         return {}
-    row = data["sources"][_source(data, source)]
+    dev = _device(data, device, source)
+    row = calibration_table(data, dev)[_source(data, source, dev)]
     return {k: tuple(v) if isinstance(v, list) else v for k, v in row.get("policy_options", {}).get(policy, {}).items()}
 
 

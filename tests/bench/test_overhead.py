@@ -144,3 +144,92 @@ def test_micro_runs_pytorch_alone_unobserved(source):
     assert rec["source_used"] == source
     # warm-up alone; then per block (up to 5 pairs): each run alone, one unmeasured managed step, the managed runs
     assert seen == [False] + [False] * 3 + [True] * 4
+
+
+def test_calibration_is_kept_per_device(report, tmp_path):
+    """A GPU's figures go under devices.cuda beside the CPU's (kept), and the simulator's GPU profiles
+    charge them where they were measured (device auto); a file of the first layout still reads."""
+    import dataclasses
+
+    path = tmp_path / "host_cost.json"
+    legacy = {"schema": 1, "sources": {"native": {"per_op_s": 1e-6, "per_decision_s": 0.0}}}
+    path.write_text(json.dumps(legacy))
+    assert host_cost_for("lru", "auto", load_calibration(path)).device == "cpu"  # no GPU figures: the CPU's
+    with pytest.raises(ConfigError, match="--device cuda"):
+        host_cost_for("lru", "native", load_calibration(path), device="cuda")
+    write_calibration(report, path)  # measured on the CPU: under sources
+    on_gpu = dataclasses.replace(report, config=dataclasses.replace(report.config, device="cuda"),
+                                 calibration={"python": {**report.calibration["python"], "per_op_s": 7e-6}})
+    write_calibration(on_gpu, path)
+    data = load_calibration(path)
+    assert set(data["sources"]) == {"python", "native"} and set(data["devices"]) == {"cuda"}
+    assert data["sources"]["python"]["per_op_s"] == report.calibration["python"]["per_op_s"] != 7e-6
+    gpu = host_cost_for("lru", "python", data)
+    assert (gpu.device, gpu.source, gpu.per_op_s) == ("cuda", "python", 7e-6)
+    cpu = host_cost_for("lru", "python", data, device="cpu")
+    assert (cpu.device, cpu.per_op_s) == ("cpu", report.calibration["python"]["per_op_s"])
+    # the GPU has no native figures: auto charges the CPU's native ones rather than fail
+    assert host_cost_for("lru", "native", data).device == "cpu"
+    assert policy_options_for("pilot", "python", data) == {
+        "host_cost": tuple(on_gpu.calibration["python"]["policy_options"]["pilot"]["host_cost"])}
+    write_calibration(report, path)  # measuring the CPU again keeps the GPU's figures
+    assert load_calibration(path)["devices"]["cuda"]["python"]["per_op_s"] == 7e-6
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**legacy, "devices": {"tpu": {}}}))
+    with pytest.raises(ConfigError, match="unknown device"):
+        load_calibration(bad)
+
+
+def test_device_is_checked(monkeypatch, capsys):
+    with pytest.raises(ConfigError, match="cpu or cuda"):
+        OverheadConfig(device="tpu").resolved()
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        OverheadConfig(device="cuda").resolved()
+    assert main(["bench", "--overhead", "--device", "cuda", "--families", "tree_lstm", "-q"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_every_timed_run_ends_synchronized(monkeypatch):
+    """The device's synchronization ends every timed run of the operator loop and every timed step, managed
+    or alone (on a GPU the time then includes the kernels it launched); on the CPU it is the same code."""
+    from dynn_runtime.bench import overhead
+
+    calls = []
+    monkeypatch.setattr(overhead, "_synchronizer", lambda device: lambda: calls.append(device))
+
+    class Bar:
+        def update(self, n: int) -> None:
+            pass
+
+    cfg = OverheadConfig(workloads=["tree_lstm"], policies=["lru"], sources=["python"], preset="tiny", steps=1,
+                         reps=3).resolved()
+    overhead._micro(cfg, "python", "lru", Bar())
+    assert calls == ["cpu"] * (1 + 3 + 1 + 3)  # warm-up, alone, the unmeasured managed step, managed
+    calls.clear()
+    overhead._workload(cfg, "tree_lstm", "python", Bar())
+    # (lru above the peak, lru at half) x 2 rounds x (alone + managed) x (steps + 1)
+    assert calls == ["cpu"] * (2 * 2 * 2 * 2)
+
+
+def test_a_failing_workload_is_reported_and_the_others_still_calibrate(report, monkeypatch):
+    from dynn_runtime.bench import overhead
+
+    assert report.meta["failed"] == []
+    real = overhead._workload
+
+    def workload(cfg, spec, source, bar):
+        if spec == "skipnet":
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return real(cfg, spec, source, bar)
+
+    monkeypatch.setattr(overhead, "_workload", workload)
+    cfg = OverheadConfig(workloads=["skipnet", "tree_lstm"], policies=["lru"], sources=["python"], preset="tiny",
+                         steps=1, reps=1)
+    rep = run_overhead(cfg, progress=False)
+    assert rep.meta["failed"] == [{"workload": "skipnet", "source": "python",
+                                   "error": "RuntimeError: CUDA error: an illegal memory access"}]
+    assert {r["workload"] for r in rep.workloads} == {"tree_lstm"} and rep.calibration["python"]["per_op_s"] >= 0
+    assert "**skipnet (python) failed**" in render_overhead_markdown(rep)

@@ -11,6 +11,7 @@ from dynn_runtime.bench import BenchConfig, run_bench
 from dynn_runtime.bench.quality import hit_rate, live_quality, sim_quality, window_recall
 from dynn_runtime.bench.report import render_markdown
 from dynn_runtime.cli import main
+from dynn_runtime.sim.hostcost import host_cost_for
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "my_workload.py") + ":build"
 
@@ -89,6 +90,10 @@ def test_bench_real_takes_a_users_workload_and_reports_prefetch_quality(tmp_path
         assert r["bytes_moved"] == r["bytes_offloaded"] + r["bytes_prefetched"] + r["bytes_fetched_on_demand"]
         assert r["hit_rate"] == hit_rate(r["prefetch_hits"], r["prefetch_misses"])
         assert 0 <= r["window_recall"] <= 1 and "predicted_prefetch_hits" in r
+        # the prediction charges the manager's calibrated host cost, and says which figures
+        hc = host_cost_for(p)
+        assert r["predicted_host_cost"] == hc.as_dict() and hc.per_op_s > 0
+    assert rows["unlimited"]["predicted_host_cost"] is None
     md = out_json.with_suffix(".md").read_text()
     assert "Prefetch quality: live" in md
     assert f"| replay | {100 * rows['replay']['window_recall']:.1f}% | {rows['replay']['prefetch_hits']} / " in md

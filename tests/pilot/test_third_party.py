@@ -69,3 +69,34 @@ def test_candidate_weights_run_beside_each_shipped_variant():
     both = tool._combine(runs)
     assert (both["prefetch_hits"], both["prefetch_misses"], both["hit_rate"], both["bytes_moved"]) == (4, 4, 0.5, 16)
     assert both["stall_seconds"] == 0.75 and not both["bit_identical"] and both["rounds"] == runs
+
+
+def test_live_runs_the_device_path_and_reports_the_step_time_ratio(monkeypatch):
+    """``live`` on the CPU runs the code ``--device cuda`` runs (deterministic algorithms, the device passed to
+    every run): per method hits / misses / stalls / bytes moved, the step time over PyTorch alone, and steps
+    to recover for the pilot; the table prints them without the trace's columns (``--no-trace``)."""
+    pytest.importorskip("torch_geometric")
+    tool = _tool()
+    monkeypatch.setattr(tool, "METHODS", {k: tool.METHODS[k] for k in ("pilot (fallback)", "replay", "lru")})
+    seen = []
+    import torch
+
+    import dynn_runtime.runtime.train as train
+
+    real = train.train_managed
+    monkeypatch.setattr(train, "train_managed", lambda *a, **k: seen.append(k["device"]) or real(*a, **k))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the tool's main() does: tiny graphs
+    try:
+        res = tool.live("dynamic_gnn", 0.5, 2, device="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == ["cpu"] * 3 and res["device"] == "cpu"
+    assert res["alone_step_s"] == pytest.approx(sum(res["alone_step_s_before_after"]) / 2) and res["alone_step_s"] > 0
+    for m in res["methods"].values():
+        assert m["bit_identical"] and m["step_s"] > 0 and m["step_ratio"] == pytest.approx(m["step_s"] / res["alone_step_s"])
+        assert len(m["per_step"]) == 2 and m["bytes_moved"] > 0
+    assert "steps_to_recover" in res["methods"]["pilot (fallback)"]
+    text = tool.table({"dynamic_gnn": {"trace": None, "live": res}})
+    row = next(line for line in text.splitlines() if "| lru |" in line)
+    assert f"| {res['methods']['lru']['step_ratio']:.2f}x | yes |" in row and "| - |" in row

@@ -1,18 +1,24 @@
 """The pilot on networks nobody on this project wrote: trace metrics, live prefetch quality, steps to recover.
 
-For each network of this folder (each a ``file.py:build`` workload, evaluation only), on the CPU:
+For each network of this folder (each a ``file.py:build`` workload, evaluation only), on ``--device``
+(``cpu`` by default, or ``cuda``), under deterministic algorithms (so that on a GPU bit identity is
+judged on the manager alone):
 
 1. **Cap.** PyTorch alone for ``--steps`` steps; the cap is ``--fraction`` of the largest step's peak
-   (bytes, so that every step, the first included, runs under it).
+   (bytes, so that every step, the first included, runs under it). PyTorch alone runs again after
+   the methods; the mean of the two runs' median step times (the first step left out) is what each
+   method's median step time is divided by (``step x alone``).
 2. **Live.** The same steps under the memory manager at that cap, per method: ``pilot (shipped)``,
    ``pilot (fallback)`` (per decision point, replay's or lru's predictions while their recent window
    recall beats the model's; the model's side takes replay's where its plan has held exactly), ``pilot (adapted)`` (the fallback and the model refit online on the
    run's own accesses every step, swapped in when it beats the model in use on the latest step),
-   ``replay`` and ``lru``. Per step: prefetch hits, misses, stall seconds, bytes moved.
+   ``replay`` and ``lru``. Per step: prefetch hits, misses, stall seconds, bytes moved; per run the
+   median step time.
 3. **Steps to recover.** For each pilot variant, the least ``s`` such that over steps ``s..end`` its
    prefetch hit rate is at least the better of replay's and lru's (``None``: not within the run);
    and the same also requiring its stall time to be at most the smaller of theirs (on the CPU the
-   stall is the wall time of synchronous copies on a shared machine: noisy).
+   stall is the wall time of synchronous copies on a shared machine: noisy; on a GPU the compute
+   stream's timed waits for copies).
 4. **Trace metrics.** A trace of ``--trace-steps`` steps: window recall of the shipped pilot, replay
    and lru over iterations 1..; and of the pilot refit online on the trace's own iterations (the
    same :class:`~dynn_runtime.pilot.training.online.OnlineRefit` the policy uses, synchronous), over
@@ -20,6 +26,8 @@ For each network of this folder (each a ``file.py:build`` workload, evaluation o
 5. **Simulated.** The trace's last iteration at ``--fraction`` of its unmanaged peak on the ``h100``
    profile, per method but the adapted one (a refit needs iterations the simulator does not run):
    prefetch hits, misses, stall time, the modelled counterpart of the CPU's noisy wall times.
+   ``--no-trace`` leaves 4 and 5 out (they run on the CPU whatever ``--device`` is: a GPU lease
+   spends its minutes on 1-3).
 
 ``--candidate W.npz`` evaluates other weights beside the shipped ones: the methods ``candidate``,
 ``candidate (fallback)`` and ``candidate (adapted)``, each run right after its shipped counterpart.
@@ -33,6 +41,7 @@ Run from the repository root::
 
     python tools/third_party/evaluate.py --fraction 0.25 --steps 8 --json out/third_party/eval.json
     python tools/third_party/evaluate.py --candidate mine.npz --rounds 2 --json out/third_party/cand.json
+    python tools/third_party/evaluate.py --device cuda --steps 4 --no-trace --json out/third_party/gpu.json
 """
 
 from __future__ import annotations
@@ -107,13 +116,13 @@ def steps_to_recover(per_step: dict[str, list[dict[str, Any]]], method: str, sta
 
 
 def _one_run(name: str, spec: str, cap: int, method: str, policy: str, options: dict[str, Any] | None,
-             steps: int, ref_digest: str) -> dict[str, Any]:
+             steps: int, ref_digest: str, device: str = "cpu") -> dict[str, Any]:
     from dynn_runtime.policies import make_policy
     from dynn_runtime.runtime.train import train_managed
 
     t0 = time.perf_counter()
     pol = make_policy(policy, **(options or {}))
-    r = train_managed(spec, cap, pol, steps=steps, preset="tiny")
+    r = train_managed(spec, cap, pol, steps=steps, preset="tiny", device=device)
     st = r.stats
     rows = [{k: s[k] for k in ("prefetch_hits", "prefetch_misses", "stall_seconds", "bytes_offloaded",
                                "bytes_prefetched", "bytes_fetched_on_demand")} for s in st["per_step"]]
@@ -122,12 +131,13 @@ def _one_run(name: str, spec: str, cap: int, method: str, policy: str, options: 
         "hit_rate": _rate(st["prefetch_hits"], st["prefetch_misses"]), "stall_seconds": st["stall_seconds"],
         "bytes_moved": st["bytes_offloaded"] + st["bytes_prefetched"] + st["bytes_fetched_on_demand"],
         "bit_identical": r.digest == ref_digest, "wall_s": time.perf_counter() - t0, "per_step": rows,
+        "step_s": r.median_step_seconds(),
     }
     if policy == "pilot" and pol.judged_recall:  # the fallback's judge: recall of each predictor, live
         out["live_window_recall"] = pol.judged_recall
         out["followed"] = dict(pol.followed)
     print(f"  {name} {method}: {st['prefetch_hits']} / {st['prefetch_misses']}, "
-          f"stalls {st['stall_seconds']:.3f} s", file=sys.stderr, flush=True)
+          f"stalls {st['stall_seconds']:.3f} s, step {out['step_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
     return out
 
 
@@ -138,26 +148,39 @@ def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = dict(runs[0])
     for k in ("prefetch_hits", "prefetch_misses", "stall_seconds", "bytes_moved", "wall_s"):
         out[k] = sum(r[k] for r in runs)
+    for k in ("step_s", "step_ratio"):  # a time per step: the median over the rounds
+        vals = sorted(r[k] for r in runs if r.get(k) is not None)
+        out[k] = vals[len(vals) // 2] if vals else None
     out["hit_rate"] = _rate(out["prefetch_hits"], out["prefetch_misses"])
     out["bit_identical"] = all(r["bit_identical"] for r in runs)
     out["rounds"] = runs
     return out
 
 
-def live(name: str, fraction: float, steps: int, candidate: str | None = None, rounds: int = 1) -> dict[str, Any]:
-    from dynn_runtime.runtime.train import train_unmanaged
+def live(name: str, fraction: float, steps: int, candidate: str | None = None, rounds: int = 1,
+         device: str = "cpu") -> dict[str, Any]:
+    from dynn_runtime.runtime.train import deterministic, train_unmanaged
 
     spec = _spec(name)
-    ref = train_unmanaged(spec, steps=steps, preset="tiny")
-    cap = int(max(ref.peak_bytes) * fraction)
-    out: dict[str, Any] = {"cap_bytes": cap, "peak_bytes": max(ref.peak_bytes), "rounds": rounds, "methods": {}}
     todo = methods(candidate)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in todo}
-    for k in range(rounds):
-        order = list(todo) if k % 2 == 0 else list(reversed(todo))  # pairs every method with every other in time
-        for method in order:
-            policy, options = todo[method]
-            runs[method].append(_one_run(name, spec, cap, method, policy, options, steps, ref.digest))
+    with deterministic():  # on any device: the CPU runs the path a GPU does
+        ref = train_unmanaged(spec, steps=steps, preset="tiny", device=device)
+        cap = int(max(ref.peak_bytes) * fraction)
+        for k in range(rounds):
+            order = list(todo) if k % 2 == 0 else list(reversed(todo))  # pairs every method with every other in time
+            for method in order:
+                policy, options = todo[method]
+                runs[method].append(_one_run(name, spec, cap, method, policy, options, steps, ref.digest, device))
+        # PyTorch alone again after the methods: its step time is the mean of the runs before and after,
+        # so that a drift of the machine over the runs (warm-up, other load) weighs on both sides
+        again = train_unmanaged(spec, steps=steps, preset="tiny", device=device)
+    alone = [ref.median_step_seconds(), again.median_step_seconds()]
+    ref_step_s = sum(alone) / 2
+    for run in (r for rs in runs.values() for r in rs):
+        run["step_ratio"] = run["step_s"] / ref_step_s if ref_step_s else None
+    out: dict[str, Any] = {"cap_bytes": cap, "peak_bytes": max(ref.peak_bytes), "rounds": rounds, "device": device,
+                           "alone_step_s": ref_step_s, "alone_step_s_before_after": alone, "methods": {}}
     for method in todo:
         out["methods"][method] = _combine(runs[method])
     for method in todo:
@@ -231,12 +254,17 @@ def _sim(r: dict[str, Any] | None) -> str:
     return f"{r['prefetch_hits']} / {r['prefetch_misses']} | {r['stall_seconds'] * 1e3:.3f} ms"
 
 
+def _ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
 def table(results: dict[str, Any]) -> str:
     lines = ["| network | method | window recall | hits / misses | hit rate | stalls | bytes moved "
-             "| steps to recover (hit rate / and stalls) | simulated hits / misses | simulated stalls |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| steps to recover (hit rate / and stalls) | step x alone | bit-identical | simulated hits / misses "
+             "| simulated stalls |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for name, res in results.items():
-        tr = res["trace"]
+        tr = res.get("trace") or {"window_recall": {}, "adapted_window_recall": None}
         rec, cand = tr["window_recall"], tr.get(CANDIDATE, {})
         for method, m in res["live"]["methods"].items():
             wr = {"pilot (shipped)": rec.get("pilot"), "replay": rec.get("replay"), "lru": rec.get("lru"),
@@ -248,7 +276,8 @@ def table(results: dict[str, Any]) -> str:
             pilot = method.startswith(("pilot", CANDIDATE))
             lines.append(f"| {name} | {method} | {_pct(wr)} | {m['prefetch_hits']} / {m['prefetch_misses']} | "
                          f"{_pct(m['hit_rate'])} | {m['stall_seconds']:.3f} s | {m['bytes_moved'] / 2**20:.1f} MiB | "
-                         f"{rec_s if pilot else ''} | {_sim(tr.get('simulated', {}).get(method))} |")
+                         f"{rec_s if pilot else ''} | {_ratio(m.get('step_ratio'))} | "
+                         f"{'yes' if m['bit_identical'] else 'NO'} | {_sim(tr.get('simulated', {}).get(method))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -277,12 +306,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", metavar="JSON", help="print the table of an earlier results file (nothing runs)")
     p.add_argument("--candidate", metavar="WEIGHTS", help="also evaluate these weights (methods 'candidate ...')")
     p.add_argument("--rounds", type=int, default=1, help="runs per method, alternating the order (paired stalls)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the live runs train (default cpu)")
+    p.add_argument("--no-trace", dest="trace", action="store_false",
+                   help="skip the recorded trace's metrics and the simulation (CPU work; the live runs only)")
     args = p.parse_args(argv)
     if args.table:
         print(table(rescore(args.table)["results"]))
         return 0
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available here; run on the CPU (--device cpu) or where a GPU is")
     torch.set_num_threads(1)  # tiny models; and the development machine is shared
     out_dir = Path(args.json).parent
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -290,8 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.networks:
         print(f"{name}: {NETWORKS[name]}", file=sys.stderr, flush=True)
         results[name] = {"description": NETWORKS[name],
-                         "trace": trace_metrics(name, args.trace_steps, out_dir, args.fraction, args.candidate),
-                         "live": live(name, args.fraction, args.steps, args.candidate, args.rounds)}
+                         "trace": (trace_metrics(name, args.trace_steps, out_dir, args.fraction, args.candidate)
+                                   if args.trace else None),
+                         "live": live(name, args.fraction, args.steps, args.candidate, args.rounds, args.device)}
     data = {"config": vars(args), "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
             "results": results}
     Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
