@@ -483,16 +483,19 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             self._bulk_phase = None
 
     def _operators_native(self, events: Sequence[tuple[Any, ...]]) -> None:
-        """:meth:`on_operators` on the native kernel: a forward operator past the iteration's first
-        (the common kind) and a death are packed as records (Python keeps what only it holds: the
-        slot map and free list, the small-storage classes, the anchor, the forward log, the
-        allocation history) and a run of them goes to the kernel in one ``dynn_pilot_operators``
-        call, which writes the feature state, the predictions (replayed or prior), the flags and
-        the heap entries as the per-operator kernel call and its Python would. The run is handed
-        over (:meth:`_run_native`) before anything that reads or writes what the kernel has not
-        written yet: an operator of another kind (its fused path as before), an announcement, a
-        death the anchor's external matching could see (a storage of the previous iteration), and a
-        decision point or a poll of the worker after an operator (then :meth:`_after_update`)."""
+        """:meth:`on_operators` on the native kernel: an operator of the state's phase past the
+        iteration's first (the common kind; in backward, once the mirror is built, one that
+        allocates nothing the mirror links) and a death are packed as records (Python keeps what
+        only it holds: the slot map and free list, the small-storage classes, the anchor, the
+        forward log, the allocation history) and a run of them goes to the kernel in one
+        ``dynn_pilot_operators`` call, which writes the feature state, the predictions (replayed or
+        prior), the flags and the heap entries as the per-operator kernel call and its Python
+        would. The run is handed over (:meth:`_run_native`) before anything that reads or writes
+        what the kernel has not written yet: an operator of another kind (its fused path as
+        before), a move of the backward mirror (then ``MirrorState._pass_through``, as
+        ``FeatureState.enter`` does it), an announcement, a death the anchor's external matching
+        could see (a storage of the previous iteration), and a decision point or a poll of the
+        worker after an operator (then :meth:`_after_update`)."""
         state = self._state
         view = self.view
         small = self._small
@@ -500,16 +503,14 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         slot = state._slot
         free = state._free
         prev_idx = state._prev_idx
-        fwd_log = state._fwd_log
         kind_of, saved_of, nbytes_of = view.kind, view.saved, view.nbytes
-        row_fwd = _PHASES["forward"]
         cls_of: dict[int, int] = {}  # the view is the batch's end throughout the call: a class per storage
         sl = state.decays[1]
         group = state.group
         run: list[int] = []  # the records
         # per operator: (its end, position, its told storages with a slot, flat (sid, slot) pairs, its accesses
         # and their slots): the run's slots, not the slot map's, which is at the run's end
-        marks: list[tuple[int, int, list[int], list[int], list[int]]] = []
+        marks: list[tuple[int, int, list[int], list[int], list[int], int]] = []
         freed: list[int] = []  # the dead storages that report their log_bytes, in order
         widest = 0
         timer = self._timer
@@ -519,7 +520,16 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             if tag == OPERATOR:
                 position, op, accessed = ev[1], ev[2], ev[3]
                 self._bulk_phase = op.phase
-                if op.phase != "forward" or state.phase != 0 or position == 0 or self._pending:
+                ph = _PHASES.get(op.phase)
+                hit = None
+                if ph == 1 and ph == state.phase and not state._fwd_log:
+                    # FeatureState.enter in backward: the mirror moves to this operator's node; one
+                    # that allocates takes the per-operator path (the mirror links its allocations
+                    # by the sizes the kernel writes)
+                    hit = state._fwd_node.get(getattr(op, "node", -1))
+                    if hit is not None and op.allocs:
+                        ph = -1
+                if (ph != state.phase or position == 0 or self._pending or (ph == 1 and state._fwd_log)):
                     if run:
                         self._run_native(run, marks, freed, widest)
                         widest = 0
@@ -530,17 +540,24 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                         self._operator_native(position, op, accessed)
                     if self._job is not None:
                         self._poll()
+                    prev_idx = state._prev_idx  # the optimizer's plan, when it begins, indexes anew
                     t0 = timer()
                     continue
-                # _operator_native's Python for a forward operator past the first (FeatureState.enter's
-                # fast path), its kernel call left to the run
+                # _operator_native's Python for an operator of the state's phase past the first, its
+                # kernel call left to the run
+                if hit is not None and hit[0] != state._mirror:  # the mirror moves: reads the arrays
+                    if run:
+                        self._run_native(run, marks, freed, widest)
+                        widest = 0
+                    state._mirror = hit[0]
+                    state._pass_through(hit[0])
                 self.ops += 1
                 allocs = op.allocs
                 prev_allocs = state._align(position, op)
                 (_, iv), (_, ivk) = state.native_iv(op)
                 acc = list({*op.inputs, *op.outputs, *op.writes})
                 na = len(allocs)
-                run += (_BATCH_OP, position, 0, 0, iv, ivk, na, len(accessed), len(acc), row_fwd)
+                run += (_BATCH_OP, position, ph, ph, iv, ivk, na, len(accessed), len(acc), ph)
                 if allocs:
                     n_prev = len(prev_allocs)
                     top = -1
@@ -593,9 +610,10 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                 n = max(na, len(accessed), len(acc))
                 if n > widest:
                     widest = n
-                marks.append((len(run), position, told, acc, acc_slots))
-                state.position = position  # FeatureState.enter in forward, past its first operator
-                fwd_log.append((position, op))
+                marks.append((len(run), position, told, acc, acc_slots, ph))
+                state.position = position  # FeatureState.enter in the same phase, past the first operator
+                if ph == 0:  # indexed for the mirror (a list the mirror replaces when backward starts)
+                    state._fwd_log.append((position, op))
                 state._hist_allocs = state._hist_allocs * sl + na * (1 - sl)
                 if position - state._last_decision >= group:  # FeatureState._tick
                     state._last_decision = position
@@ -635,7 +653,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             self._run_native(run, marks, freed, widest)
         self.bookkeeping_s += timer() - t0
 
-    def _run_native(self, run: list[int], marks: list[tuple[int, int, list[int], list[int], list[int]]], freed: list[int],
+    def _run_native(self, run: list[int], marks: list[tuple[int, int, list[int], list[int], list[int], int]],
+                    freed: list[int],
                     widest: int) -> None:
         """One ``dynn_pilot_operators`` call over the records ``run`` (then emptied, as ``marks`` and
         ``freed``); an operator whose external storage needs matching returns to Python here
@@ -675,7 +694,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             end = b.at
             while marks[k][0] != end:
                 k += 1
-            _, position, told, acc, acc_slots = marks[k]
+            _, position, told, acc, acc_slots, ph = marks[k]
             stopped = k
             # an external storage's first access: matched and replayed in Python, then predicted (the
             # rc == 1 branch of _operator_native, with the slots of the run's words)
@@ -687,7 +706,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                 state._replay(acc[i], s, position)
             pred = state.pred
             push = self._heap.push
-            row = self._prior_rows[_PHASES["forward"]]
+            row = self._prior_rows[ph]
             base = max(position, 0)
             view = self.view
             for i in range(0, len(told), 2):
