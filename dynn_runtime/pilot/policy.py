@@ -76,6 +76,7 @@ docs/pilot-lab-notes.md ("Policy design").
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -103,7 +104,7 @@ _PHASES = {"forward": 0, "backward": 1, "optimizer": 2}
 _TEMP = _KIND_IDX["temp"]
 _OPTIMIZER = _PHASES["optimizer"]
 #: record tags of dynn_pilot_operators' run (kernel.abi)
-_BATCH_OP, _BATCH_FREE = 1, 2
+_BATCH_OP, _BATCH_FREE, _BATCH_LINK = 1, 2, 3
 
 
 def storage_class(kind: str, saved: bool, fresh: bool) -> int:
@@ -523,12 +524,9 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                 ph = _PHASES.get(op.phase)
                 hit = None
                 if ph == 1 and ph == state.phase and not state._fwd_log:
-                    # FeatureState.enter in backward: the mirror moves to this operator's node; one
-                    # that allocates takes the per-operator path (the mirror links its allocations
-                    # by the sizes the kernel writes)
+                    # FeatureState.enter in backward: the mirror moves to this operator's node and
+                    # links the storages it allocates
                     hit = state._fwd_node.get(getattr(op, "node", -1))
-                    if hit is not None and op.allocs:
-                        ph = -1
                 if (ph != state.phase or position == 0 or self._pending or (ph == 1 and state._fwd_log)):
                     if run:
                         self._run_native(run, marks, freed, widest)
@@ -545,8 +543,12 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                     continue
                 # _operator_native's Python for an operator of the state's phase past the first, its
                 # kernel call left to the run
-                if hit is not None and hit[0] != state._mirror:  # the mirror moves: reads the arrays
-                    if run:
+                if hit is not None and hit[0] != state._mirror:  # the mirror moves
+                    relink = state._relink
+                    if run and relink and -relink[0][0] >= hit[0]:
+                        # MirrorState._pass_through has a gradient to move on: it reads the arrays.
+                        # (One whose slot this operator allocates anew is skipped as stale either
+                        # way: freed there, of another storage after the allocation's writes.)
                         self._run_native(run, marks, freed, widest)
                         widest = 0
                     state._mirror = hit[0]
@@ -611,6 +613,19 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                 if n > widest:
                     widest = n
                 marks.append((len(run), position, told, acc, acc_slots, ph))
+                if hit is not None and allocs:
+                    # MirrorState._link, from the sizes (the row's log_bytes as the kernel will write
+                    # it: float32(log2(size) / 30)); the kernel writes the targets after the rows
+                    relink, first, inputs = state._relink, state._mir_first, hit[1]
+                    for sid in allocs:
+                        s = slot.get(sid)
+                        if s is None:
+                            continue
+                        own = np.float32(math.log2(max(nbytes_of(sid), 1)) / 30.0)
+                        tgt = state._nearest_input(own, inputs)
+                        run += (_BATCH_LINK, s, tgt)
+                        if tgt >= 0:
+                            heapq.heappush(relink, (-int(first[tgt]), s, sid, tgt))
                 state.position = position  # FeatureState.enter in the same phase, past the first operator
                 if ph == 0:  # indexed for the mirror (a list the mirror replaces when backward starts)
                     state._fwd_log.append((position, op))

@@ -601,7 +601,8 @@ static int64_t fused_operator(const dynn_state *S, dynn_fused *O, int64_t stride
  * list) and, if it died in forward, reports its log_bytes (the mirror's _fwd_freed). Returns 0 with
  * B->at at the end; 1 when an operator needs FeatureState._match_external: B->at is past that operator,
  * its update is done and its provisional predictions are left to Python (its replay and match in the
- * dynn_fused), which calls again from B->at; -4: a slot or class out of range; -5: a malformed
+ * dynn_fused), which calls again from B->at. A link sets an allocation's mirror target (the backward
+ * mirror's, computed in Python from the size). -4: a slot or class out of range; -5: a malformed
  * record; -2: out of memory. */
 int64_t dynn_pilot_operators(const dynn_state *S, dynn_batch *B)
 {
@@ -643,6 +644,14 @@ int64_t dynn_pilot_operators(const dynn_state *S, dynn_batch *B)
             ((int64_t *)S->sid)[s] = -1;
             if (r[2]) B->freed_lb[B->n_freed++] = (double)S->log_bytes[s];
             at += BATCH_FREE_WORDS;
+        } else if (r[0] == BATCH_LINK) {
+            /* MirrorState._link's write, after the allocation's (which reset it); nothing in the
+             * operator's update reads it */
+            if (at + 3 > n) { rc = -5; break; }
+            const int64_t s = r[1];
+            if (s < 0 || s >= cap) { rc = -4; break; }
+            ((int64_t *)S->mirror_tgt)[s] = r[2];
+            at += 3;
         } else {
             rc = -5;
             break;
