@@ -22,6 +22,10 @@ less). Variants (default: all):
 - ``lru``, ``none``: the policies that never read the log in a step without a decision.
 
 Results are timing only: the stubbed variants make no sensible decisions.
+
+``--paired-kernel``: the pilot's batches told in bulk on every step, their runs of operators in one
+kernel call (``dynn_pilot_operators``) and one kernel call per operator (``batch_kernel = False``)
+on alternate steps of one manager.
 """
 
 from __future__ import annotations
@@ -95,6 +99,20 @@ class _Switchable(PilotPolicy):
         return self.bulk and super().operators_in_bulk()
 
 
+class _KernelSwitchable(PilotPolicy):
+    """The pilot told in bulk, its runs in one kernel call or one per operator as set before each step."""
+
+    name = "pilot-kernel-switchable"
+
+    @property
+    def bulk(self) -> bool:
+        return self.batch_kernel
+
+    @bulk.setter
+    def bulk(self, on: bool) -> None:
+        self.batch_kernel = on
+
+
 def _work() -> tuple[Any, torch.nn.Module]:
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
@@ -111,12 +129,13 @@ def _work() -> tuple[Any, torch.nn.Module]:
     return work, lin
 
 
-def measure_paired(reps: int) -> tuple[int, float, float]:
+def measure_paired(reps: int, kernel: bool = False) -> tuple[int, float, float]:
     """One manager, one pilot: every repetition runs PyTorch alone, a step told in bulk, PyTorch alone
     and a step told per operator (the order alternating), so both sides meet the same load.
-    (operators per step, median us per operator over PyTorch alone in bulk, and per operator)."""
+    (operators per step, median us per operator over PyTorch alone in bulk, and per operator).
+    ``kernel``: both sides in bulk, the runs in one kernel call against one call per operator."""
     work, lin = _work()
-    pol = _Switchable()
+    pol = _KernelSwitchable() if kernel else _Switchable()
     mm = MemoryManager(1 << 50, policy=pol, device="cpu", events="native")
     mm.attach(lin)
     diff: dict[bool, list[float]] = {True: [], False: []}
@@ -176,11 +195,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--paired", action="store_true",
                     help="only the pilot, its batches told in bulk and per operator on alternate steps of one manager")
+    ap.add_argument("--paired-kernel", action="store_true",
+                    help="only the pilot told in bulk, its runs in one kernel call and one per operator on alternate "
+                         "steps of one manager")
     args = ap.parse_args()
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad:
         ap.error(f"unknown variant(s) {', '.join(bad)}; choose from {', '.join(VARIANTS)}")
     torch.set_num_threads(1)
+    if args.paired_kernel:
+        ops, run, per_op = measure_paired(args.reps, kernel=True)
+        print(f"pilot told in bulk, {ops} operators per step: +{run:.1f} us/op with a kernel call per run, "
+              f"+{per_op:.1f} us/op with one per operator (median over PyTorch alone, paired step by step)")
+        return
     if args.paired:
         ops, bulk, per_op = measure_paired(args.reps)
         print(f"pilot, {ops} operators per step: +{bulk:.1f} us/op told in bulk, +{per_op:.1f} us/op per operator "

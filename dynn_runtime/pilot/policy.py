@@ -76,6 +76,7 @@ docs/pilot-lab-notes.md ("Policy design").
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -102,6 +103,8 @@ _LOWER = np.asarray((1,) + BUCKET_EDGES[:-1] + (BUCKET_EDGES[-1], 2 * BUCKET_EDG
 _PHASES = {"forward": 0, "backward": 1, "optimizer": 2}
 _TEMP = _KIND_IDX["temp"]
 _OPTIMIZER = _PHASES["optimizer"]
+#: record tags of dynn_pilot_operators' run (kernel.abi)
+_BATCH_OP, _BATCH_FREE, _BATCH_LINK = 1, 2, 3
 
 
 def storage_class(kind: str, saved: bool, fresh: bool) -> int:
@@ -133,6 +136,10 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
     #: provisional predictions replay the counterpart's next use (True), or use the prior only
     #: (False: an experiment's setting)
     replay_provisional: bool = True
+    #: on the native kernel, a bulk call's runs of forward operators and deaths go to the kernel in
+    #: one call each (True), or each operator in its own kernel call (False: an experiment's setting,
+    #: tools/pilot_host_cost.py --paired-kernel)
+    batch_kernel: bool = True
 
     def __init__(self, config: PilotPolicyConfig | None = None, /, **options: Any) -> None:
         super().__init__()
@@ -266,6 +273,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         # on the native kernel, a fused operator is one kernel call (dynn_pilot_operator), unless a
         # subclass changes on_op or the provisional rule
         self._fused_native = None
+        self._batch = None
         if (self._fused and self._kernel is not None and cls.on_op is PilotPolicy.on_op
                 and cls.replay_provisional and self.replay_provisional):
             from .kernel import FusedTable
@@ -432,9 +440,15 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
 
     def on_operators(self, events: Sequence[tuple[Any, ...]], phase: str) -> None:
         """The batch's notifications in order (the fused :meth:`on_operator` per operator), and
-        what each ``after_op`` would do: poll the worker (operators_in_bulk: nothing else)."""
+        what each ``after_op`` would do: poll the worker (operators_in_bulk: nothing else). On the
+        native kernel, runs of forward operators and deaths go to it in one call
+        (:meth:`_operators_native`)."""
         try:
             self._bulk_phase = phase
+            if (self._fused_native is not None and self.batch_kernel and self._shadow is None
+                    and type(self).on_free is PilotPolicy.on_free):
+                self._operators_native(events)
+                return
             on_operator = self.on_operator
             native = self._operator_native if self._fused_native is not None else None
             state = self._state
@@ -468,6 +482,264 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                     self.on_free(ev[1])
         finally:
             self._bulk_phase = None
+
+    def _operators_native(self, events: Sequence[tuple[Any, ...]]) -> None:
+        """:meth:`on_operators` on the native kernel: an operator of the state's phase past the
+        iteration's first (the common kind; in backward, once the mirror is built, one that
+        allocates nothing the mirror links) and a death are packed as records (Python keeps what
+        only it holds: the slot map and free list, the small-storage classes, the anchor, the
+        forward log, the allocation history) and a run of them goes to the kernel in one
+        ``dynn_pilot_operators`` call, which writes the feature state, the predictions (replayed or
+        prior), the flags and the heap entries as the per-operator kernel call and its Python
+        would. The run is handed over (:meth:`_run_native`) before anything that reads or writes
+        what the kernel has not written yet: an operator of another kind (its fused path as
+        before), a move of the backward mirror (then ``MirrorState._pass_through``, as
+        ``FeatureState.enter`` does it), an announcement, a death the anchor's external matching
+        could see (a storage of the previous iteration), and a decision point or a poll of the
+        worker after an operator (then :meth:`_after_update`)."""
+        state = self._state
+        view = self.view
+        small = self._small
+        fraction = self.small_fraction
+        slot = state._slot
+        free = state._free
+        prev_idx = state._prev_idx
+        kind_of, saved_of, nbytes_of = view.kind, view.saved, view.nbytes
+        cls_of: dict[int, int] = {}  # the view is the batch's end throughout the call: a class per storage
+        sl = state.decays[1]
+        group = state.group
+        run: list[int] = []  # the records
+        # per operator: (its end, position, its told storages with a slot, flat (sid, slot) pairs, its accesses
+        # and their slots): the run's slots, not the slot map's, which is at the run's end
+        marks: list[tuple[int, int, list[int], list[int], list[int], int]] = []
+        freed: list[int] = []  # the dead storages that report their log_bytes, in order
+        widest = 0
+        timer = self._timer
+        t0 = timer()
+        for ev in events:
+            tag = ev[0]
+            if tag == OPERATOR:
+                position, op, accessed = ev[1], ev[2], ev[3]
+                self._bulk_phase = op.phase
+                ph = _PHASES.get(op.phase)
+                hit = None
+                if ph == 1 and ph == state.phase and not state._fwd_log:
+                    # FeatureState.enter in backward: the mirror moves to this operator's node and
+                    # links the storages it allocates
+                    hit = state._fwd_node.get(getattr(op, "node", -1))
+                if (ph != state.phase or position == 0 or self._pending or (ph == 1 and state._fwd_log)):
+                    if run:
+                        self._run_native(run, marks, freed, widest)
+                        widest = 0
+                    self.bookkeeping_s += timer() - t0
+                    if self._pending or (op.phase == "optimizer" and state.phase != _OPTIMIZER):
+                        self.on_operator(position, op, accessed)
+                    else:
+                        self._operator_native(position, op, accessed)
+                    if self._job is not None:
+                        self._poll()
+                    prev_idx = state._prev_idx  # the optimizer's plan, when it begins, indexes anew
+                    t0 = timer()
+                    continue
+                # _operator_native's Python for an operator of the state's phase past the first, its
+                # kernel call left to the run
+                if hit is not None and hit[0] != state._mirror:  # the mirror moves
+                    relink = state._relink
+                    if run and relink and -relink[0][0] >= hit[0]:
+                        # MirrorState._pass_through has a gradient to move on: it reads the arrays.
+                        # (One whose slot this operator allocates anew is skipped as stale either
+                        # way: freed there, of another storage after the allocation's writes.)
+                        self._run_native(run, marks, freed, widest)
+                        widest = 0
+                    state._mirror = hit[0]
+                    state._pass_through(hit[0])
+                self.ops += 1
+                allocs = op.allocs
+                prev_allocs = state._align(position, op)
+                (_, iv), (_, ivk) = state.native_iv(op)
+                acc = list({*op.inputs, *op.outputs, *op.writes})
+                na = len(allocs)
+                run += (_BATCH_OP, position, ph, ph, iv, ivk, na, len(accessed), len(acc), ph)
+                if allocs:
+                    n_prev = len(prev_allocs)
+                    top = -1
+                    for i, sid in enumerate(allocs):
+                        s = slot.get(sid)
+                        if s is None:  # FeatureState._new_slot; the kernel marks the slot active and writes its sid
+                            if not free:
+                                state._grow(state._cap * 2)  # extends the same free list
+                            s = slot[sid] = free.pop()
+                        if s > top:
+                            top = s
+                        nb = nbytes_of(sid)
+                        run += (s, sid, _KIND_IDX.get(kind_of(sid), _TEMP), 1 if saved_of(sid) else 0, nb,
+                                prev_idx.get(sid, -1), prev_idx.get(prev_allocs[i], -1) if i < n_prev else -2,
+                                small.alloc(sid, nb) if fraction else small.small(sid))
+                    if top >= len(self._skip):
+                        self._grow_due()
+                told: list[int] = []
+                if fraction:  # SmallStorages.access, inlined (as in _operator_native)
+                    sizes, smalls, thr = small._bytes, small._small, small.fraction * small._peak
+                    for sid in accessed:
+                        s = slot.get(sid)
+                        if sizes.get(sid, 0) < thr:
+                            smalls.add(sid)
+                            sk = 1
+                        else:
+                            smalls.discard(sid)
+                            sk = 0
+                        if s is None:
+                            run += (-1, sid, 0, 0)
+                            continue
+                        c = cls_of.get(sid)
+                        if c is None:
+                            c = cls_of[sid] = storage_class(kind_of(sid), saved_of(sid), False)
+                        run += (s, sid, sk, c)
+                        told += (sid, s)
+                else:
+                    for sid in accessed:
+                        s = slot.get(sid)
+                        if s is None:
+                            run += (-1, sid, 0, 0)
+                            continue
+                        c = cls_of.get(sid)
+                        if c is None:
+                            c = cls_of[sid] = storage_class(kind_of(sid), saved_of(sid), False)
+                        run += (s, sid, small.small(sid), c)
+                        told += (sid, s)
+                acc_slots = [slot.get(sid, -1) for sid in acc]
+                run += acc_slots
+                n = max(na, len(accessed), len(acc))
+                if n > widest:
+                    widest = n
+                marks.append((len(run), position, told, acc, acc_slots, ph))
+                if hit is not None and allocs:
+                    # MirrorState._link, from the sizes (the row's log_bytes as the kernel will write
+                    # it: float32(log2(size) / 30)); the kernel writes the targets after the rows
+                    relink, first, inputs = state._relink, state._mir_first, hit[1]
+                    for sid in allocs:
+                        s = slot.get(sid)
+                        if s is None:
+                            continue
+                        own = np.float32(math.log2(max(nbytes_of(sid), 1)) / 30.0)
+                        tgt = state._nearest_input(own, inputs)
+                        run += (_BATCH_LINK, s, tgt)
+                        if tgt >= 0:
+                            heapq.heappush(relink, (-int(first[tgt]), s, sid, tgt))
+                state.position = position  # FeatureState.enter in the same phase, past the first operator
+                if ph == 0:  # indexed for the mirror (a list the mirror replaces when backward starts)
+                    state._fwd_log.append((position, op))
+                state._hist_allocs = state._hist_allocs * sl + na * (1 - sl)
+                if position - state._last_decision >= group:  # FeatureState._tick
+                    state._last_decision = position
+                    tick = True
+                else:
+                    tick = False
+                # what _after_update would do: nothing unless a decision point is due or the worker holds one
+                if tick or self._job is not None or self._force_decision or self._phase != state.phase:
+                    self._run_native(run, marks, freed, widest)
+                    widest = 0
+                    self.bookkeeping_s += timer() - t0
+                    self._after_update(position, tick)
+                    t0 = timer()
+            elif tag == TOUCH_ALLOC:
+                if run:
+                    self._run_native(run, marks, freed, widest)
+                    widest = 0
+                self.on_alloc(ev[1], ev[2])
+            else:  # on_free, inlined: FeatureState.free (the slot's arrays in the run), SmallStorages.free
+                sid = ev[1]
+                if sid in prev_idx and run:
+                    # a storage of the previous iteration: the anchor's external matching asks whether it
+                    # is alive (FeatureState._match_external), so its death waits for the run before it
+                    self._run_native(run, marks, freed, widest)
+                    widest = 0
+                s = slot.pop(sid, None)
+                if s is not None:
+                    if state.phase == 0:
+                        run += (_BATCH_FREE, s, 1)
+                        freed.append(sid)
+                    else:
+                        run += (_BATCH_FREE, s, 0)
+                    free.append(s)
+                small._live -= small._bytes.pop(sid, 0)
+                small._small.discard(sid)
+        if run:
+            self._run_native(run, marks, freed, widest)
+        self.bookkeeping_s += timer() - t0
+
+    def _run_native(self, run: list[int], marks: list[tuple[int, int, list[int], list[int], list[int], int]],
+                    freed: list[int],
+                    widest: int) -> None:
+        """One ``dynn_pilot_operators`` call over the records ``run`` (then emptied, as ``marks`` and
+        ``freed``); an operator whose external storage needs matching returns to Python here
+        (FeatureState._match_external, its replays and predictions), and the call goes on after it."""
+        state = self._state
+        kern = self._kernel
+        ft = self._fused_native
+        bt = self._batch
+        if bt is None or bt.fused is not ft:
+            from .kernel import BatchTable
+
+            bt = self._batch = BatchTable(ft, self._prior)
+        if widest > ft.n:
+            ft.room(max(widest, 2 * ft.n))
+        bt.room(len(run), len(freed))
+        t = state._native_tab
+        if t is None:
+            t = kern.table(state)
+        ft.point(t, self._away, self._skip, self._heap, state._cap)
+        f, b = ft.f, bt.b
+        bt.words[: len(run)] = run
+        b.n_words = len(run)
+        b.at = 0
+        b.n_freed = 0
+        f.announced, f.frontier, f.stack_counter = state._announced, state._frontier, state._stack_counter
+        stopped = -1
+        k = 0  # marks[k]: the first operator not yet matched to a stop
+        while True:
+            rc = kern.operators(t.addr, bt.addr)
+            state._frontier, state._stack_counter, state._announced = f.frontier, f.stack_counter, f.announced
+            if rc == 0:
+                break
+            if rc != 1:
+                if rc == -2:
+                    raise MemoryError("pilot native: no memory for the eviction heap")
+                raise IndexError(f"pilot native kernel: a slot, class or record of the run is out of range (code {rc})")
+            end = b.at
+            while marks[k][0] != end:
+                k += 1
+            _, position, told, acc, acc_slots, ph = marks[k]
+            stopped = k
+            # an external storage's first access: matched and replayed in Python, then predicted (the
+            # rc == 1 branch of _operator_native, with the slots of the run's words)
+            state._replayed_from = (acc, ft.replay)
+            replayed = state.replayed
+            for i in ft.match[: f.n_match]:
+                s = acc_slots[i]
+                state._match_external(s)
+                state._replay(acc[i], s, position)
+            pred = state.pred
+            push = self._heap.push
+            row = self._prior_rows[ph]
+            base = max(position, 0)
+            view = self.view
+            for i in range(0, len(told), 2):
+                sid, s = told[i], told[i + 1]
+                v = replayed.get(sid)
+                if v is None:
+                    v = base + row[storage_class(view.kind(sid), view.saved(sid), False)]
+                pred[s] = v = float(v)
+                push(-v, sid, s)
+        if stopped != len(marks) - 1 and marks:
+            state._replayed_from = (marks[-1][3], ft.replay)  # the last operator's replayed next uses
+        if freed:
+            fwd_freed = state._fwd_freed
+            for sid, lb in zip(freed, bt.freed[: b.n_freed].tolist()):
+                fwd_freed[sid] = lb
+        run.clear()
+        marks.clear()
+        freed.clear()
 
     def _operator_native(self, position: int, op: Any, accessed: Sequence[int]) -> None:
         """The fused :meth:`on_operator` and :meth:`on_op`'s per-operator update in one kernel call

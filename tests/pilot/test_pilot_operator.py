@@ -21,6 +21,9 @@ _STATE = ("active", "sid", "kind", "saved", "persistent", "log_bytes", "born", "
           "count", "count_phase", "count_phase_of", "acc_phase", "producer_iv", "has_producer", "consumer_iv",
           "stack_idx", "stack_pos", "announce", "prev", "mirror_tgt", "hint_at", "pred", "touched")
 _POLICY = ("_due", "_skip", "_away")
+#: the feature state's scalars and per-iteration tables that the decision points read
+_SCALARS = ("position", "phase", "phase_start", "_hist_allocs", "_frontier", "_stack_counter", "_announced",
+            "_last_decision", "_anchor", "_op_seen", "_fwd_freed", "_ext_next", "_mirror")
 
 
 class _PerNotification(PilotPolicy):
@@ -84,7 +87,7 @@ class _BulkLockstep(PilotPolicy):
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)
         self.shadow = _PerNotification(**kw)
-        self.compared = self.batches = self.bulk_ops = 0
+        self.compared = self.batches = self.bulk_ops = self.runs = 0
         self._in_batch = False
         for name in ("on_alloc", "on_free", "on_hint", "on_label"):  # outside a batch, both are told
             setattr(self, name, self._both(getattr(self, name), getattr(self.shadow, name)))
@@ -103,6 +106,10 @@ class _BulkLockstep(PilotPolicy):
     def begin_iteration(self, index: int, context: object = None) -> None:
         super().begin_iteration(index, context)
         self.shadow.begin_iteration(index, context)
+
+    def _run_native(self, *args: object) -> None:
+        self.runs += 1  # a run of records in one dynn_pilot_operators call
+        super()._run_native(*args)
 
     def on_operators(self, events: object, phase: str) -> None:
         self._in_batch = True
@@ -143,6 +150,9 @@ def assert_same(a: PilotPolicy, b: PilotPolicy, where: str) -> None:
     for name in _POLICY:
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=f"{name}, {where}")
     np.testing.assert_array_equal(sa._hist, sb._hist, err_msg=where)
+    for name in _SCALARS:
+        assert getattr(sa, name) == getattr(sb, name), f"{name}, {where}"
+    assert [p for p, _ in sa._fwd_log] == [p for p, _ in sb._fwd_log], where
     assert sa.replayed == sb.replayed, where
     assert (a.decisions, a.candidates, a.ops) == (b.decisions, b.candidates, b.ops), where
     assert _entries(a._heap) == _entries(b._heap), f"eviction heap, {where}"
@@ -216,6 +226,8 @@ def test_operators_told_in_bulk_keep_the_per_notification_state(family, backend)
     pol = _BulkLockstep(backend=backend)
     _run(family, pol, 1 << 40)
     assert pol.batches > 10 and pol.bulk_ops > 200 and pol.decisions > 3
+    # on the native kernel the runs of forward operators go to it in one call each (dynn_pilot_operators)
+    assert (pol.runs > pol.batches) == (backend == "native")
 
 
 def test_fused_operator_notification_keeps_the_state_where_the_optimizer_is_planned():
@@ -230,7 +242,7 @@ def test_fused_operator_notification_keeps_the_state_where_the_optimizer_is_plan
     assert pol.compared > 50 and pol.decisions > 3
     bulk = _BulkLockstep(backend="native")
     _run(spec, bulk, 1 << 40, steps=5)
-    assert bulk.batches > 10 and bulk.decisions > 3
+    assert bulk.batches > 10 and bulk.decisions > 3 and bulk.runs > 10
 
 
 @pytest.mark.parametrize("family", ["evoformer", "moe"])
@@ -270,3 +282,54 @@ def test_a_subclass_that_overrides_a_notification_gets_every_call():
     assert not pol._fused
     assert pol.allocs > 50 and pol.accesses > pol.allocs
     assert pol.ops > 50
+
+
+class _KernelPerOperator(PilotPolicy):
+    """The pilot told in bulk with one kernel call per operator (the path before dynn_pilot_operators)."""
+
+    name = "pilot-kernel-per-operator"
+    batch_kernel = False
+
+
+@pytest.mark.parametrize(("family", "budget"), [("tree_lstm", "3/4"), ("evoformer", "3/4"), ("moe", "3/4"),
+                                                ("moe", 1 << 40)])
+def test_runs_in_one_kernel_call_make_the_same_decisions(family, budget):
+    """The bulk path's runs of forward operators in one ``dynn_pilot_operators`` call make the same
+    moves (evictions and prefetches, in order, at the same positions), the same decision points and
+    rows scored as one kernel call per operator, and training is PyTorch alone's bit for bit (the
+    state itself, batch by batch: test_operators_told_in_bulk_keep_the_per_notification_state).
+    The heaps' stale entries are not compared: two runs of the same code differ there (storages
+    freed by Python's collector)."""
+    base = _KernelPerOperator(backend="native")
+    losses, moves = _run(family, base, budget)
+    pilot = PilotPolicy(backend="native")
+    run_losses, run_moves = _run(family, pilot, budget)
+    assert pilot.batch_kernel and pilot._batch is not None  # the runs went to the kernel
+    assert base._batch is None
+    if budget != 1 << 40:
+        assert any(kind == "evict" for _, kind, _ in moves)
+    assert run_moves == moves
+    assert (pilot.decisions, pilot.candidates, pilot.ops) == (base.decisions, base.candidates, base.ops)
+    assert run_losses == losses == _plain_losses(family)
+
+
+def test_the_batch_call_refuses_a_malformed_run():
+    """``dynn_pilot_operators`` stops at a record it cannot read (code -5) or a slot outside the
+    state (code -4) instead of writing past the arrays, and the policy says which."""
+    from dynn_runtime.pilot import kernel as native
+
+    if not native.available():
+        pytest.skip(native.reason())
+    pol = PilotPolicy(backend="native")
+    _run("moe", pol, 1 << 40, steps=1)
+    kern, state = pol._kernel, pol._state
+    t = kern.table(state)
+    pol._fused_native.point(t, pol._away, pol._skip, pol._heap, state._cap)
+    bt = pol._batch
+    for words, code in (([7, 0, 0], -5), ([2, state._cap, 0], -4), ([1, 5, 0, 0, 0, 0, 0, 0, 0], -5),
+                        ([1, 5, 0, 0, 0, 0, 1, 0, 0, 9], -5)):
+        bt.words[: len(words)] = words
+        bt.b.n_words, bt.b.at = len(words), 0
+        assert kern.operators(t.addr, bt.addr) == code, words
+    with pytest.raises(IndexError, match="out of range"):
+        pol._run_native([2, -1, 0], [], [], 0)

@@ -37,10 +37,10 @@ from pathlib import Path
 
 from ..._log import logger
 from .calls import NativeKernel
-from .tables import FusedTable, ModelTable, NativeHeap, PolicyTable, StateTable
+from .tables import BatchTable, FusedTable, ModelTable, NativeHeap, PolicyTable, StateTable
 
 __all__ = ["available", "reason", "kernel", "resolve", "reset", "cache_dir", "source_hash", "SOURCES", "NativeKernel",
-           "PolicyTable", "StateTable", "ModelTable", "NativeHeap", "FusedTable", "BACKENDS"]
+           "PolicyTable", "StateTable", "ModelTable", "NativeHeap", "FusedTable", "BatchTable", "BACKENDS"]
 
 BACKENDS = ("native", "numpy")
 _DIR = Path(__file__).parent

@@ -22,10 +22,11 @@ from ...trace.format import KINDS
 from ..layout import CAND_TABLE, CTX_TABLE, HINT_MAX, THRESH
 
 __all__ = ["ABI", "MAX_H", "MAX_K", "LANES", "STATE", "POINT", "POLICY", "MODEL", "OP", "ALLOC", "FUSED",
-           "FUSED_ALLOC_WORDS", "FUSED_ACCESS_WORDS", "Struct", "header", "layout", "HEADER", "write_header"]
+           "FUSED_ALLOC_WORDS", "FUSED_ACCESS_WORDS", "BATCH", "BATCH_OP", "BATCH_FREE", "BATCH_LINK", "BATCH_OP_HEAD",
+           "BATCH_ACCESS_WORDS", "BATCH_FREE_WORDS", "Struct", "header", "layout", "HEADER", "write_header"]
 
 #: bumped whenever the meaning of a structure or a call changes without changing the layout
-ABI = 12
+ABI = 13
 #: the widest hidden layer and the most (padded) outputs the kernel takes; the outputs are padded to
 #: whole blocks of LANES floats (one 512-bit or two 256-bit vectors)
 MAX_H, MAX_K, LANES = 256, 64, 16
@@ -206,7 +207,29 @@ FUSED = Struct("dynn_fused", "one operator for dynn_pilot_operator: PilotPolicy.
     *_f("int64_t", "n_match", "n_need", c="out"),
 ))
 
-STRUCTS = (STATE, POINT, POLICY, MODEL, OP, ALLOC, FUSED)
+#: dynn_pilot_operators' record stream: a record's first word is its tag. An operator: the tag, then
+#: (position, phase, born_phase, iv address, ivk address, n_alloc, n_told, n_acc, prior row), then its
+#: words as dynn_fused's except that a told access has a fourth word, its storage class (the prior's
+#: column); a death: the tag, then (slot, whether to report its log_bytes: it died in forward); a
+#: backward mirror's link of an allocation: the tag, then (slot, the forward storage it follows)
+BATCH_OP, BATCH_FREE, BATCH_LINK = 1, 2, 3
+BATCH_OP_HEAD, BATCH_ACCESS_WORDS, BATCH_FREE_WORDS = 10, 4, 3
+
+#: a run of operators and deaths for dynn_pilot_operators (PilotPolicy.on_operators on the native backend)
+BATCH = Struct("dynn_batch", "a run of records for dynn_pilot_operators: each operator as dynn_pilot_operator "
+               "takes it (through the dynn_fused at fused, whose per-operator fields it fills) with the "
+               "provisional priors here, each death's slot released", (
+    *_f("void *", "fused", c="the policy's dynn_fused: its arrays, heap, scalars and result buffers"),
+    *_f("const int64_t *", "words", c="the records"),
+    *_f("int64_t", "n_words"),
+    *_f("int64_t", "at", c="in: the first record's word; out: past the last record taken"),
+    *_f("const double *", "priors", c="the prior table: per phase row, per storage class"),
+    *_f("int64_t", "n_rows", "n_class"),
+    *_f("double *", "freed_lb", c="out: log_bytes of each death that reports it, in order"),
+    *_f("int64_t", "n_freed", c="in and out"),
+))
+
+STRUCTS = (STATE, POINT, POLICY, MODEL, OP, ALLOC, FUSED, BATCH)
 
 
 def _starts(table: tuple[tuple[str, tuple[str, ...]], ...], prefix: str) -> list[tuple[str, int]]:
@@ -219,7 +242,8 @@ def _starts(table: tuple[tuple[str, tuple[str, ...]], ...], prefix: str) -> list
 
 def layout() -> list[int]:
     """What a library built from the current header reports (``dynn_pilot_layout``)."""
-    return [ABI, *(s.words for s in STRUCTS), FUSED_ALLOC_WORDS, FUSED_ACCESS_WORDS, MAX_H, MAX_K, LANES,
+    return [ABI, *(s.words for s in STRUCTS), FUSED_ALLOC_WORDS, FUSED_ACCESS_WORDS, BATCH_OP, BATCH_FREE,
+            BATCH_LINK, BATCH_OP_HEAD, BATCH_ACCESS_WORDS, BATCH_FREE_WORDS, MAX_H, MAX_K, LANES,
             sum(len(c) for _, c in CAND_TABLE), sum(len(c) for _, c in CTX_TABLE), len(KINDS), len(THRESH),
             *THRESH, HINT_MAX, *(i for _, i in _starts(CAND_TABLE, "F_")), *(i for _, i in _starts(CTX_TABLE, "X_"))]
 
@@ -231,6 +255,9 @@ def header() -> str:
            "#ifndef DYNN_PILOT_KERNEL_H", "#define DYNN_PILOT_KERNEL_H", "", "#include <stdint.h>", "",
            f"#define DYNN_PILOT_ABI {ABI}", f"#define MAX_H {MAX_H}", f"#define MAX_K {MAX_K}", f"#define LANES {LANES}",
            f"#define FUSED_ALLOC {FUSED_ALLOC_WORDS}", f"#define FUSED_ACCESS {FUSED_ACCESS_WORDS}",
+           f"#define BATCH_OP {BATCH_OP}", f"#define BATCH_FREE {BATCH_FREE}", f"#define BATCH_LINK {BATCH_LINK}",
+           f"#define BATCH_OP_HEAD {BATCH_OP_HEAD}",
+           f"#define BATCH_ACCESS {BATCH_ACCESS_WORDS}", f"#define BATCH_FREE_WORDS {BATCH_FREE_WORDS}",
            "", "/* ---- feature columns: a group's columns are F_<GROUP> + i ---- */",
            f"#define NF {sum(len(c) for _, c in CAND_TABLE)}", f"#define NC {sum(len(c) for _, c in CTX_TABLE)}",
            f"#define N_KINDS {len(KINDS)}", f"#define N_THRESH {len(THRESH)}", f"#define HINT_MAX {HINT_MAX}"]

@@ -39,6 +39,8 @@ class NativeKernel:
         lib.dynn_pilot_alloc.restype = _I
         lib.dynn_pilot_operator.argtypes = [_V, _V]
         lib.dynn_pilot_operator.restype = _I
+        lib.dynn_pilot_operators.argtypes = [_V, _V]
+        lib.dynn_pilot_operators.restype = _I
         lib.dynn_pilot_finish.argtypes = [_V, _V, _I, _V, _V, _V, _D, _D, _I, _V, _V]
         lib.dynn_pilot_finish.restype = _I
         lib.dynn_heap_new.argtypes = []
@@ -70,6 +72,9 @@ class NativeKernel:
         #: PilotPolicy's fused operator (dynn_pilot_operator): called with the addresses of the
         #: state table and of a FusedTable's structure
         self.operator = lib.dynn_pilot_operator
+        #: PilotPolicy.on_operators' run of records (dynn_pilot_operators): the state table's and a
+        #: BatchTable's structure's addresses
+        self.operators = lib.dynn_pilot_operators
         self._n_rows = ctypes.c_int64(0)
         self._n_rows_addr = ctypes.addressof(self._n_rows)
 

@@ -21,6 +21,8 @@
  *   dynn_pilot_operator  PilotPolicy.on_operator and on_op's per-operator work in one call: the
  *                        allocations' and accesses' writes, dynn_pilot_op's update, the provisional
  *                        predictions replayed from the previous iteration and their heap entries;
+ *   dynn_pilot_operators PilotPolicy.on_operators' run of forward operators and deaths in one call:
+ *                        dynn_pilot_operator's work per operator, the priors too, the dead slots released;
  *   dynn_pilot_finish    the network and the policy's arithmetic for gathered rows, on a worker thread;
  *   dynn_heap_*          the policy's eviction heap (heapq's pop order over the same entries, stale
  *                        entries skipped here), and dynn_pilot_merge: a decision point's rows into it.
@@ -513,10 +515,23 @@ static void alloc_writes(const dynn_state *S, int64_t s, int64_t kind, double sa
  * backward mirror reads the allocations' sizes between the two). Returns 0; 1: an access needs FeatureState._match_external (the
  * op's update is done, the provisional predictions are left to Python); -4: a slot out of range; -2:
  * out of memory. */
+static int64_t fused_operator(const dynn_state *S, dynn_fused *O, int64_t stride, const double *prior_row,
+                              int64_t n_class);
+
 int64_t dynn_pilot_operator(const dynn_state *S, dynn_fused *O)
 {
+    return fused_operator(S, O, FUSED_ACCESS, NULL, 0);
+}
+
+/* dynn_pilot_operator's work: a told access is `stride` words; with `prior_row` (the prior table's row
+ * of the operator's phase, n_class columns), a told access without a replayed next use takes
+ * position + prior_row[its class] (its fourth word) as its prediction, with its eviction entry, after
+ * the replayed ones (the order of PilotPolicy._operator_native's Python), instead of going to need */
+static int64_t fused_operator(const dynn_state *S, dynn_fused *O, int64_t stride, const double *prior_row,
+                              int64_t n_class)
+{
     const int64_t pos = O->position, na = O->n_alloc, nt = O->n_told, nc = O->n_acc, cap = S->cap;
-    const int64_t *w = O->words, *told = w + FUSED_ALLOC * na, *acc = told + FUSED_ACCESS * nt;
+    const int64_t *w = O->words, *told = w + FUSED_ALLOC * na, *acc = told + stride * nt;
     double *pred = S->pred;
     uint8_t *touched = S->touched, *away = O->away, *skip = O->skip;
     O->n_need = 0;
@@ -536,7 +551,7 @@ int64_t dynn_pilot_operator(const dynn_state *S, dynn_fused *O)
     }
     if (!(O->stage & 2)) return 0;
     for (int64_t i = 0; i < nt; i++) {
-        const int64_t *a = told + FUSED_ACCESS * i, s = a[0];
+        const int64_t *a = told + stride * i, s = a[0];
         if (s < 0) continue;
         if (s >= cap) return -4;
         touched[s] = 1;
@@ -552,7 +567,7 @@ int64_t dynn_pilot_operator(const dynn_state *S, dynn_fused *O)
         if (acc[i] >= 0) where[acc[i]] = i;
     int64_t n_need = 0;
     for (int64_t i = 0; i < nt; i++) {
-        const int64_t *a = told + FUSED_ACCESS * i, s = a[0];
+        const int64_t *a = told + stride * i, s = a[0];
         if (s < 0) continue;
         /* the told accesses are among the operator's: where[s] was just written (checked all the same) */
         const int64_t j = where[s];
@@ -564,8 +579,91 @@ int64_t dynn_pilot_operator(const dynn_state *S, dynn_fused *O)
         pred[s] = (double)r;
         if (pilot_heap_push1(O->heap, -(double)r, a[1], s)) return -2;
     }
+    if (prior_row) {
+        /* PilotPolicy._provisional for a storage that is not fresh: max(position, 0) + the prior */
+        const double base = (double)(pos > 0 ? pos : 0);
+        for (int64_t k = 0; k < n_need; k++) {
+            const int64_t *a = told + stride * O->need[k], s = a[0], c = a[3];
+            if (c < 0 || c >= n_class) return -4;
+            const double v = base + prior_row[c];
+            pred[s] = v;
+            if (pilot_heap_push1(O->heap, -v, a[1], s)) return -2;
+        }
+        n_need = 0;
+    }
     O->n_need = n_need;
     return 0;
+}
+
+/* PilotPolicy.on_operators on the native backend: the records from B->at on, in order. An operator
+ * is dynn_pilot_operator's work (stage 3) with its provisional priors here; a death releases its
+ * slot as FeatureState.free does (active cleared, sid -1; Python keeps the slot map and the free
+ * list) and, if it died in forward, reports its log_bytes (the mirror's _fwd_freed). Returns 0 with
+ * B->at at the end; 1 when an operator needs FeatureState._match_external: B->at is past that operator,
+ * its update is done and its provisional predictions are left to Python (its replay and match in the
+ * dynn_fused), which calls again from B->at. A link sets an allocation's mirror target (the backward
+ * mirror's, computed in Python from the size). -4: a slot or class out of range; -5: a malformed
+ * record; -2: out of memory. */
+int64_t dynn_pilot_operators(const dynn_state *S, dynn_batch *B)
+{
+    dynn_fused *F = (dynn_fused *)B->fused;
+    /* the operators' fields go into a copy: the policy's dynn_fused keeps its own word buffer for
+     * dynn_pilot_operator; the scalars in and out and the results are copied back */
+    dynn_fused O = *F;
+    const int64_t *w = B->words, n = B->n_words, cap = S->cap;
+    int64_t at = B->at, rc = 0;
+    while (at < n) {
+        const int64_t *r = w + at;
+        if (r[0] == BATCH_OP) {
+            if (at + BATCH_OP_HEAD > n) { rc = -5; break; }
+            const int64_t na = r[6], nt = r[7], nc = r[8], row = r[9];
+            if (na < 0 || nt < 0 || nc < 0 || row < 0 || row >= B->n_rows) { rc = -5; break; }
+            const int64_t len = BATCH_OP_HEAD + FUSED_ALLOC * na + BATCH_ACCESS * nt + nc;
+            if (len > n - at) { rc = -5; break; }
+            const double *prior_row = B->priors + row * B->n_class;
+            O.position = r[1];
+            O.phase = r[2];
+            O.born_phase = r[3];
+            O.stage = 3;
+            O.iv = (const float *)(intptr_t)r[4];
+            O.ivk = (const float *)(intptr_t)r[5];
+            O.words = r + BATCH_OP_HEAD;
+            O.n_alloc = na;
+            O.n_told = nt;
+            O.n_acc = nc;
+            /* a fresh storage's prior: storage class 0 */
+            O.prior = (double)(r[1] > 0 ? r[1] : 0) + prior_row[0];
+            at += len;
+            rc = fused_operator(S, &O, BATCH_ACCESS, prior_row, B->n_class);
+            if (rc) break;
+        } else if (r[0] == BATCH_FREE) {
+            if (at + BATCH_FREE_WORDS > n) { rc = -5; break; }
+            const int64_t s = r[1];
+            if (s < 0 || s >= cap) { rc = -4; break; }
+            ((uint8_t *)S->active)[s] = 0;
+            ((int64_t *)S->sid)[s] = -1;
+            if (r[2]) B->freed_lb[B->n_freed++] = (double)S->log_bytes[s];
+            at += BATCH_FREE_WORDS;
+        } else if (r[0] == BATCH_LINK) {
+            /* MirrorState._link's write, after the allocation's (which reset it); nothing in the
+             * operator's update reads it */
+            if (at + 3 > n) { rc = -5; break; }
+            const int64_t s = r[1];
+            if (s < 0 || s >= cap) { rc = -4; break; }
+            ((int64_t *)S->mirror_tgt)[s] = r[2];
+            at += 3;
+        } else {
+            rc = -5;
+            break;
+        }
+    }
+    B->at = at;
+    F->announced = O.announced;
+    F->frontier = O.frontier;
+    F->stack_counter = O.stack_counter;
+    F->n_match = O.n_match;
+    F->n_need = O.n_need;
+    return rc;
 }
 
 /* FeatureState.alloc's writes for slot A->slot (A->position -1: alive when the iteration started) */

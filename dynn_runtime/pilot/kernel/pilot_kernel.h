@@ -5,12 +5,18 @@
 
 #include <stdint.h>
 
-#define DYNN_PILOT_ABI 12
+#define DYNN_PILOT_ABI 13
 #define MAX_H 256
 #define MAX_K 64
 #define LANES 16
 #define FUSED_ALLOC 8
 #define FUSED_ACCESS 3
+#define BATCH_OP 1
+#define BATCH_FREE 2
+#define BATCH_LINK 3
+#define BATCH_OP_HEAD 10
+#define BATCH_ACCESS 4
+#define BATCH_FREE_WORDS 3
 
 /* ---- feature columns: a group's columns are F_<GROUP> + i ---- */
 #define NF 103
@@ -251,7 +257,21 @@ typedef struct {
 } dynn_fused;
 #define FUSED_WORDS 25
 
+/* a run of records for dynn_pilot_operators: each operator as dynn_pilot_operator takes it (through the dynn_fused at fused, whose per-operator fields it fills) with the provisional priors here, each death's slot released */
+typedef struct {
+    void *fused;                  /* the policy's dynn_fused: its arrays, heap, scalars and result buffers */
+    const int64_t *words;         /* the records */
+    int64_t n_words;
+    int64_t at;                   /* in: the first record's word; out: past the last record taken */
+    const double *priors;         /* the prior table: per phase row, per storage class */
+    int64_t n_rows;
+    int64_t n_class;
+    double *freed_lb;             /* out: log_bytes of each death that reports it, in order */
+    int64_t n_freed;              /* in and out */
+} dynn_batch;
+#define BATCH_WORDS 9
+
 /* what dynn_pilot_layout reports: abi.layout() */
-#define DYNN_PILOT_LAYOUT {12, 44, 18, 7, 16, 16, 8, 25, 8, 3, 256, 64, 16, 103, 24, 7, 8, 8, 16, 32, 48, 64, 96, 128, 256, 4095, 0, 7, 8, 9, 10, 11, 12, 13, 14, 17, 18, 19, 22, 25, 31, 32, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 61, 69, 77, 78, 79, 80, 81, 82, 90, 91, 92, 93, 94, 102, 0, 3, 4, 5, 6, 7, 8, 14, 20, 21, 22, 23}
+#define DYNN_PILOT_LAYOUT {13, 44, 18, 7, 16, 16, 8, 25, 9, 8, 3, 1, 2, 3, 10, 4, 3, 256, 64, 16, 103, 24, 7, 8, 8, 16, 32, 48, 64, 96, 128, 256, 4095, 0, 7, 8, 9, 10, 11, 12, 13, 14, 17, 18, 19, 22, 25, 31, 32, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 61, 69, 77, 78, 79, 80, 81, 82, 90, 91, 92, 93, 94, 102, 0, 3, 4, 5, 6, 7, 8, 14, 20, 21, 22, 23}
 
 #endif

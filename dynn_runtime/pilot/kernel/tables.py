@@ -16,12 +16,24 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .abi import ALLOC, FUSED, FUSED_ACCESS_WORDS, FUSED_ALLOC_WORDS, LANES, MODEL, OP, POINT, POLICY, STATE
+from .abi import (
+    ALLOC,
+    BATCH,
+    FUSED,
+    FUSED_ACCESS_WORDS,
+    FUSED_ALLOC_WORDS,
+    LANES,
+    MODEL,
+    OP,
+    POINT,
+    POLICY,
+    STATE,
+)
 
 if TYPE_CHECKING:
     from .calls import NativeKernel
 
-__all__ = ["StateTable", "ModelTable", "PolicyTable", "NativeHeap", "FusedTable"]
+__all__ = ["StateTable", "ModelTable", "PolicyTable", "NativeHeap", "FusedTable", "BatchTable"]
 
 # ---- tables the kernel's logarithms come from (filled by numpy, so both round alike) ----------------
 
@@ -54,6 +66,7 @@ _Policy = POLICY.ctypes()
 _Op = OP.ctypes()
 _Alloc = ALLOC.ctypes()
 _Fused = FUSED.ctypes()
+_Batch = BATCH.ctypes()
 _W = STATE.index
 
 
@@ -235,6 +248,42 @@ class FusedTable:
 
     def __reduce__(self) -> Any:  # addresses do not survive pickling
         return (FusedTable, ())
+
+
+class BatchTable:
+    """A :class:`~dynn_runtime.pilot.policy.PilotPolicy`'s side of ``dynn_pilot_operators``: the
+    call's structure (``dynn_batch``, at a fixed address) pointing at the policy's
+    :class:`FusedTable` and prior table, the record buffer and the buffer of the dead storages'
+    ``log_bytes``."""
+
+    def __init__(self, fused: FusedTable, priors: np.ndarray) -> None:
+        if priors.dtype != np.float64 or priors.ndim != 2 or not priors.flags.c_contiguous:
+            raise ValueError("pilot native: the prior table must be a C-contiguous 2-d float64 array")
+        self.b = _Batch()
+        self.addr = ctypes.addressof(self.b)
+        self.fused = fused
+        self.priors = priors
+        b = self.b
+        b.fused = fused.addr
+        b.priors = priors.ctypes.data
+        b.n_rows, b.n_class = priors.shape
+        self.n = 0
+        self.freed = np.empty(0, dtype=np.float64)
+        self.room(1024, 256)
+
+    def room(self, n_words: int, n_freed: int) -> None:
+        """Buffers for ``n_words`` record words and ``n_freed`` reported deaths (grown, never shrunk)."""
+        b = self.b
+        if n_words > self.n:
+            self.n = n = max(n_words, 2 * self.n)
+            self.words = (ctypes.c_int64 * n)()
+            b.words = ctypes.addressof(self.words)
+        if n_freed > len(self.freed):
+            self.freed = np.empty(max(n_freed, 2 * len(self.freed)), dtype=np.float64)
+            b.freed_lb = self.freed.ctypes.data
+
+    def __reduce__(self) -> Any:  # addresses do not survive pickling
+        return (_none, ())
 
 
 class ModelTable:
