@@ -20,7 +20,9 @@ Invariants :class:`Residency` keeps:
    flight land (a prefetch holds space and becomes evictable), and only when nothing moved and
    nothing is in flight does it report out of memory. Before it returns, the bytes held (offloads in
    flight included) plus ``need`` are within the budget.
-4. The read side of the policy interface (:class:`~dynn_runtime.policies.base.MemoryView`) reads
+4. Every transition into ``resident`` from anything but ``absent`` is told to the policy
+   (``on_return``) as it happens: a policy that sets storages it found away aside (lru) needs it.
+5. The read side of the policy interface (:class:`~dynn_runtime.policies.base.MemoryView`) reads
    the same records in both.
 """
 
@@ -144,6 +146,8 @@ class Residency:
         elif new is S.FETCHING:
             self.fetching[s.sid] = s
         s.status = new
+        if new is S.RESIDENT and old is not S.ABSENT:
+            self.policy.on_return(s.sid)
         self._status_changed(s, old, new)
 
     def _account(self, delta: int) -> None:
@@ -214,7 +218,7 @@ class Residency:
         """Nothing moved and nothing is in flight: raise."""
         raise NotImplementedError
 
-    # ---- MemoryView: what policies read (invariant 4) ------------------------------------------
+    # ---- MemoryView: what policies read (invariant 5) ------------------------------------------
     def nbytes(self, sid: int) -> int:
         return self.st[sid].nbytes
 

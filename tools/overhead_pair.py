@@ -9,9 +9,10 @@ measured peak), the other alone. Each step runs both, in alternating order, and 
 the stepping thread's CPU time; PyTorch alone runs with the observer suspended on the thread (its
 key excluded), so it costs what it costs without a manager attached. Prints, per configuration,
 the median of the per-step ratios (the first two steps left out: the measuring step and the first
-managed one), the median step times, the time spent opening and closing the step, and whether the
-managed side's losses are PyTorch alone's. ``--profile CONFIG`` writes a cProfile of that
-configuration's managed steps to ``/tmp/overhead_pair.<family>.<config>.prof`` and prints its top.
+managed one) and their range, the median of the per-step differences, the median step times, the
+time spent opening and closing the step, and whether the managed side's losses are PyTorch
+alone's. ``--profile CONFIG`` writes a cProfile of that configuration's managed steps to
+``/tmp/overhead_pair.<family>.<config>.prof`` and prints its top.
 """
 
 from __future__ import annotations
@@ -127,7 +128,9 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     finally:
         mm.detach()
     out = {
-        "ratio": statistics.median(ratios), "managed_ms": 1e3 * statistics.median(mt),
+        "ratio": statistics.median(ratios), "ratio_range": (min(ratios), max(ratios)),
+        "extra_ms": 1e3 * statistics.median(m - a for m, a in zip(mt, at)),
+        "managed_ms": 1e3 * statistics.median(mt),
         "alone_ms": 1e3 * statistics.median(at), "begin_ms": 1e3 * statistics.median(begin[2:]),
         "end_ms": 1e3 * statistics.median(end[2:]),
         "hooks_ms": 1e3 * statistics.median(a + b for a, b in zip(hooks[4::2], hooks[5::2])), "same": ml == al,
@@ -160,7 +163,8 @@ def main() -> None:
         for r in range(args.rounds):
             for config in args.configs.split(","):
                 o = run(family, config, args.steps, config == args.profile and r == 0)
-                print(f"{workload_name(family)} {config} round {r}: ratio {o['ratio']:.3f} (managed "
+                print(f"{workload_name(family)} {config} round {r}: ratio {o['ratio']:.3f} (range "
+                      f"{o['ratio_range'][0]:.3f}-{o['ratio_range'][1]:.3f}; managed - alone {o['extra_ms']:.2f} ms; managed "
                       f"{o['managed_ms']:.2f} ms, alone {o['alone_ms']:.2f} ms; begin {o['begin_ms']:.3f}, end "
                       f"{o['end_ms']:.3f} ms, optimizer hooks {o['hooks_ms']:.3f} ms; ops {o['ops']}, decisions/step {o['decisions']:.1f}, evictions/step "
                       f"{o['evictions']:.1f}; managed - alone ms: "

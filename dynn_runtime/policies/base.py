@@ -13,7 +13,7 @@ time it is; the policy sees that through a :class:`MemoryView` and answers three
    recompute on access) or ``"discard"`` (free, never needed again: only for policies that see the
    future; the mechanism verifies it).
 
-Plus notifications (``on_access``, ``on_alloc``, ``on_free``, ``on_op``, ``on_hint``, and
+Plus notifications (``on_access``, ``on_alloc``, ``on_free``, ``on_return``, ``on_op``, ``on_hint``, and
 ``on_operator``: one operator's allocations, accesses and ``on_op`` in one call; ``on_touches``: the
 allocations, accesses and frees since the last decision point in one call, for a policy that reads
 only recency, ``reads_operators = False``) for policies that keep
@@ -268,6 +268,12 @@ class Policy:
 
     def on_free(self, sid: int) -> None:
         pass
+
+    def on_return(self, sid: int) -> None:
+        """``sid`` is resident again after being away or in flight (a fetch landed, an offload was
+        cancelled, a dropped storage was rebuilt), whether or not an access follows. Every mechanism
+        calls it (:meth:`~dynn_runtime.residency.Residency.set_status`, on each transition into
+        ``resident`` from anything but ``absent``), before any later victim search."""
 
     def on_op(self, position: int, op: Any) -> None:
         """Operator ``position`` ran; ``op`` is its :class:`~dynn_runtime.trace.format.Op` record."""

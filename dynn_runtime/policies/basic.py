@@ -18,6 +18,7 @@ from .base import (
     SmallStorages,
     register,
 )
+from .recency import RecencyOrder
 
 
 @register
@@ -32,7 +33,10 @@ class NonePolicy(Policy):
 
 @register
 class LRUPolicy(Policy):
-    """Evict the least recently used resident storage on pressure; fetch on demand (no prefetch)."""
+    """Evict the least recently used resident storage on pressure; fetch on demand (no prefetch).
+
+    The order is a :class:`~dynn_runtime.policies.recency.RecencyOrder`: a victim search passes
+    only the storages that stay resident (excluded, or refused by the mechanism), not the ones away."""
 
     name = "lru"
     description = "evict least recently used on pressure, fetch on demand"
@@ -42,49 +46,57 @@ class LRUPolicy(Policy):
 
     def __init__(self) -> None:
         super().__init__()
-        self._order: OrderedDict[int, None] = OrderedDict()
+        self._recency = RecencyOrder()
         self._small = SmallStorages(self.small_fraction)
+
+    def order(self) -> list[int]:
+        """The storages told of and not freed, least recently used first (both tiers merged)."""
+        return self._recency.order()
 
     def begin_iteration(self, index: int, context: IterationContext = NO_CONTEXT) -> None:
         if self.small_fraction:
             self._small.begin_iteration(context)
 
     def on_alloc(self, sid: int, position: int) -> None:
-        self._order[sid] = None
-        self._order.move_to_end(sid)
-        if self.small_fraction:
-            self._small.alloc(sid, self.view.nbytes(sid))
+        small = self._small.alloc(sid, self.view.nbytes(sid)) if self.small_fraction else False
+        self._recency.touch(sid, small)
 
     def on_access(self, sid: int, position: int) -> None:
-        self._order[sid] = None
-        self._order.move_to_end(sid)
-        if self.small_fraction:
-            self._small.access(sid)
+        small = self._small.access(sid) if self.small_fraction else False
+        self._recency.touch(sid, small)
 
     def on_free(self, sid: int) -> None:
-        self._order.pop(sid, None)
+        self._recency.forget(sid)
         self._small.free(sid)
+
+    def on_return(self, sid: int) -> None:
+        self._recency.returned(sid)
 
     def on_touches(self, events: Sequence[int]) -> None:
         # on_alloc / on_access / on_free inlined, in the same order: the same state
-        # (SmallStorages' alloc, access and free inlined on local copies of its counters)
+        # (SmallStorages' alloc, access and free, RecencyOrder's touch and forget, inlined on local
+        # copies of their counters)
         if events[0::4].count(TOUCH_ALLOC) * 4 == len(events) and self._allocs_at_once(events):
             return
-        order, small = self._order, self._small
-        move = order.move_to_end
+        rec, small = self._recency, self._small
+        big, tiny = rec.tiers
+        away, back = rec.away, rec.back
+        stamp = rec.stamp
         classes = bool(self.small_fraction)
         sizes, smalls, fraction = small._bytes, small._small, small.fraction
         live, peak = small._live, small._peak
         threshold = fraction * peak
         for i in range(0, len(events), 4):
             kind, sid = events[i], events[i + 1]
+            if away and away.pop(sid, None) is not None:
+                back.discard(sid)
             if kind == TOUCH_FREE:
-                order.pop(sid, None)
+                if big.pop(sid, None) is None:
+                    tiny.pop(sid, None)
                 live -= sizes.pop(sid, 0)
                 smalls.discard(sid)
                 continue
-            order[sid] = None
-            move(sid)
+            is_small = False
             if classes:
                 if kind == TOUCH_ALLOC:
                     nbytes = events[i + 3]
@@ -93,14 +105,23 @@ class LRUPolicy(Policy):
                     if live > peak:
                         peak = live
                         threshold = fraction * peak
-                    if nbytes < threshold:
-                        smalls.add(sid)
-                    else:
-                        smalls.discard(sid)
-                elif sizes.get(sid, 0) < threshold:
+                    is_small = nbytes < threshold
+                else:
+                    is_small = sizes.get(sid, 0) < threshold
+                if is_small:
                     smalls.add(sid)
                 else:
                     smalls.discard(sid)
+            stamp += 1
+            if is_small:
+                if tiny.pop(sid, None) is None:
+                    big.pop(sid, None)
+                tiny[sid] = stamp
+            else:
+                if big.pop(sid, None) is None and tiny:
+                    tiny.pop(sid, None)
+                big[sid] = stamp
+        rec.stamp = stamp
         small._live, small._peak = live, peak
 
     def _allocs_at_once(self, events: Sequence[int]) -> bool:
@@ -115,34 +136,34 @@ class LRUPolicy(Policy):
             return False
         if not sids:
             return True
-        self._order = OrderedDict.fromkeys([sid for sid in self._order if sid not in told] + list(sids))
-        if not self.small_fraction:
-            return True
-        small = self._small
-        sizes, fraction = small._bytes, small.fraction
-        nbytes = events[3::4]
-        live = list(accumulate(map(sub, nbytes, map(sizes.get, sids, repeat(0))), initial=small._live))
-        peaks = list(accumulate(live, max, initial=small._peak))[2:]  # the maximum after each allocation
-        sizes.update(zip(sids, nbytes))
-        small._live, small._peak = live[-1], max(small._peak, peaks[-1])
-        smalls = small._small
-        smalls.difference_update(sids)
-        smalls.update(sid for sid, n, p in zip(sids, nbytes, peaks) if n < fraction * p)
+        if self.small_fraction:
+            small = self._small
+            sizes, fraction = small._bytes, small.fraction
+            nbytes = events[3::4]
+            live = list(accumulate(map(sub, nbytes, map(sizes.get, sids, repeat(0))), initial=small._live))
+            peaks = list(accumulate(live, max, initial=small._peak))[2:]  # the maximum after each allocation
+            sizes.update(zip(sids, nbytes))
+            small._live, small._peak = live[-1], max(small._peak, peaks[-1])
+            smalls = small._small
+            smalls.difference_update(sids)
+            smalls.update(sid for sid, n, p in zip(sids, nbytes, peaks) if n < fraction * p)
+        else:
+            smalls = set()
+        rec = self._recency
+        away, back = rec.away, rec.back
+        for sid in told.intersection(away):
+            del away[sid]
+            back.discard(sid)
+        base = rec.stamp
+        rec.stamp = base + len(sids)
+        rec.tiers = tuple(  # type: ignore[assignment]
+            OrderedDict([(sid, st) for sid, st in tier.items() if sid not in told]
+                        + [(sid, base + 1 + i) for i, sid in enumerate(sids) if (sid in smalls) == bool(k)])
+            for k, tier in enumerate(rec.tiers))
         return True
 
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
-        view = self.view
-        small = self._small
-        later = []
-        for sid in self._order:  # evictions do not reorder it: safe to walk lazily
-            if sid not in exclude and view.status(sid) == "resident":
-                if small.small(sid):
-                    later.append(sid)
-                    continue
-                yield sid
-        for sid in later:  # second tier: the small ones, least recently used first
-            if view.status(sid) == "resident":
-                yield sid
+        return self._recency.walk(self.view.status, exclude)
 
 
 @register

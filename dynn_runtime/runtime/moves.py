@@ -138,9 +138,9 @@ class Moves(Residency):
             return
         internal_assert(s.status == HOST and s.host is not None and s.host_valid,
                          f"runtime: storage {s.sid} is {s.status} without a valid host copy")
-        if budgeted:
+        if budgeted and not self.fits(s.nbytes):  # (the message is built only then: this runs per fetch)
             self.make_room(s.nbytes, (exclude or set()) | {s.sid},
-                            f"{where or 'an access'} (fetching a {format_bytes(s.nbytes)} {s.kind} back)")
+                           f"{where or 'an access'} (fetching a {format_bytes(s.nbytes)} {s.kind} back)")
         t0 = time.perf_counter()
         self._start_fetch(s, st)
         self._finish_fetch(s, st)

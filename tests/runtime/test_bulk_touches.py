@@ -87,7 +87,7 @@ def test_lru_on_touches_leaves_the_state_of_the_separate_calls():
         p.attach(View())
     bulk.on_touches(events)
     Policy.on_touches(single, events)  # the separate calls
-    assert list(bulk._order) == list(single._order) == [2, 4, 3]
+    assert bulk.order() == single.order() == [2, 4, 3]
     assert bulk._small._small == single._small._small == {2, 4}
     assert (bulk._small._live, bulk._small._peak) == (single._small._live, single._small._peak)
 
@@ -124,9 +124,10 @@ def test_lru_told_a_batch_of_allocations_at_once_leaves_the_state_of_the_separat
     Policy.on_touches(single, held)
     bulk.on_touches(held)
     a, b = bulk._small, single._small
-    assert list(bulk._order) == list(single._order)
+    assert bulk.order() == single.order()
+    assert [bulk._recency.tier_order(k) for k in (0, 1)] == [single._recency.tier_order(k) for k in (0, 1)]
     assert (a._bytes, a._small, a._live, a._peak) == (b._bytes, b._small, b._live, b._peak)
-    assert bulk._order and list(bulk._order)[-len(held) // 4:] == held[1::4]
+    assert bulk.order() and bulk.order()[-len(held) // 4:] == held[1::4]
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native event source is not built")

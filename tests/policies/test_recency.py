@@ -1,0 +1,227 @@
+"""lru's recency order (policies/recency.py) against a plain reference lru.
+
+The reference walks every storage from the least recently used at each search, as lru did before
+it set the storages it found away aside; the two must yield the same victims, in the same order,
+on random histories where storages are born, touched, freed, evicted and brought back (with and
+without a touch), and searches are cut short as ``make_room`` cuts them."""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+
+import pytest
+
+from dynn_runtime.policies.base import TOUCH_ACCESS, TOUCH_ALLOC, TOUCH_FREE, Policy, SmallStorages
+from dynn_runtime.policies.basic import LRUPolicy
+from dynn_runtime.policies.recency import RecencyOrder
+
+
+class _Reference:
+    """lru with one OrderedDict walked from its head at every search."""
+
+    def __init__(self, view, fraction: float) -> None:
+        self.view = view
+        self.fraction = fraction
+        self.order: OrderedDict[int, None] = OrderedDict()
+        self.small = SmallStorages(fraction)
+
+    def alloc(self, sid: int) -> None:
+        self.order[sid] = None
+        self.order.move_to_end(sid)
+        if self.fraction:
+            self.small.alloc(sid, self.view.nbytes(sid))
+
+    def access(self, sid: int) -> None:
+        self.order[sid] = None
+        self.order.move_to_end(sid)
+        if self.fraction:
+            self.small.access(sid)
+
+    def free(self, sid: int) -> None:
+        self.order.pop(sid, None)
+        self.small.free(sid)
+
+    def victims(self, exclude):
+        later = []
+        for sid in self.order:
+            if sid not in exclude and self.view.status(sid) == "resident":
+                if self.small.small(sid):
+                    later.append(sid)
+                    continue
+                yield sid
+        for sid in later:
+            if self.view.status(sid) == "resident":
+                yield sid
+
+
+class _View:
+    def __init__(self) -> None:
+        self.sizes: dict[int, int] = {}
+        self.where: dict[int, str] = {}
+
+    def nbytes(self, sid: int) -> int:
+        return self.sizes[sid]
+
+    def status(self, sid: int) -> str:
+        return self.where.get(sid, "absent")
+
+
+def _run(seed: int, fraction: float, bulk: bool) -> int:
+    """One random history on both; returns how many victims they agreed on."""
+    rng = random.Random(seed)
+    view = _View()
+    pol = type("_LRU", (LRUPolicy,), {"small_fraction": fraction})()
+    pol.attach(view)
+    ref = _Reference(view, fraction)
+    live: list[int] = []
+    next_sid = 1
+    agreed = 0
+    batch: list[int] = []
+
+    def flush() -> None:
+        if batch:
+            pol.on_touches(list(batch))
+            batch.clear()
+
+    for _ in range(600):
+        r = rng.random()
+        if r < 0.2 or not live:  # a birth
+            sid, next_sid = next_sid, next_sid + 1
+            view.sizes[sid] = rng.choice([1, 8, 100, 10**4, 10**6, 10**7])
+            view.where[sid] = "resident"
+            live.append(sid)
+            ref.alloc(sid)
+            if bulk:
+                batch.extend((TOUCH_ALLOC, sid, 0, view.sizes[sid]))
+            else:
+                pol.on_alloc(sid, 0)
+        elif r < 0.45:  # an access: what is away comes back first, as a fault brings it
+            sid = rng.choice(live)
+            if view.where[sid] != "resident":
+                view.where[sid] = "resident"
+                pol.on_return(sid)
+            ref.access(sid)
+            if bulk:
+                batch.extend((TOUCH_ACCESS, sid, 0, 0))
+            else:
+                pol.on_access(sid, 0)
+        elif r < 0.52:  # a death
+            sid = live.pop(rng.randrange(len(live)))
+            del view.where[sid]
+            ref.free(sid)
+            if bulk:
+                batch.extend((TOUCH_FREE, sid, 0, view.sizes[sid]))
+            else:
+                pol.on_free(sid)
+        elif r < 0.6:  # back on the device without a touch (a fetch between steps, a prefetch landing)
+            away = [s for s in live if view.where[s] != "resident"]
+            if away:
+                sid = rng.choice(away)
+                view.where[sid] = "resident"
+                pol.on_return(sid)
+        elif r < 0.63:  # what the program holds, announced at a step's start (the bulk path)
+            flush()
+            held = []
+            for sid in rng.sample(live, min(len(live), rng.randint(1, 12))):
+                held += [TOUCH_ALLOC, sid, -1, view.sizes[sid]]
+                ref.alloc(sid)
+            pol.on_touches(held)
+        else:  # a search, cut short; what it yields leaves the device (or is refused)
+            flush()
+            exclude = set(rng.sample(live, min(len(live), rng.randint(0, 3))))
+            want = rng.randint(1, 6)
+            got_ref, got = [], []
+            mine = pol.victims(0, exclude)
+            for a in ref.victims(exclude):
+                b = next(mine, None)
+                assert a == b, (seed, got_ref, a, b)
+                got_ref.append(a)
+                got.append(b)
+                if rng.random() < 0.85:  # evicted; else refused (pinned, not movable) and left resident
+                    view.where[a] = rng.choice(["host", "host", "offloading"])
+                if len(got_ref) >= want:
+                    break
+            else:
+                assert next(mine, None) is None
+            del mine
+            agreed += len(got_ref)
+    flush()
+    return agreed
+
+
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("fraction", [0.0, 1e-2])
+@pytest.mark.parametrize("bulk", [False, True])
+def test_victims_are_the_reference_lrus(seed, fraction, bulk):
+    assert _run(seed, fraction, bulk) > 20  # the history searched enough to compare
+
+
+def test_a_storage_back_without_a_touch_is_found_at_its_place():
+    """Taken out when found away; back on the device untouched: it is again the least recent."""
+    view = _View()
+    pol = LRUPolicy()
+    pol.attach(view)
+    for sid in (1, 2, 3):
+        view.sizes[sid], view.where[sid] = 10**6, "resident"
+        pol.on_alloc(sid, 0)
+    assert next(pol.victims(0, set())) == 1
+    view.where[1] = "host"
+    assert list(pol.victims(0, set())) == [2, 3]
+    assert pol._recency.away == {}  # noted while walking, taken out at the next search
+    list(pol.victims(0, set()))
+    assert set(pol._recency.away) == {1}
+    view.where[1] = "resident"
+    pol.on_return(1)
+    assert list(pol.victims(0, set())) == [1, 2, 3]
+    assert pol.order() == [1, 2, 3]
+
+
+def test_a_search_left_open_takes_nothing_out_under_it():
+    """A second search while a first is still open must not change the tiers the first iterates."""
+    view = _View()
+    rec = RecencyOrder()
+    for sid in range(1, 6):
+        view.where[sid] = "resident"
+        rec.touch(sid, False)
+    view.where[1] = view.where[2] = "host"
+    list(rec.walk(view.status, set()))  # notes 1 and 2
+    first = rec.walk(view.status, set())  # takes 1 and 2 out
+    assert next(first) == 3
+    view.where[4] = "host"
+    inner = list(rec.walk(view.status, set()))  # notes 4, takes nothing out while ``first`` is open
+    assert inner == [3, 5]
+    assert list(first) == [5]
+    del first
+    assert list(rec.walk(view.status, set())) == [3, 5]
+    assert set(rec.away) == {1, 2, 4}
+    assert rec.order() == [1, 2, 3, 4, 5]
+
+
+def test_every_return_to_the_device_is_told_to_the_policy():
+    """Residency.set_status tells ``on_return`` for each transition into resident but a birth."""
+    from dynn_runtime.residency import Record, Residency, Status
+
+    told = []
+
+    class P(Policy):
+        def on_return(self, sid):
+            told.append(sid)
+
+    class R(Residency):
+        pass
+
+    r = R()
+    r.st, r.budget, r.policy = {}, None, P()
+    r._init_residency()
+    a, b = Record(1, 10, "temp"), Record(2, 10, "temp")
+    r.set_status(a, Status.RESIDENT)
+    r.set_status(b, Status.RESIDENT)
+    r.set_status(a, Status.HOST)
+    r.set_status(a, Status.FETCHING)
+    r.set_status(a, Status.RESIDENT)
+    r.set_status(b, Status.OFFLOADING)
+    r.set_status(b, Status.RESIDENT)
+    r.set_status(b, Status.HOST)
+    r.set_status(b, Status.RESIDENT)
+    assert told == [1, 2, 2]
