@@ -682,21 +682,20 @@ class Observer {
     }
   }
 
-  // Runs `kernel` (invariant 11): where `retry` and it runs out of device memory, the OOM handler
-  // makes room, `again()` gives the kernel its arguments back (false: it cannot) and it runs once
-  // more. A second OOM is told to the handler and propagates. Without an OOM this is `kernel()`:
-  // the handlers cost nothing until something is thrown.
+  // An operator's kernel ran out of device memory (`e`, being handled; invariant 11). Called from
+  // the catch clause around the kernel, which is all the operator's path carries: a try/catch costs
+  // nothing until something is thrown, and everything here, the retry's kernel (built in the catch
+  // clause) included, is out of line. Where the operator may be retried in this step, the OOM
+  // handler makes room, `again()` gives the kernel its arguments back (false: it cannot) and
+  // `kernel` runs once more. Otherwise `e` propagates; a second OOM is told to the handler and propagates.
   template <class Kernel, class Again>
-  decltype(auto) attempt(bool retry, const char* name, const Ctx& ctx, Kernel&& kernel, Again&& again) {
+  C10_NOINLINE decltype(auto) after_oom(const OpInfo& inf, const c10::OutOfMemoryError& e, const char* name,
+                                        const Ctx& ctx, Kernel&& kernel, Again&& again) {
+    if (!(inf.retry && in_step_) || !on_oom(e, name, ctx, false) || !again()) throw;  // rethrows `e`
     try {
       return kernel();
-    } catch (const c10::OutOfMemoryError& e) {
-      if (!retry || !on_oom(e, name, ctx, false) || !again()) throw;
-    }
-    try {
-      return kernel();
-    } catch (const c10::OutOfMemoryError& e) {
-      on_oom(e, name, ctx, true);
+    } catch (const c10::OutOfMemoryError& twice) {
+      on_oom(twice, name, ctx, true);
       throw;
     }
   }
@@ -737,21 +736,20 @@ class Observer {
     }
     const char* name = op.schema().name().c_str();
     before_kernel(name, ctx, on);
-    const bool retry = inf.retry && in_step_;
-    if (retry) ctx.args.assign(stack->begin() + first, stack->end());  // invariant 11
+    if (inf.retry && in_step_) ctx.args.assign(stack->begin() + first, stack->end());  // invariant 11
     DropArgs drop{ctx};
-    attempt(
-        retry, name, ctx,
-        [&] {
-          c10::impl::ExcludeDispatchKeyGuard inside(kKey);
-          op.redispatchBoxed(below, stack);
-        },
-        [&] {  // the failed attempt may have moved arguments out of the stack, or dropped them
-          if (stack->size() < first) return false;
-          stack->resize(first);
-          stack->insert(stack->end(), ctx.args.begin(), ctx.args.end());
-          return true;
-        });
+    try {
+      redispatch_boxed(op, below, stack);
+    } catch (const c10::OutOfMemoryError& e) {
+      after_oom(
+          inf, e, name, ctx, [&, below] { redispatch_boxed(op, below, stack); },
+          [&] {  // the failed attempt may have moved arguments out of the stack, or dropped them
+            if (ctx.args.size() != n || stack->size() < first) return false;
+            stack->resize(first);
+            stack->insert(stack->end(), ctx.args.begin(), ctx.args.end());
+            return true;
+          });
+    }
     const int64_t j = begin_outputs();
     const int64_t stream = current_stream();
     int64_t made = 0;
@@ -765,8 +763,10 @@ class Observer {
   // dispatch(), on the typed arguments, so that PyTorch neither boxes them nor unboxes them again
   // for the kernel. Argument i of the C++ signature is argument i of the schema (the dispatcher's
   // calling convention), so the schema's written indices apply as they are.
+  // Inlined into its Unboxed<Op>::call, whatever the compiler's size heuristics say: one call less
+  // per operator.
   template <class Op, class Ret, class... Args>
-  Ret dispatch_unboxed(const c10::OperatorHandle& op, c10::DispatchKeySet below, Args... args) {
+  C10_ALWAYS_INLINE Ret dispatch_unboxed(const c10::OperatorHandle& op, c10::DispatchKeySet below, Args... args) {
     OpInfo& inf = info(op);
     if (inf.skip) return Op::redispatch(below, args...);
     Ctx& ctx = enter();
@@ -780,17 +780,23 @@ class Observer {
     };
     (in(args), ...);
     before_kernel(Op::name, ctx, current_stream());
-    const bool retry = inf.retry && in_step_;
-    auto kernel = [&]() -> Ret {
-      c10::impl::ExcludeDispatchKeyGuard inside(kKey);
-      return Op::redispatch(below, args...);
+    // the kernel; after an out-of-memory error, once more on the same arguments: they are this
+    // function's own, so the failed attempt left them as they were (`below` is copied into the
+    // retry, so that the operator's path keeps it in a register)
+    auto run = [&]() -> Ret {
+      try {
+        return redispatch_unboxed<Op, Ret>(below, args...);
+      } catch (const c10::OutOfMemoryError& e) {
+        return after_oom(
+            inf, e, Op::name, ctx, [&, below]() -> Ret { return redispatch_unboxed<Op, Ret>(below, args...); },
+            [] { return true; });
+      }
     };
-    auto intact = [] { return true; };  // the arguments are this function's: a failed attempt left them as they were
     if constexpr (std::is_void_v<Ret>) {
-      attempt(retry, Op::name, ctx, kernel, intact);
+      run();
       finish(inf, begin_outputs(), 0, ctx);
     } else {
-      Ret out = attempt(retry, Op::name, ctx, kernel, intact);
+      Ret out = run();
       const int64_t j = begin_outputs();
       const int64_t stream = current_stream();
       int64_t made = 0;
@@ -801,6 +807,17 @@ class Observer {
   }
 
  private:
+  // The kernel below the key, with the key excluded while it runs.
+  static void redispatch_boxed(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack) {
+    c10::impl::ExcludeDispatchKeyGuard inside(kKey);
+    op.redispatchBoxed(below, stack);
+  }
+  template <class Op, class Ret, class... Args>
+  static Ret redispatch_unboxed(c10::DispatchKeySet below, Args&... args) {
+    c10::impl::ExcludeDispatchKeyGuard inside(kKey);
+    return Op::redispatch(below, args...);
+  }
+
   struct Leave {
     size_t& depth;
     ~Leave() { --depth; }
@@ -848,7 +865,7 @@ class Observer {
   }
 
   // After the kernel: releases reported while it ran are acted on first; returns the operator's position.
-  int64_t begin_outputs() {
+  C10_ALWAYS_INLINE int64_t begin_outputs() {
     drain();
     return position_++;
   }

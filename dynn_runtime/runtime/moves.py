@@ -138,11 +138,23 @@ class Moves(Residency):
             return
         internal_assert(s.status == HOST and s.host is not None and s.host_valid,
                          f"runtime: storage {s.sid} is {s.status} without a valid host copy")
+        what = f"{where or 'an access'} (fetching a {format_bytes(s.nbytes)} {s.kind} back)"
         if budgeted:
-            self.make_room(s.nbytes, (exclude or set()) | {s.sid},
-                            f"{where or 'an access'} (fetching a {format_bytes(s.nbytes)} {s.kind} back)")
+            self.make_room(s.nbytes, (exclude or set()) | {s.sid}, what)
         t0 = time.perf_counter()
-        self._start_fetch(s, st)
+        try:
+            self._start_fetch(s, st)
+        except torch.OutOfMemoryError as exc:
+            if not self._in_step:
+                raise
+            # the allocator's count is not the manager's (oom.py): room, then once more; a failed
+            # allocation changed nothing, so the fetch starts again from where it was
+            self._room_after_oom(str(exc), (exclude or set()) | {s.sid}, what, s.nbytes)
+            try:
+                self._start_fetch(s, st)
+            except torch.OutOfMemoryError as again:
+                self._oom_retry_failed(str(again), what)
+                raise
         self._finish_fetch(s, st)
         self._cur.prefetch_misses += 1
         self._cur.bytes_fetched_on_demand += s.nbytes

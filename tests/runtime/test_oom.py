@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dynn_runtime.errors import BudgetError
+from dynn_runtime.runtime.copies import SyncCopies
 from dynn_runtime.runtime.events import native_module
 from dynn_runtime.runtime.manager import MemoryManager
 from dynn_runtime.runtime.oom import oom_request
@@ -206,3 +207,48 @@ def test_the_request_is_read_from_the_allocators_message():
     assert oom_request("Tried to allocate 512 bytes.") == 512
     assert oom_request("Tried to allocate 1.50 GiB.") == 3 << 29
     assert oom_request("out of memory") is None
+
+
+def _failing_allocations(monkeypatch) -> list[int]:
+    """The CPU copy engine's allocation for a fetch raises the allocator's OOM while ``left[0] > 0``."""
+    real = SyncCopies.allocate
+    left = [0]
+
+    def allocate(self, st, nbytes):
+        if left[0] > 0:
+            left[0] -= 1
+            raise torch.OutOfMemoryError(f"out of memory (injected). Tried to allocate {nbytes} bytes.")
+        return real(self, st, nbytes)
+
+    monkeypatch.setattr(SyncCopies, "allocate", allocate)
+    return left
+
+
+@pytest.mark.parametrize("events", [e for e in ("python", "native") if e == "python" or _native is not None])
+def test_a_demand_fetch_that_runs_out_is_retried_after_room_is_made(events, monkeypatch):
+    left = _failing_allocations(monkeypatch)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    with _mm(events, model, None) as mm:
+        with mm.step():
+            h = model(torch.randn(64, 256))
+            want = h.detach().clone()
+            assert mm.offload(h) > 0
+            left[0] = 1
+            got = h.detach() + 0.0  # brings h back: its allocation runs out once
+            assert left[0] == 0 and torch.equal(got, want)
+        st = mm.steps[-1]
+        assert st.oom_retries == 1 and st.evictions >= 2, "the offload, and room for the failed request"
+
+
+def test_a_demand_fetch_that_runs_out_twice_is_a_budget_error(monkeypatch):
+    """(Python source: on the native one a fetch is made in the fault handler, whose error is kept.)"""
+    left = _failing_allocations(monkeypatch)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    with _mm("python", model, None) as mm:
+        with pytest.raises(BudgetError, match=r"\(fetching a 64.0 KiB \w+ back\) ran out of device memory") as info, mm.step():
+            h = model(torch.randn(64, 256))
+            assert mm.offload(h) > 0
+            left[0] = 2
+            h.detach() + 0.0
+        assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+        assert mm.steps[-1].oom_retries == 1
