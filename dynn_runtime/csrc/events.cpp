@@ -21,7 +21,8 @@
 //   2. `used` = bytes of tracked, alive storages that are not away. Python changes "away" only
 //      through set_away(), which moves `used` with it.
 //   3. A Python handler's exception is kept and re-raised by take_error() at the next Python-side
-//      check, never thrown through the operator (a kernel's own exceptions propagate unchanged).
+//      check, never thrown through the operator (a kernel's own exceptions propagate unchanged, but
+//      for the one retry of an out-of-memory error, invariant 11).
 //   4. Python handlers, and the manager's own tensor work between suspend() and resume(), run with
 //      the key excluded on this thread, so the manager's own copies and resizes are not observed.
 //   5. A storage with a copy in flight (`watch`) faults like an away one: the manager cancels the
