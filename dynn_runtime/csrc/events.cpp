@@ -21,7 +21,8 @@
 //   2. `used` = bytes of tracked, alive storages that are not away. Python changes "away" only
 //      through set_away(), which moves `used` with it.
 //   3. A Python handler's exception is kept and re-raised by take_error() at the next Python-side
-//      check, never thrown through the operator (a kernel's own exceptions propagate unchanged).
+//      check, never thrown through the operator (a kernel's own exceptions propagate unchanged, but
+//      for the one retry of an out-of-memory error, invariant 11).
 //   4. Python handlers, and the manager's own tensor work between suspend() and resume(), run with
 //      the key excluded on this thread, so the manager's own copies and resizes are not observed.
 //   5. A storage with a copy in flight (`watch`) faults like an away one: the manager cancels the
@@ -46,6 +47,16 @@
 //  10. A wrapped number (a Python scalar an operator's binding made a tensor of) is never tracked: no
 //      entry, no log record, no fault. Nothing but that operator's argument holds it, so it can be
 //      neither away nor read by a later kernel.
+//  11. In a step, an operator whose kernel throws c10::OutOfMemoryError (the caching allocator ran
+//      out) is retried once when it writes none of its arguments and takes no Generator: its failed
+//      attempt changed nothing the program can see, so running it again cannot apply anything twice
+//      or draw other random numbers. Between the attempts the OOM handler makes room (it evicts what
+//      the operator does not read, waits for the copies and empties the allocator's cache). The
+//      operator is seen, faulted and logged once, as if it had run once. The boxed path keeps a copy
+//      of the arguments for the retry (unboxing moves lists and optional tensors out of the stack);
+//      the unboxed path's arguments are its own and stay intact. Any other operator's OOM, a second
+//      OOM, and an OOM whose handler raised propagate unchanged (the handler's error is kept, as in
+//      invariant 3).
 
 #include <ATen/ATen.h>
 #include <ATen/Operators.h>
@@ -90,6 +101,7 @@ struct OpInfo {
   bool skip = false;         // composite-implicit, or ignored (detach, lift_fresh)
   std::vector<int> writes;   // schema argument indices written in place
   int stream_arg = -1;       // a Stream argument (record_stream): the stream the operator uses the inputs on
+  bool retry = false;        // an out-of-memory error may be retried (invariant 11): no writes, no Generator
 };
 
 struct Entry {
@@ -127,6 +139,7 @@ thread_local bool tls_suspend_excluded = false;  // the key's excluded state the
 // One operator's storage ids, from before() to after(). The observer keeps one per nesting depth
 // and reuses it, so that an operator costs no heap allocation once the buffers have grown.
 struct Ctx {
+  std::vector<c10::IValue> args;  // the boxed path's arguments, while a retry may need them (invariant 11)
   std::vector<int64_t> ins;
   std::vector<Entry*> in_entries;  // the entries of `ins`, in order
   std::vector<int64_t> writes;
@@ -134,6 +147,7 @@ struct Ctx {
   std::vector<int64_t> outs;
   std::vector<int64_t> allocs;
   void clear() {
+    args.clear();
     ins.clear();
     in_entries.clear();
     writes.clear();
@@ -280,7 +294,7 @@ class Observer {
   }
 
   // ---- life cycle ---------------------------------------------------------------------------
-  void start(py::object on_fault, py::object on_decide) {
+  void start(py::object on_fault, py::object on_decide, py::object on_oom) {
     TORCH_CHECK(!started_, "dynn: the event observer is already started");
     const std::string& problem = registrations().problem;
     TORCH_CHECK(problem.empty(), "dynn: the native event source cannot start: ", problem);
@@ -289,6 +303,7 @@ class Observer {
                 "dynn: another memory manager's native event source is active in this process; detach it first");
     on_fault_ = std::move(on_fault);
     on_decide_ = std::move(on_decide);
+    on_oom_ = std::move(on_oom);
     covered::take_released(released_);  // left by an earlier observer
     covered::listen(true);
     was_included_ = c10::impl::tls_is_dispatch_key_included(kKey);
@@ -314,6 +329,7 @@ class Observer {
     py::gil_scoped_acquire gil;
     on_fault_ = py::none();
     on_decide_ = py::none();
+    on_oom_ = py::none();
   }
 
   // ---- configuration ------------------------------------------------------------------------
@@ -611,13 +627,18 @@ class Observer {
     if (it != ops_.end()) return it->second;
     OpInfo inf;
     inf.skip = skipped(op);
+    bool random = false;  // takes a Generator: a failed attempt may have drawn from it
     const auto& args = op.schema().arguments();
     for (size_t i = 0; i < args.size(); ++i) {
       const auto* a = args[i].alias_info();
       if (a != nullptr && a->isWrite()) inf.writes.push_back(static_cast<int>(i));
       if (inf.stream_arg < 0 && args[i].type()->kind() == c10::TypeKind::StreamObjType)
         inf.stream_arg = static_cast<int>(i);
+      c10::TypePtr t = args[i].type();
+      if (auto opt = t->cast<c10::OptionalType>()) t = opt->getElementType();
+      if (t->kind() == c10::TypeKind::GeneratorType) random = true;
     }
+    inf.retry = inf.writes.empty() && !random;
     if (!inf.skip) {
       std::string name = op.schema().name();
       const std::string& overload = op.schema().overload_name();
@@ -654,18 +675,46 @@ class Observer {
   }
 
   // Calls a Python handler with the key excluded (invariant 4); `make_args` builds its arguments once the GIL
-  // is held (the operator's binding released it). An exception is kept (invariant 3).
+  // is held (the operator's binding released it). An exception is kept (invariant 3). Returns false
+  // where there is no handler, it raised, or it returned False.
   template <typename MakeArgs>
-  void call(py::object& handler, MakeArgs&& make_args) {
+  bool call(py::object& handler, MakeArgs&& make_args) {
     c10::impl::ExcludeDispatchKeyGuard off(kKey);
     py::gil_scoped_acquire gil;
-    if (handler.is_none()) return;
+    if (handler.is_none()) return false;
     try {
       py::tuple args = make_args();
-      handler(*args);
+      return handler(*args).ptr() != Py_False;
     } catch (py::error_already_set& e) {
       if (!error_) error_ = std::make_unique<py::error_already_set>(std::move(e));
+      return false;
     }
+  }
+
+  // An operator's kernel ran out of device memory (`e`, being handled; invariant 11). Called from
+  // the catch clause around the kernel, which is all the operator's path carries: a try/catch costs
+  // nothing until something is thrown, and everything here, the retry's kernel (built in the catch
+  // clause) included, is out of line. Where the operator may be retried in this step, the OOM
+  // handler makes room, `again()` gives the kernel its arguments back (false: it cannot) and
+  // `kernel` runs once more. Otherwise `e` propagates; a second OOM is told to the handler and propagates.
+  template <class Kernel, class Again>
+  C10_NOINLINE decltype(auto) after_oom(const OpInfo& inf, const c10::OutOfMemoryError& e, const char* name,
+                                        const Ctx& ctx, Kernel&& kernel, Again&& again) {
+    if (!(inf.retry && in_step_) || !on_oom(e, name, ctx, false) || !again()) throw;  // rethrows `e`
+    try {
+      return kernel();
+    } catch (const c10::OutOfMemoryError& twice) {
+      on_oom(twice, name, ctx, true);
+      throw;
+    }
+  }
+
+  // The OOM handler: (message, the operator's input sids, its name, whether the retry failed too);
+  // it returns whether to retry. The host may wait in it: this is the OOM path, not the hot path.
+  bool on_oom(const c10::OutOfMemoryError& e, const char* name, const Ctx& ctx, bool failed) {
+    return call(on_oom_, [&] {
+      return py::make_tuple(py::str(e.what_without_backtrace()), py::cast(ctx.ins), py::str(name), failed);
+    });
   }
 
   // ---- the operator -------------------------------------------------------------------------
@@ -694,10 +743,21 @@ class Observer {
       const c10::IValue& v = (*stack)[first + inf.stream_arg];
       if (v.isStream() && v.toStream().device_type() == device_type_) on = v.toStream().id();
     }
-    before_kernel(op.schema().name().c_str(), ctx, on);
-    {
-      c10::impl::ExcludeDispatchKeyGuard inside(kKey);
-      op.redispatchBoxed(below, stack);
+    const char* name = op.schema().name().c_str();
+    before_kernel(name, ctx, on);
+    if (inf.retry && in_step_) ctx.args.assign(stack->begin() + first, stack->end());  // invariant 11
+    DropArgs drop{ctx};
+    try {
+      redispatch_boxed(op, below, stack);
+    } catch (const c10::OutOfMemoryError& e) {
+      after_oom(
+          inf, e, name, ctx, [&, below] { redispatch_boxed(op, below, stack); },
+          [&] {  // the failed attempt may have moved arguments out of the stack, or dropped them
+            if (ctx.args.size() != n || stack->size() < first) return false;
+            stack->resize(first);
+            stack->insert(stack->end(), ctx.args.begin(), ctx.args.end());
+            return true;
+          });
     }
     const int64_t j = begin_outputs();
     const int64_t stream = current_stream();
@@ -712,8 +772,10 @@ class Observer {
   // dispatch(), on the typed arguments, so that PyTorch neither boxes them nor unboxes them again
   // for the kernel. Argument i of the C++ signature is argument i of the schema (the dispatcher's
   // calling convention), so the schema's written indices apply as they are.
+  // Inlined into its Unboxed<Op>::call, whatever the compiler's size heuristics say: one call less
+  // per operator.
   template <class Op, class Ret, class... Args>
-  Ret dispatch_unboxed(const c10::OperatorHandle& op, c10::DispatchKeySet below, Args... args) {
+  C10_ALWAYS_INLINE Ret dispatch_unboxed(const c10::OperatorHandle& op, c10::DispatchKeySet below, Args... args) {
     OpInfo& inf = info(op);
     if (inf.skip) return Op::redispatch(below, args...);
     Ctx& ctx = enter();
@@ -727,17 +789,23 @@ class Observer {
     };
     (in(args), ...);
     before_kernel(Op::name, ctx, current_stream());
-    if constexpr (std::is_void_v<Ret>) {
-      {
-        c10::impl::ExcludeDispatchKeyGuard inside(kKey);
-        Op::redispatch(below, args...);
+    // the kernel; after an out-of-memory error, once more on the same arguments: they are this
+    // function's own, so the failed attempt left them as they were (`below` is copied into the
+    // retry, so that the operator's path keeps it in a register)
+    auto run = [&]() -> Ret {
+      try {
+        return redispatch_unboxed<Op, Ret>(below, args...);
+      } catch (const c10::OutOfMemoryError& e) {
+        return after_oom(
+            inf, e, Op::name, ctx, [&, below]() -> Ret { return redispatch_unboxed<Op, Ret>(below, args...); },
+            [] { return true; });
       }
+    };
+    if constexpr (std::is_void_v<Ret>) {
+      run();
       finish(inf, begin_outputs(), 0, ctx);
     } else {
-      Ret out = [&]() -> Ret {
-        c10::impl::ExcludeDispatchKeyGuard inside(kKey);
-        return Op::redispatch(below, args...);
-      }();
+      Ret out = run();
       const int64_t j = begin_outputs();
       const int64_t stream = current_stream();
       int64_t made = 0;
@@ -748,9 +816,26 @@ class Observer {
   }
 
  private:
+  // The kernel below the key, with the key excluded while it runs.
+  static void redispatch_boxed(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack) {
+    c10::impl::ExcludeDispatchKeyGuard inside(kKey);
+    op.redispatchBoxed(below, stack);
+  }
+  template <class Op, class Ret, class... Args>
+  static Ret redispatch_unboxed(c10::DispatchKeySet below, Args&... args) {
+    c10::impl::ExcludeDispatchKeyGuard inside(kKey);
+    return Op::redispatch(below, args...);
+  }
+
   struct Leave {
     size_t& depth;
     ~Leave() { --depth; }
+  };
+  // The boxed path's copy of the arguments goes once the kernel has run or failed: it must not keep
+  // the program's tensors alive.
+  struct DropArgs {
+    Ctx& ctx;
+    ~DropArgs() { ctx.args.clear(); }
   };
 
   Ctx& enter() {
@@ -789,7 +874,7 @@ class Observer {
   }
 
   // After the kernel: releases reported while it ran are acted on first; returns the operator's position.
-  int64_t begin_outputs() {
+  C10_ALWAYS_INLINE int64_t begin_outputs() {
     drain();
     return position_++;
   }
@@ -884,6 +969,7 @@ class Observer {
   bool was_included_ = false;  // the key's included state on the starting thread before start()
   py::object on_fault_ = py::none();
   py::object on_decide_ = py::none();
+  py::object on_oom_ = py::none();
   std::unique_ptr<py::error_already_set> error_;
 
   Pool<Entry> entries_;
@@ -1041,16 +1127,80 @@ void register_unboxed(torch::Library& lib) {
   register_one<at::_ops::multinomial>(lib);
 }
 
+// ---- test-only operators ------------------------------------------------------------------------
+// There is no out-of-memory error on the CPU, so the tests inject one: arm_test_oom(n) makes the
+// next n calls of dynn_test::oom, dynn_test::oom_unboxed and dynn_test::oom_ (in place) throw
+// c10::OutOfMemoryError, as the caching allocator does, before they compute. oom reaches the
+// observer's boxed fallback, oom_unboxed an unboxed kernel of its own at the key (Unboxed<>, as the
+// aten operators of register_unboxed). The operators are registered by the first arm_test_oom()
+// call, so a process that never arms one has no such operator.
+std::atomic<int64_t> g_test_ooms{0};
+
+void test_oom_check(const char* name, const at::Tensor& x) {
+  if (!x.is_meta() && g_test_ooms.load() > 0) {  // a meta run (the Python source's size estimate) computes nothing
+    --g_test_ooms;
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "dynn_test::", name,
+                     ": out of memory (injected by arm_test_oom). Tried to allocate 1.00 MiB.");
+  }
+}
+
+// Every argument changes the result: a retry that lost one (moved out of the stack) computes another.
+at::Tensor test_oom(const at::Tensor& x, const std::optional<at::Tensor>& y, at::IntArrayRef dims) {
+  test_oom_check("oom", x);
+  at::Tensor r = y.has_value() ? x + *y : x * 2;
+  return dims.empty() ? r : r.sum(dims);
+}
+
+at::Tensor& test_oom_(at::Tensor& x) {
+  test_oom_check("oom_", x);
+  return x.mul_(2);
+}
+
+// dynn_test::oom_unboxed as the at::_ops structs describe an operator (what Unboxed<> reads).
+struct TestOomUnboxed {
+  using schema = at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, at::IntArrayRef);
+  static constexpr const char* name = "dynn_test::oom_unboxed";
+  static constexpr const char* overload_name = "";
+  static at::Tensor redispatch(c10::DispatchKeySet ks, const at::Tensor& x, const std::optional<at::Tensor>& y,
+                               at::IntArrayRef dims) {
+    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, overload_name).typed<schema>();
+    return op.redispatch(ks, x, y, dims);
+  }
+};
+
+void arm_test_oom(int64_t n) {
+  static torch::Library* lib = [] {
+    auto* l = new torch::Library(torch::Library::DEF, "dynn_test", std::nullopt, __FILE__, __LINE__);
+    l->def("oom(Tensor x, Tensor? y=None, int[] dims=[]) -> Tensor");
+    l->def("oom_(Tensor(a!) x) -> Tensor(a!)");
+    l->def("oom_unboxed(Tensor x, Tensor? y=None, int[] dims=[]) -> Tensor");
+    l->impl("oom", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(test_oom)));
+    l->impl("oom_", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(test_oom_)));
+    l->impl("oom_unboxed", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(test_oom)));
+    return l;
+  }();
+  static torch::Library* at_key = [] {
+    auto* l = new torch::Library(torch::Library::IMPL, "dynn_test", kKey, __FILE__, __LINE__);
+    register_one<TestOomUnboxed>(*l);
+    return l;
+  }();
+  (void)lib;
+  (void)at_key;
+  g_test_ooms = n;
+}
+
 }  // namespace
 }  // namespace dynn
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 4;
+  m.attr("ABI") = 5;
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
   m.attr("LOG_FREE") = dynn::kFree;
   m.def("problem", &dynn::key_problem, "why the native event source cannot start in this process, or ''");
+  m.def("arm_test_oom", &dynn::arm_test_oom, py::arg("n"),
+        "tests: the next n calls of dynn_test::oom and dynn_test::oom_ throw c10::OutOfMemoryError");
   m.def(
       "key_state",
       [] {
@@ -1061,7 +1211,7 @@ PYBIND11_MODULE(_C, m) {
   using dynn::Observer;
   py::class_<Observer>(m, "Observer")
       .def(py::init<const std::string&, int64_t>(), py::arg("device_type"), py::arg("device_index") = -1)
-      .def("start", &Observer::start)
+      .def("start", &Observer::start, py::arg("on_fault"), py::arg("on_decide"), py::arg("on_oom") = py::none())
       .def("stop", &Observer::stop)
       .def("set_budget", &Observer::set_budget)
       .def("set_decide_every", &Observer::set_decide_every)

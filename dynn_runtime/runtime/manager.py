@@ -76,6 +76,7 @@ from .hostpool import HostPool
 from .lists import ListSplitter
 from .moves import Moves
 from .native_source import NativeSource
+from .oom import OutOfMemory
 from .oracle import OracleAlignment
 from .providers import HOOK_CHOICES, ProviderClient, select_provider
 from .python_source import PythonSource, _Mode, _unpack
@@ -88,8 +89,8 @@ __all__ = ["MemoryManager", "StepStats", "checkpoint_modules", "repeated_blocks"
 RESIDENT = Status.RESIDENT
 
 
-class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, OracleAlignment, StorageTable, Moves,
-                    Budget, ProviderClient):
+class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, OutOfMemory, OracleAlignment,
+                    StorageTable, Moves, Budget, ProviderClient):
     """Keep a training loop's device memory within ``budget`` by moving tensors as ``policy`` says.
 
     ``budget``: bytes (int), a size string (``"6GiB"``), or a float in (0, 1]: that fraction of the
@@ -284,6 +285,8 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._oracle_warned = False
         self._largest_op: tuple[int, str] = (0, "")
         self._budget_problem = ""
+        self._oom_evicted = 0  # bytes the last room after an out-of-memory error evicted (oom.py)
+        self._oom_failed: tuple = ()  # (where, the error's first line, bytes evicted): a retry ran out too
         self._in_dispatch = False
         self._checkpointed: list[nn.Module] = []
         self._peak_pos = 0
@@ -383,7 +386,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
             if self._modules is not None:
                 self._modules.on_module = self._obs.set_module
             try:
-                self._obs.start(self._native_fault, self._native_decide)
+                self._obs.start(self._native_fault, self._native_decide, self._native_oom)
             except RuntimeError as exc:
                 self._attached = True
                 self.detach()

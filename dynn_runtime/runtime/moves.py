@@ -138,11 +138,26 @@ class Moves(Residency):
             return
         internal_assert(s.status == HOST and s.host is not None and s.host_valid,
                          f"runtime: storage {s.sid} is {s.status} without a valid host copy")
-        if budgeted and not self.fits(s.nbytes):  # (the message is built only then: this runs per fetch)
-            self.make_room(s.nbytes, (exclude or set()) | {s.sid},
-                           f"{where or 'an access'} (fetching a {format_bytes(s.nbytes)} {s.kind} back)")
+
+        def what() -> str:  # built only where it is said: this runs per fetch
+            return f"{where or 'an access'} (fetching a {format_bytes(s.nbytes)} {s.kind} back)"
+
+        if budgeted and not self.fits(s.nbytes):
+            self.make_room(s.nbytes, (exclude or set()) | {s.sid}, what())
         t0 = time.perf_counter()
-        self._start_fetch(s, st)
+        try:
+            self._start_fetch(s, st)
+        except torch.OutOfMemoryError as exc:
+            if not self._in_step:
+                raise
+            # the allocator's count is not the manager's (oom.py): room, then once more; a failed
+            # allocation changed nothing, so the fetch starts again from where it was
+            self._room_after_oom(str(exc), (exclude or set()) | {s.sid}, what(), s.nbytes)
+            try:
+                self._start_fetch(s, st)
+            except torch.OutOfMemoryError as again:
+                self._oom_retry_failed(str(again), what())
+                raise
         self._finish_fetch(s, st)
         self._cur.prefetch_misses += 1
         self._cur.bytes_fetched_on_demand += s.nbytes

@@ -1,8 +1,9 @@
 """The native event source's Python side: what runs at its decision points.
 
 ``dynn_runtime._C``'s observer (``events.cpp``) calls :meth:`NativeSource._native_fault` when an
-operator is about to read a storage that is away or in flight, and :meth:`NativeSource._native_decide`
-when the budget is exceeded after an operator or on the policy's periodic turn. Both keep an error
+operator is about to read a storage that is away or in flight, :meth:`NativeSource._native_decide`
+when the budget is exceeded after an operator or on the policy's periodic turn, and
+:meth:`NativeSource._native_oom` when an operator's kernel ran out of device memory. They keep an error
 instead of raising it through the C++ frames; it surfaces at the next forward or at the end of the
 step. The operator log is read in batches (:meth:`NativeSource._native_parse`) and told to the policy
 in log order: births and deaths between operators, and each operator in one
@@ -73,6 +74,29 @@ class NativeSource:
                 self._fold_live_peak()
         except BaseException as exc:  # noqa: BLE001
             self._keep_error(exc)
+
+    def _native_oom(self, message: str, ins: list[int], name: str, failed: bool) -> bool:
+        """The kernel of operator ``name``, reading ``ins``, ran out of device memory (``message``):
+        make room and return whether to run it again (events.cpp, invariant 11). ``failed``: the
+        retry ran out too; the error propagates from the operator."""
+        try:
+            where = f"operator {name} (position {self._obs.position}, {self.phase})"
+            if failed:
+                self._oom_retry_failed(message, where)
+                return False
+            if not self._in_step:
+                return False
+            if self._measuring:
+                self._fold_live_peak()
+            if not self._measure_step:
+                self._native_parse(in_step=True)  # the policy's view must be current before it picks victims
+            self._room_after_oom(message, set(ins), where, self._obs.max_made)
+            if self._measuring:
+                self._fold_live_peak()
+            return True
+        except BaseException as exc:  # noqa: BLE001  (kept; the operator's OOM propagates)
+            self._keep_error(exc)
+            return False
 
     def _keep_error(self, exc: BaseException) -> None:
         """A handler's error, without its traceback: the frames of the operator's caller would keep

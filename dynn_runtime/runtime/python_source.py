@@ -24,6 +24,7 @@ from ..memory import format_bytes
 from ..residency import Status
 from ..trace.format import Op
 from ..trace.recorder import IGNORED_OPS
+from .oom import retryable
 from .storages import _storage_key
 
 RESIDENT = Status.RESIDENT
@@ -201,7 +202,17 @@ class PythonSource:
                 self._cur.prefetch_hits += 1
         if est and not self._measure_step:
             self.make_room(est, need, where)
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            if not retryable(func):  # an in-place or out= operator may have written part of its result
+                raise
+            self._room_after_oom(str(exc), need, where, est)
+            try:  # once more (oom.py); a second OOM propagates with the first as its context
+                out = func(*args, **kwargs)
+            except torch.OutOfMemoryError as again:
+                self._oom_retry_failed(str(again), where)
+                raise
         node = self._nodes()
         if self._dead:
             self._drain()

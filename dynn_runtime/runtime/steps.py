@@ -66,11 +66,14 @@ class StepStats:
     """Times the host waited for the GPU inside the step (a copy event, a pinned buffer still in a
     copy); the one synchronization that closes a step is not counted."""
     managed: bool = True
+    oom_retries: int = 0
+    """Operators retried after the caching allocator ran out inside them, once room was made
+    (runtime/oom.py)."""
 
     def add(self, other: StepStats) -> None:
         for k in ("ops", "bytes_offloaded", "bytes_prefetched", "bytes_fetched_on_demand", "evictions",
                   "stall_seconds", "copy_seconds", "policy_seconds", "recomputed_ops", "prefetch_hits",
-                  "prefetch_misses", "wall_seconds", "decision_points", "host_syncs"):
+                  "prefetch_misses", "wall_seconds", "decision_points", "host_syncs", "oom_retries"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.peak_device_bytes = max(self.peak_device_bytes, other.peak_device_bytes)
         if other.budget_overshoot_bytes > self.budget_overshoot_bytes:
@@ -109,7 +112,10 @@ class Steps:
             ok = True
         except torch.OutOfMemoryError as exc:
             if not measuring:
-                raise
+                error = self._oom_error()  # a retry ran out too: say what to change
+                if error is None:
+                    raise
+                raise error from exc
             raise BudgetError(
                 f"runtime: a fractional budget ({self._budget_spec!r}) measures the peak in the first step, run "
                 + ("unmanaged" if first_budget is None else f"under the device's free memory ({format_bytes(first_budget)})")
@@ -167,6 +173,7 @@ class Steps:
             self._native_parse(in_step=False, light=True)  # between steps: the program's work, not the step's
             self._forget_pending()
         self._cur = StepStats(step=self._step_index)
+        self._oom_failed = ()
         self._measuring = self.budget is None  # a fractional budget: this step measures the peak
         if self._measuring:
             self.budget = self._first_step_budget()

@@ -69,6 +69,40 @@ def test_training_under_a_hard_cap_is_bit_identical(family, fraction, events, mo
     assert not differ, f"{len(differ)} tensors differ from PyTorch alone, e.g. {differ[:3]}"
     assert r.losses == base.losses
     assert st["hard_cap_bytes"] == cap and st["budget_bytes"] < cap
+    # operators the allocator ran out in were retried after room was made (runtime/oom.py), and counted
+    assert st["oom_retries"] == sum(s["oom_retries"] for s in st["per_step"] if s["managed"])
+
+
+@pytest.mark.parametrize("events", _sources())
+def test_an_operator_the_capped_allocator_cannot_fit_is_retried_after_room_is_made(events, monkeypatch):
+    """Under a hard cap of 64 MiB, with memory the manager does not see (a 16 MiB block allocated
+    with the manager's own work suspended, as a workspace or a partly used segment would be), an
+    8 MiB operator fits the manager's count but not the allocator's: it needs a new 20 MiB segment.
+    The operator's OOM is caught, the two least recently used 4 MiB tensors (adjacent in their
+    segment) are evicted, and the retry fits in the hole they leave; every value is as computed."""
+    monkeypatch.setenv("DYNN_EVENTS", events)
+    from dynn_runtime.runtime.events import no_mode
+
+    torch.cuda.empty_cache()
+    mib = 1 << 20
+    model = torch.nn.Linear(8, 8).cuda()
+    with MemoryManager(budget=64 * mib, policy="lru", device="cuda", hard_cap=True).attach(model) as mm:
+        assert mm.event_source == events
+        allowed = mm.cap_bytes + mm._outside0  # the allocator's limit (budget.py: _apply_hard_cap)
+        with mm.step():
+            xs = [torch.full((mib,), float(i), device="cuda") for i in range(9)]  # 4 MiB each: 36 MiB
+            with no_mode():
+                hidden = torch.empty(16 * mib, dtype=torch.uint8, device="cuda")
+            assert mm.used + 8 * mib <= mm.budget, "the manager's count says the next operator fits"
+            assert torch.cuda.memory_reserved() + 20 * mib > allowed, "the allocator has no room for a new segment"
+            y = torch.full((2 * mib,), 1.0, device="cuda")  # 8 MiB: runs out, is retried
+            assert mm._cur.oom_retries == 1 and mm._cur.evictions >= 2
+            del hidden
+            assert y.sum().item() == 2 * mib
+            assert [x[0].item() for x in xs] == [float(i) for i in range(9)]
+            assert all(bool((x == x[0]).all()) for x in xs)
+            del xs, y
+        assert mm.steps[-1].oom_retries == 1 and mm.stats()["oom_retries"] == 1
 
 
 def test_copies_run_on_side_streams_and_the_host_rarely_waits():

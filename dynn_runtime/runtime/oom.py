@@ -1,0 +1,99 @@
+"""When the caching allocator runs out inside an operator: room is made and the operator retried once.
+
+The manager's count of device bytes is not the allocator's: an evicted block is released
+stream-ordered (copies.py), so the allocator keeps it until its copy has read it, and blocks are cut
+from segments that one live block keeps reserved. Under a hard cap, or on a full device, an
+operator can therefore run out (``torch.OutOfMemoryError``) while the manager's count says it fits.
+Both event sources catch that at the operator (the Python source in ``_dispatch``, the native one
+in ``events.cpp``, invariant 11) for an operator that writes none of its arguments and takes no
+``Generator`` (its failed attempt changed nothing the program sees), in a step. Room is made
+(:meth:`OutOfMemory._room_after_oom`): what the operator does not read is evicted, enough for the
+failed request plus what is in use over the budget; then the copies are waited for, so that the
+evicted blocks are free, and the allocator's cached blocks are given back, so that the retry can
+cut a new segment. The operator then runs once more; if it runs out again, the error propagates
+and the step turns it into a :class:`~dynn_runtime.errors.BudgetError` that says what to change
+(:meth:`OutOfMemory._oom_error`). Retries are counted in ``StepStats.oom_retries``.
+
+State: ``_oom_evicted``, ``_oom_failed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Any
+
+import torch
+
+from ..errors import BudgetError
+from ..memory import format_bytes
+
+__all__ = ["OutOfMemory", "oom_request", "retryable"]
+
+_REQUEST = re.compile(r"Tried to allocate ([0-9.]+) (bytes|KiB|MiB|GiB)")
+_UNITS = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def oom_request(message: str) -> int | None:
+    """The bytes the failed allocation asked for, from the caching allocator's message; None where
+    the message does not say."""
+    m = _REQUEST.search(message)
+    return None if m is None else int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def retryable(func: Any) -> bool:
+    """Whether an out-of-memory error of operator ``func`` may be retried: it writes none of its
+    arguments (in place, out=) and draws from no ``Generator`` argument (events.cpp, invariant 11)."""
+    for a in func._schema.arguments:
+        if a.alias_info is not None and a.alias_info.is_write:
+            return False
+        if "Generator" in str(a.type):
+            return False
+    return True
+
+
+class OutOfMemory:
+    """Room after an operator ran out of device memory, and the step's error when its retry did too."""
+
+    def _room_after_oom(self, message: str, exclude: set[int], where: str, fallback: int) -> None:
+        """Operator ``where`` ran out of device memory (``message``, the allocator's); it reads
+        ``exclude``. Evicts enough for the failed request (``fallback`` bytes where the message does not
+        say) plus what is in use over the budget, waits for the copies (the evicted blocks are then
+        free) and empties the allocator's cache. The host waits here: this is not the hot path."""
+        self._cur.oom_retries += 1
+        request = oom_request(message) or fallback
+        before = self.used
+        if not self._measure_step and self.budget is not None:
+            with contextlib.suppress(BudgetError):  # whatever moved is room; the retry decides
+                self.make_room(request + max(0, self.budget - before), exclude,
+                               f"{where}, after it ran out of device memory")
+        self._sync()
+        if self.cuda:
+            torch.cuda.empty_cache()
+        self._oom_evicted = max(0, before - self.used)
+
+    def _oom_retry_failed(self, message: str, where: str) -> None:
+        """The retry of ``where`` ran out again: the step's error says so (:meth:`_oom_error`)."""
+        if not self._oom_failed:
+            self._oom_failed = (where, message.strip().splitlines()[0] if message.strip() else "", self._oom_evicted)
+
+    def _oom_error(self) -> BudgetError | None:
+        """The step's error for an out-of-memory error that a retry did not cure, or None where the
+        manager did not retry it (it propagates unchanged)."""
+        if not self._oom_failed:
+            return None
+        where, first, evicted = self._oom_failed
+        self._oom_failed = ()
+        said = f" ({first})" if first else ""
+        if self.cap_bytes is not None:
+            advice = (f"The hard cap ({format_bytes(self.cap_bytes)}) leaves the caching allocator too little beyond "
+                      f"the managed storages' budget ({format_bytes(self.budget or 0)}): raise the cap (a larger "
+                      "budget, in bytes or as a larger fraction), or drop hard_cap=True")
+        else:
+            advice = ("The device itself is full: lower the budget (or its fraction) so that what the manager "
+                      "keeps resident leaves room for what it does not manage")
+        return BudgetError(
+            f"runtime: {where} ran out of device memory{said}, and again when retried after the manager made "
+            f"room for it ({format_bytes(evicted)} evicted, the copies waited for, the allocator's cache emptied). "
+            f"{advice}; or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, so that partly used segments "
+            "strand less of it.")
