@@ -163,6 +163,8 @@ class LRUPolicy(Policy):
         return True
 
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
+        if self.view is None:  # not attached yet (the Python source tracks parameters first): told nothing
+            return iter(())
         return self._recency.walk(self.view.status, exclude)
 
 
