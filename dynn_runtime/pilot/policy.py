@@ -561,22 +561,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                 na = len(allocs)
                 run += (_BATCH_OP, position, ph, ph, iv, ivk, na, len(accessed), len(acc), ph)
                 if allocs:
-                    n_prev = len(prev_allocs)
-                    top = -1
-                    for i, sid in enumerate(allocs):
-                        s = slot.get(sid)
-                        if s is None:  # FeatureState._new_slot; the kernel marks the slot active and writes its sid
-                            if not free:
-                                state._grow(state._cap * 2)  # extends the same free list
-                            s = slot[sid] = free.pop()
-                        if s > top:
-                            top = s
-                        nb = nbytes_of(sid)
-                        run += (s, sid, _KIND_IDX.get(kind_of(sid), _TEMP), 1 if saved_of(sid) else 0, nb,
-                                prev_idx.get(sid, -1), prev_idx.get(prev_allocs[i], -1) if i < n_prev else -2,
-                                small.alloc(sid, nb) if fraction else small.small(sid))
-                    if top >= len(self._skip):
-                        self._grow_due()
+                    self._pack_allocs(run, allocs, prev_allocs, prev_idx)
                 told: list[int] = []
                 if fraction:  # SmallStorages.access, inlined (as in _operator_native)
                     sizes, smalls, thr = small._bytes, small._small, small.fraction * small._peak
@@ -741,6 +726,31 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         marks.clear()
         freed.clear()
 
+    def _pack_allocs(self, words: list[int], allocs: Sequence[int], prev_allocs: Sequence[int],
+                     prev_idx: dict[int, int]) -> None:
+        """Append an operator's allocations to the kernel's words, eight per storage (slot, sid, kind,
+        saved, bytes, its and its match's index in the previous iteration, small), the same for one
+        operator's call and a run's record. A storage without a slot takes one here
+        (FeatureState._new_slot; the kernel marks the slot active and writes its sid)."""
+        state, view, small, fraction = self._state, self.view, self._small, self.small_fraction
+        slot, free = state._slot, state._free
+        n_prev = len(prev_allocs)
+        top = -1
+        for i, sid in enumerate(allocs):
+            s = slot.get(sid)
+            if s is None:
+                if not free:
+                    state._grow(state._cap * 2)  # extends the same free list
+                s = slot[sid] = free.pop()
+            if s > top:
+                top = s
+            nb = view.nbytes(sid)
+            words += (s, sid, _KIND_IDX.get(view.kind(sid), _TEMP), 1 if view.saved(sid) else 0, nb,
+                      prev_idx.get(sid, -1), prev_idx.get(prev_allocs[i], -1) if i < n_prev else -2,
+                      small.alloc(sid, nb) if fraction else small.small(sid))
+        if top >= len(self._skip):
+            self._grow_due()
+
     def _operator_native(self, position: int, op: Any, accessed: Sequence[int]) -> None:
         """The fused :meth:`on_operator` and :meth:`on_op`'s per-operator update in one kernel call
         (``dynn_pilot_operator``): Python finds the slots, classes the small storages, aligns the
@@ -762,24 +772,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         prev_allocs = state._align(position, op)
         if allocs:
             prior = max(position, 0) + self._prior_rows[_PHASES.get(op.phase, 0)][0]
-            prev_idx = state._prev_idx
-            n_prev = len(prev_allocs)
-            top = -1
-            free = state._free
-            for i, sid in enumerate(allocs):
-                s = slot.get(sid)
-                if s is None:  # FeatureState._new_slot; the kernel marks the slot active and writes its sid
-                    if not free:
-                        state._grow(state._cap * 2)  # extends the same free list
-                    s = slot[sid] = free.pop()
-                if s > top:
-                    top = s
-                nb = view.nbytes(sid)
-                words += (s, sid, _KIND_IDX.get(view.kind(sid), _TEMP), 1 if view.saved(sid) else 0, nb,
-                          prev_idx.get(sid, -1), prev_idx.get(prev_allocs[i], -1) if i < n_prev else -2,
-                          small.alloc(sid, nb) if fraction else small.small(sid))
-            if top >= len(self._skip):
-                self._grow_due()
+            self._pack_allocs(words, allocs, prev_allocs, state._prev_idx)
         if fraction:  # SmallStorages.access, inlined: class each again (the threshold is fixed from here)
             sizes, smalls, thr = small._bytes, small._small, small.fraction * small._peak
             for sid in accessed:
