@@ -3,6 +3,8 @@ manager's step time against PyTorch alone measured both before and after it (A-B
 
     python tools/gpu_diag.py identity [--families varlen evoformer] [--fraction 0.25]
     python tools/gpu_diag.py overhead [--families moe varlen evoformer] [--steps 8]
+    python tools/gpu_diag.py profile [--families moe] [--fraction 0.5] [--steps 4]
+    python tools/gpu_diag.py hardcap [--families moe varlen evoformer] [--fraction 0.25]
     python tools/gpu_diag.py one FAMILY FRACTION VARIANT      (a child: one managed run, one JSON line)
 
 ``identity`` runs each family at ``--fraction`` of its peak with lru (a logical budget) in one child
@@ -10,6 +12,11 @@ process per variant: native events; python events; native with synchronous copie
 the compute stream); native under ``CUDA_LAUNCH_BLOCKING=1``. A variant that is identical where the
 default is not names the missing order (asynchronous copies, or launches overlapping the host).
 For each it prints the first step whose loss differs and how many state tensors differ.
+
+``profile`` runs lru at ``--fraction`` (a logical budget, native events) under cProfile and prints the
+host functions by own time and by cumulative time: where the host goes when storages move.
+``hardcap`` trains lru under a hard cap at ``--fraction`` and, where it fails, prints the whole
+traceback, the manager's view and the caching allocator's own summary.
 """
 
 from __future__ import annotations
@@ -94,9 +101,64 @@ def overhead(families: list[str], steps: int) -> list[dict]:
     return rows
 
 
+def profile(families: list[str], fraction: float, steps: int) -> None:
+    import cProfile
+    import pstats
+
+    import torch
+
+    from dynn_runtime.runtime.train import train_managed, train_unmanaged
+
+    os.environ["DYNN_EVENTS"] = "native"
+    for fam in families:
+        base = train_unmanaged(fam, steps=2, preset="small", device=DEVICE)
+        budget = int(max(base.peak_bytes) * fraction)
+        train_managed(fam, budget, "lru", steps=2, preset="small", device=DEVICE)  # warm: kernels, pinned chunks
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        r = train_managed(fam, budget, "lru", steps=steps, preset="small", device=DEVICE)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        prof.disable()
+        st = r.stats
+        print(f"== {fam} lru at {fraction} ({budget} B): {time.perf_counter() - t0:.2f} s for {steps} steps, "
+              f"median step {r.median_step_seconds() * 1e3:.1f} ms, evictions {st.get('evictions')}, "
+              f"prefetch misses {st.get('prefetch_misses')}, copy_seconds {st.get('copy_seconds')}", flush=True)
+        ps = pstats.Stats(prof)
+        ps.sort_stats("tottime").print_stats(28)
+        ps.sort_stats("cumulative").print_stats(40)
+
+
+def hardcap(families: list[str], fraction: float, steps: int) -> None:
+    import traceback
+
+    import torch
+
+    from dynn_runtime.runtime.train import train_managed, train_unmanaged
+
+    os.environ["DYNN_EVENTS"] = "native"
+    for fam in families:
+        base = train_unmanaged(fam, steps=steps, preset="small", device=DEVICE)
+        cap = int(max(base.peak_bytes) * fraction)
+        print(f"== {fam} hard cap {fraction}: {cap} B of peak {max(base.peak_bytes)} B "
+              f"(reserved peak {max(base.reserved_peak_bytes or [0])} B)", flush=True)
+        try:
+            r = train_managed(fam, cap, "lru", steps=steps, preset="small", device=DEVICE, hard_cap=True)
+            st = r.stats
+            print(f"ok: median {r.median_step_seconds() * 1e3:.1f} ms, evictions {st.get('evictions')}, "
+                  f"oom_retries {st.get('oom_retries')}, peak {max(r.peak_bytes)} B", flush=True)
+        except Exception:
+            traceback.print_exc()
+            if DEVICE == "cuda":
+                print(torch.cuda.memory_summary(abbreviated=True), flush=True)
+                torch.cuda.set_per_process_memory_fraction(1.0)
+                torch.cuda.empty_cache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=["identity", "overhead", "one"])
+    ap.add_argument("mode", choices=["identity", "overhead", "profile", "hardcap", "one"])
     ap.add_argument("rest", nargs="*")
     ap.add_argument("--families", nargs="+", default=None)
     ap.add_argument("--fraction", type=float, default=0.25)
@@ -108,6 +170,10 @@ def main() -> int:
         print(json.dumps(one(fam, float(frac), variant, a.steps or 3)), flush=True)
     elif a.mode == "identity":
         identity(a.families or ["varlen", "evoformer"], a.fraction, a.steps or 3, a.timeout)
+    elif a.mode == "profile":
+        profile(a.families or ["moe"], a.fraction, a.steps or 4)
+    elif a.mode == "hardcap":
+        hardcap(a.families or ["moe", "varlen", "evoformer"], a.fraction, a.steps or 3)
     else:
         overhead(a.families or ["moe", "varlen", "evoformer"], a.steps or 8)
     return 0
