@@ -128,6 +128,57 @@ def profile(families: list[str], fraction: float, steps: int) -> None:
         ps = pstats.Stats(prof)
         ps.sort_stats("tottime").print_stats(28)
         ps.sort_stats("cumulative").print_stats(40)
+        timed(fam, budget, steps)
+
+
+def timed(fam: str, budget: int, steps: int) -> None:
+    """The same run without the profiler, the manager's move path timed per call (wall clock, us)."""
+    import functools
+
+    import torch
+
+    from dynn_runtime.runtime import copies, hostpool, moves
+    from dynn_runtime.runtime.train import train_managed
+
+    spent: dict[str, list[float]] = {}
+    saved = []
+
+    def wrap(owner: type, name: str) -> None:
+        fn = getattr(owner, name)
+        saved.append((owner, name, fn))
+        key = f"{owner.__name__}.{name}"
+        acc = spent.setdefault(key, [0.0, 0])
+
+        @functools.wraps(fn)
+        def inner(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                acc[0] += time.perf_counter() - t0
+                acc[1] += 1
+        setattr(owner, name, inner)
+
+    for owner, name in [(copies.CudaCopies, "to_host"), (copies.CudaCopies, "to_device"), (copies.CudaCopies, "release"),
+                        (copies.CudaCopies, "allocate"), (copies.CudaCopies, "timed_wait"),
+                        (copies.CudaCopies, "compute_waits"), (moves.Moves, "_evict"), (moves.Moves, "_release_device"),
+                        (moves.Moves, "_fetch_now"), (moves.Moves, "_prefetch"), (moves.Moves, "_reap"),
+                        (hostpool.HostPool, "alloc"), (hostpool.HostPool, "release")]:
+        if hasattr(owner, name):
+            wrap(owner, name)
+    t0 = time.perf_counter()
+    try:
+        r = train_managed(fam, budget, "lru", steps=steps, preset="small", device=DEVICE)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    print(f"== {fam} timed: {time.perf_counter() - t0:.2f} s for {steps} steps, median step "
+          f"{r.median_step_seconds() * 1e3:.1f} ms (all steps, nested times overlap)", flush=True)
+    for key, (sec, n) in sorted(spent.items(), key=lambda kv: -kv[1][0]):
+        if n:
+            print(f"  {key:28s} {n:7d} calls {sec * 1e3:9.1f} ms {sec / n * 1e6:8.1f} us/call", flush=True)
 
 
 def hardcap(families: list[str], fraction: float, steps: int) -> None:

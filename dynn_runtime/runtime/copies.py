@@ -70,6 +70,7 @@ class CudaCopies:
 
     def __init__(self, device: torch.device, pinned: bool) -> None:
         self.device = device
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
         self.pinned = pinned
         self._d2h: Any = None
         self._h2d: Any = None
@@ -82,21 +83,30 @@ class CudaCopies:
 
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, last_stream: int | None = None) -> Any:
         d2h, _ = self._streams()
-        compute = torch.cuda.current_stream(self.device)
+        compute = torch.cuda.current_stream(self._index)
         ready = torch.cuda.Event()
         ready.record(compute)
-        with torch.cuda.stream(d2h):
-            d2h.wait_event(ready)  # invariant 1: the bytes are produced on the compute stream first
-            if last_stream is not None and last_stream != compute.stream_id:  # ... and on the stream that last used them
-                other = torch.cuda.Stream(stream_id=last_stream, device_index=self.device.index, device_type=1)
-                also = torch.cuda.Event()
-                also.record(other)
-                d2h.wait_event(also)
-            dst.copy_(src, non_blocking=self.pinned)
-            ev = torch.cuda.Event()
-            ev.record(d2h)
+        d2h.wait_event(ready)  # invariant 1: the bytes are produced on the compute stream first
+        if last_stream is not None and last_stream != compute.stream_id:  # ... and on the stream that last used them
+            other = torch.cuda.Stream(stream_id=last_stream, device_index=self._index, device_type=1)
+            also = torch.cuda.Event()
+            also.record(other)
+            d2h.wait_event(also)
+        self._on(d2h, compute, dst, src)
+        ev = torch.cuda.Event()
+        ev.record(d2h)
         src.record_stream(d2h)  # the allocator keeps the block until the copy stream passes this point
         return ev
+
+    def _on(self, side: Any, compute: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` issued on stream ``side``, then ``compute`` is current again.
+        ``torch.cuda.set_stream`` rather than the ``torch.cuda.stream`` context manager: the context
+        resolves the current device (a CUDA availability query) on entry and exit of every copy."""
+        torch.cuda.set_stream(side)
+        try:
+            dst.copy_(src, non_blocking=self.pinned)
+        finally:
+            torch.cuda.set_stream(compute)
 
     def release(self, st: torch.UntypedStorage) -> None:
         st.resize_(0)  # stream-ordered by the record_stream of to_host
@@ -106,24 +116,24 @@ class CudaCopies:
 
     def to_device(self, src: torch.Tensor, dst: torch.Tensor, after: Any) -> Any:
         _, h2d = self._streams()
+        compute = torch.cuda.current_stream(self._index)
         alloc = torch.cuda.Event()
-        alloc.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(h2d):
-            h2d.wait_event(alloc)  # invariant 2: the allocation is ordered on the compute stream
-            if after is not None:
-                h2d.wait_event(after)  # ... and the host copy must have landed
-            dst.copy_(src, non_blocking=self.pinned)
-            ev = torch.cuda.Event()
-            ev.record(h2d)
+        alloc.record(compute)
+        h2d.wait_event(alloc)  # invariant 2: the allocation is ordered on the compute stream
+        if after is not None:
+            h2d.wait_event(after)  # ... and the host copy must have landed
+        self._on(h2d, compute, dst, src)
+        ev = torch.cuda.Event()
+        ev.record(h2d)
         dst.record_stream(h2d)
         return ev
 
     def compute_waits(self, event: Any) -> None:
-        torch.cuda.current_stream(self.device).wait_event(event)  # invariant 3
+        torch.cuda.current_stream(self._index).wait_event(event)  # invariant 3
 
     def timed_wait(self, event: Any) -> tuple[Any, Any]:
         """``compute_waits`` bracketed by timing events (a late prefetch's stall, read at step end)."""
-        compute = torch.cuda.current_stream(self.device)
+        compute = torch.cuda.current_stream(self._index)
         before = torch.cuda.Event(enable_timing=True)
         before.record(compute)
         compute.wait_event(event)
@@ -132,7 +142,7 @@ class CudaCopies:
         return before, after
 
     def sync(self) -> None:
-        torch.cuda.current_stream(self.device).synchronize()
+        torch.cuda.current_stream(self._index).synchronize()
         if self._d2h is not None:
             self._d2h.synchronize()
             self._h2d.synchronize()
