@@ -22,7 +22,8 @@
 //      through set_away(), which moves `used` with it.
 //   3. A Python handler's exception is kept and re-raised by take_error() at the next Python-side
 //      check, never thrown through the operator (a kernel's own exceptions propagate unchanged, but
-//      for the one retry of an out-of-memory error, invariant 11).
+//      for the one retry of an out-of-memory error, invariant 11); an operator whose input the fault
+//      handler left away fails with an error of its own (invariant 12).
 //   4. Python handlers, and the manager's own tensor work between suspend() and resume(), run with
 //      the key excluded on this thread, so the manager's own copies and resizes are not observed.
 //   5. A storage with a copy in flight (`watch`) faults like an away one: the manager cancels the
@@ -57,6 +58,9 @@
 //      the unboxed path's arguments are its own and stay intact. Any other operator's OOM, a second
 //      OOM, and an OOM whose handler raised propagate unchanged (the handler's error is kept, as in
 //      invariant 3).
+//  12. No kernel reads a storage that is away. Where the fault handler returns with an input still
+//      away (it raised), the operator throws before its kernel, naming the handler's error; the
+//      storage's host copy is valid, so nothing is lost, and the kept error is raised as in invariant 3.
 
 #include <ATen/ATen.h>
 #include <ATen/Operators.h>
@@ -866,6 +870,8 @@ class Observer {
     if (!ctx.fault.empty()) {
       ++faults_;
       call(on_fault_, [&] { return py::make_tuple(py::cast(ctx.fault), py::cast(ctx.ins), py::str(name)); });
+      for (Entry* e : ctx.in_entries)
+        if (e->away) refuse_kernel(name, *e);  // invariant 12
     }
     // The inputs' accesses, at the position finish() gives the operator: once the fault handler
     // has seen the previous ones, and before the kernel, which may free an input (set_): its entry
@@ -947,6 +953,20 @@ class Observer {
       ++decisions_;
       call(on_decide_, [&] { return py::make_tuple(j); });
     }
+  }
+
+  // The fault handler left an input away (it raised: a budget it could not meet, a failed copy):
+  // the kernel would read a block that is not there, so the operator fails instead, naming the
+  // handler's error, which stays kept for the next Python-side check (invariant 3).
+  [[noreturn]] C10_NOINLINE void refuse_kernel(const char* name, const Entry& e) {
+    std::string why = "the fault handler did not bring it back";
+    if (error_) {
+      py::gil_scoped_acquire gil;
+      why = error_->what();
+    }
+    TORCH_CHECK(false, "dynn-runtime: operator ", name, " did not run: it reads storage ", e.sid,
+                ", which is off the device, and the manager could not bring it back (", why,
+                "). Its data is safe on the host and comes back at its next use once the cause is fixed.");
   }
 
   static void touch(Entry& e, int64_t j, int64_t stream) {

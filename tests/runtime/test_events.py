@@ -291,6 +291,43 @@ def test_an_offloaded_storage_faults_back_before_any_kernel_reads_it():
         mm.detach()
 
 
+def test_a_kernel_never_reads_a_storage_the_fault_handler_could_not_bring_back(monkeypatch):
+    """A failed fetch (here the copy engine raises) fails the operator before its kernel runs, with
+    the cause in its message; the storage's host copy is intact, and once the cause is gone training
+    goes on bit-identically to PyTorch alone (events.cpp, invariant 12)."""
+    model, opt = _mlp()
+    ref = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    mm = dr.MemoryManager(1 << 30, policy="lru", device="cpu", events="native").attach(model, opt)
+    try:
+        x = torch.randn(16, 32)
+        w = model[0].weight
+        assert mm.offload(w) > 0 and w.untyped_storage().nbytes() == 0
+
+        def broken(s, st):
+            raise RuntimeError("the copy engine is broken")
+
+        monkeypatch.setattr(mm, "_start_fetch", broken)
+        with pytest.raises(Exception) as info, mm.step():
+            model(x)
+        text = "".join(str(e) for e in (info.value, info.value.__context__) if e is not None)
+        assert "did not run" in text and "the copy engine is broken" in text
+        assert w.untyped_storage().nbytes() == 0  # still away: no kernel touched the missing block
+        monkeypatch.undo()
+        for _ in range(2):
+            with mm.step():
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+            ref_opt.zero_grad()
+            ref(x).square().mean().backward()
+            ref_opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    finally:
+        mm.detach()
+
+
 def test_a_write_makes_the_host_copy_stale():
     model, opt = _mlp()
     mm = dr.MemoryManager(1 << 30, policy="lru", device="cpu", events="native").attach(model, opt)
