@@ -52,6 +52,11 @@ class DeviceProfile:
         return self.peak_flops.get(dtype, self.peak_flops.get("float32", 1e13)) * self.compute_efficiency
 
 
+#: PyTorch alone's host time per traced operator on the lent Hopper machines' hosts: the step time of
+#: each zoo family at ``small`` over its trace's operators (docs/benchmarks.md, session 25), where the
+#: host, not the GPU, sets the pace of eager training
+HOPPER_HOST_OP_S = 10e-6
+
 PROFILES: dict[str, DeviceProfile] = {
     p.name: p
     for p in (
@@ -59,11 +64,13 @@ PROFILES: dict[str, DeviceProfile] = {
             name="h100", description="NVIDIA H100 SXM 80 GB, host link PCIe Gen5 x16",
             capacity_bytes=80 * GB, h2d_bytes_per_s=50 * GB, d2h_bytes_per_s=50 * GB, mem_bytes_per_s=3.35e12,
             peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, uvm_bytes_per_s=20 * GB,
+            op_overhead_s=HOPPER_HOST_OP_S,
         ),
         DeviceProfile(
             name="h200", description="NVIDIA H200 SXM 141 GB, host link PCIe Gen5 x16",
             capacity_bytes=141 * GB, h2d_bytes_per_s=50 * GB, d2h_bytes_per_s=50 * GB, mem_bytes_per_s=4.8e12,
             peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, uvm_bytes_per_s=20 * GB,
+            op_overhead_s=HOPPER_HOST_OP_S,
         ),
         DeviceProfile(
             name="a100", description="NVIDIA A100 SXM 80 GB, host link PCIe Gen4 x16",
