@@ -60,6 +60,9 @@
 //      lists and optional tensors out of the stack); the unboxed path's arguments are its own and
 //      stay intact. A writing operator's OOM, a second OOM, and an OOM whose handler raised
 //      propagate unchanged (the handler's error is kept, as in invariant 3).
+//  12. No kernel runs on a storage that is away: where the fault handler could not bring one of an
+//      operator's inputs back (its error is kept, invariant 3: the allocator ran out twice for it),
+//      the operator throws a c10::Error naming it instead of running on an empty storage.
 
 #include <ATen/ATen.h>
 #include <ATen/Operators.h>
@@ -928,6 +931,10 @@ class Observer {
     if (!ctx.fault.empty()) {
       ++faults_;
       call(on_fault_, [&] { return py::make_tuple(py::cast(ctx.fault), py::cast(ctx.ins), py::str(name)); });
+      for (const Entry* e : ctx.in_entries)  // invariant 12
+        TORCH_CHECK(!e->away, "dynn: operator ", name, " reads storage ", e->sid,
+                    ", which is away and could not be brought back; the memory manager's error says why "
+                    "(raised when the step ends, or at the next forward)");
     }
     // The inputs' accesses, at the position finish() gives the operator: once the fault handler
     // has seen the previous ones, and before the kernel, which may free an input (set_): its entry
