@@ -4,7 +4,8 @@ step that measures the peak for a fractional budget.
 :meth:`Steps.step` is the user's context manager. Whatever happens inside, even an exception while the
 step opens or closes, the manager ends between steps and usable (:meth:`Steps._leave_step`). At the
 end of a step its copies complete, collectives are released, what the program still holds from it
-comes back to the device and stays put, and statistics are kept (:class:`StepStats`). Phases come
+comes back to the device and stays put (after a failed step it stays where it is: the error's
+traceback holds it), and statistics are kept (:class:`StepStats`). Phases come
 from the model's root forward pre-hook (forward), autograd's current node (backward) and the
 optimizer's step pre/post hooks (optimizer).
 
