@@ -73,6 +73,7 @@ def cap_shortfall(message: str) -> int | None:
     return max(0, req + allocated + unallocated - allowed)
 
 
+@functools.lru_cache(maxsize=4096)
 def retryable(func: Any) -> bool:
     """Whether an out-of-memory error of operator ``func`` may be retried: it writes none of its
     arguments (in place, out=; events.cpp, invariant 11). A random one is retried with its
@@ -96,9 +97,9 @@ class OutOfMemory:
     def _rng_before(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, Any] | None:
         """Before random operator ``func`` runs in a step (Python source): its generator and that
         generator's state, restored before a retry (:meth:`_rng_restore`); None for an operator that
-        draws nothing."""
+        draws nothing or is not retried (it writes)."""
         random, name, index = draws(func)
-        if not random:
+        if not random or not retryable(func):
             return None
         gen = None
         if name:
