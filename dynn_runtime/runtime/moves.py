@@ -13,7 +13,8 @@ never leave. An eviction's copy waits for the compute stream and for the stream 
 last access (the native observer's ``last_stream``; ``_S.stream`` on the Python source).
 
 State: ``_copies``, ``async_copies``, ``pool``, ``_cur`` (the step's statistics), ``_pending_stalls``,
-``_held`` and ``_collectives`` (what collectives hold), ``_pinned``.
+``_held`` and ``_collectives`` (what collectives hold), ``_pinned``, ``_no_prefetch`` (a prefetch ran
+out of device memory in this step).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ cut a new segment. The operator then runs once more; if it runs out again, the e
 and the step turns it into a :class:`~dynn_runtime.errors.BudgetError` that says what to change
 (:meth:`OutOfMemory._oom_error`). Retries are counted in ``StepStats.oom_retries``.
 
-State: ``_oom_evicted``, ``_oom_failed``.
+State: ``_oom_evicted``, ``_oom_failed`` (and ``_cap_short``, budget.py's).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class OutOfMemory:
         before = self.used
         if self.cap_bytes is not None and self.budget is not None:
             # under the hard cap: what the allocator lacked beyond the storages' overshoot, which the
-            # headroom of the next steps takes on (budget.py, _learn_cap_headroom)
+            # headroom of the next steps takes on (budget.py, _measure_cap_headroom)
             short = (cap_shortfall(message) or 0) - max(0, before - self.budget)
             self._cap_short = max(self._cap_short, short)
         if not self._measure_step and self.budget is not None:
