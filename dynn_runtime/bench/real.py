@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from .._log import logger
-from ..errors import ConfigError, DynnError
+from ..errors import ConfigError, DynnError, where_raised
 from .quality import live_quality, sim_quality, window_recall
 
 __all__ = ["RealBenchConfig", "RealBenchReport", "run_real_bench", "checkpoint_blocks", "LIVE_POLICIES"]
@@ -186,6 +186,13 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
 
 
+def _failed(exc: BaseException) -> dict[str, str]:
+    """A failed measurement's row fields: ``reason`` (the error) and ``where`` (the frames it was raised
+    in and the errors it was raised from or during, :func:`~dynn_runtime.errors.where_raised`), so
+    that a report says which path of the manager or which operator failed."""
+    return {"reason": _reason(exc), "where": where_raised(exc)[:1500]}
+
+
 @contextlib.contextmanager
 def _hard_cap(dev: str, nbytes: int | None) -> Any:
     """CUDA: cap the caching allocator at ``nbytes`` for the block (an empty cache first, so the cap
@@ -297,7 +304,7 @@ def _family_grid(cfg: RealBenchConfig, family: str, policies: list[str]) -> list
     except torch.OutOfMemoryError as exc:
         return _beyond_the_device(cfg, family, policies, _reason(exc))
     except _failures() as exc:
-        return [_row(family, cfg, "unlimited", feasible=False, reason=_reason(exc))]
+        return [_row(family, cfg, "unlimited", feasible=False, **_failed(exc))]
     peak = max(unl.peak_bytes)
     cap = max(1, int(peak * cfg.fraction))
     t_unl = unl.median_step_seconds()
@@ -309,16 +316,18 @@ def _family_grid(cfg: RealBenchConfig, family: str, policies: list[str]) -> list
         try:
             r = train_unmanaged(family, label=method, **common, **kw)
         except _failures() as exc:
-            return _row(family, cfg, method, feasible=False, reason=_reason(exc), cap_bytes=cap)
+            return _row(family, cfg, method, feasible=False, cap_bytes=cap, **_failed(exc))
         p = max(r.peak_bytes)
         fits, reason = p <= cap, ("" if p <= cap else f"peak {p} B > cap {cap} B")
+        kw_where: dict[str, str] = {}
         if fits and cfg.device == "cuda" and cfg.hard_cap:
             try:
                 with _hard_cap(cfg.device, cap):
                     train_unmanaged(family, label=method, **common, **kw)
             except torch.OutOfMemoryError as exc:
                 fits, reason = False, f"OutOfMemoryError under the hard cap: {str(exc)[:200]}"
-        return _row(family, cfg, method, feasible=fits, reason=reason, iter_time_s=r.median_step_seconds(),
+                kw_where = {"where": where_raised(exc)[:1500]}
+        return _row(family, cfg, method, feasible=fits, reason=reason, **kw_where, iter_time_s=r.median_step_seconds(),
                     overhead=r.median_step_seconds() / t_unl, peak_bytes=p, cap_bytes=cap,
                     note="time and peak measured without a cap")
 
@@ -340,7 +349,7 @@ def _family_grid(cfg: RealBenchConfig, family: str, policies: list[str]) -> list
         try:
             r = train_managed(family, cap, policy, hard_cap=cfg.hard_cap and cfg.device == "cuda", **common)
         except _failures() as exc:
-            rows.append(_row(family, cfg, policy, feasible=False, cap_bytes=cap, reason=_reason(exc)))
+            rows.append(_row(family, cfg, policy, feasible=False, cap_bytes=cap, **_failed(exc)))
             continue
         st = r.stats or {}
         t = r.median_step_seconds()
@@ -373,7 +382,7 @@ def _beyond_the_device(cfg: RealBenchConfig, family: str, policies: list[str], w
             r = train_managed(family, float(cfg.fraction), policy, hard_cap=cfg.hard_cap and cfg.device == "cuda",
                               **common)
         except _failures() as exc:
-            rows.append(_row(family, cfg, policy, feasible=False, reason=_reason(exc)))
+            rows.append(_row(family, cfg, policy, feasible=False, **_failed(exc)))
             continue
         st = r.stats or {}
         rows.append(_row(
@@ -467,7 +476,7 @@ def _family_scan(cfg: RealBenchConfig, family: str, policies: list[str]) -> list
             try:
                 r = train_managed(family, capacity, policy, hard_cap=cfg.hard_cap and cfg.device == "cuda", **common)
             except _failures() as exc:
-                stopped[policy] = f"x{scale}: {_reason(exc)}"
+                stopped[policy] = f"x{scale}: {_reason(exc)} [{where_raised(exc)[:600]}]"
                 continue
             best[policy], times[policy] = scale, r.median_step_seconds()
     out = []

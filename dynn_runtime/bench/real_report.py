@@ -54,6 +54,7 @@ def render_real_markdown(report: RealBenchReport) -> str:
                              f"| {_mib(r.get('cap_bytes'))} | {_mib(r.get('peak_bytes'))} | "
                              f"{_mib(r.get('bytes_offloaded'))} / {_mib(r.get('bytes_fetched_on_demand'))} | "
                              f"{r.get('stall_seconds') or 0:.3f} s |")
+            lines += _failure_lines(rows)
             continue
         if u.get("iter_time_s") is None:
             lines += ["", f"## {family}: the unlimited run failed: {u.get('reason', '')}"]
@@ -78,6 +79,7 @@ def render_real_markdown(report: RealBenchReport) -> str:
             lines.append(f"| {r['method']} | {fits} | {_ms(r.get('iter_time_s'))} | {ov} | {_mib(r.get('peak_bytes'))} "
                          f"| {moved} | {stalls} | {bit} | {pred} |")
         lines += _quality_table(rows)
+        lines += _failure_lines(rows)
     if report.max_size:
         methods = list(dict.fromkeys(r["method"] for r in report.max_size))
         lines += ["", f"## Max trainable size under a fixed cap (scales up to x{cfg.max_scale})", "",
@@ -95,6 +97,16 @@ def render_real_markdown(report: RealBenchReport) -> str:
     if m.get("skipped_policies"):
         lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in m["skipped_policies"].items())]
     return "\n".join(lines) + "\n"
+
+
+def _failure_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Each failed run's error and where it was raised (the row's ``where``: frames, and the errors it
+    was raised from or during), so that a report tells which path failed."""
+    failed = [r for r in rows if r.get("where")]
+    if not failed:
+        return []
+    return ["", "Failures (the error, then where it was raised):", ""] + [
+        f"- {r['method']}: {(r.get('reason') or '')[:240]} -- {r['where'][:900]}" for r in failed]
 
 
 def _pct(v: Any) -> str:

@@ -49,15 +49,18 @@
 //      entry, no log record, no fault. Nothing but that operator's argument holds it, so it can be
 //      neither away nor read by a later kernel.
 //  11. In a step, an operator whose kernel throws c10::OutOfMemoryError (the caching allocator ran
-//      out) is retried once when it writes none of its arguments and takes no Generator: its failed
-//      attempt changed nothing the program can see, so running it again cannot apply anything twice
-//      or draw other random numbers. Between the attempts the OOM handler makes room (it evicts what
-//      the operator does not read, waits for the copies and empties the allocator's cache). The
-//      operator is seen, faulted and logged once, as if it had run once. The boxed path keeps a copy
-//      of the arguments for the retry (unboxing moves lists and optional tensors out of the stack);
-//      the unboxed path's arguments are its own and stay intact. Any other operator's OOM, a second
-//      OOM, and an OOM whose handler raised propagate unchanged (the handler's error is kept, as in
-//      invariant 3).
+//      out) is retried once when it writes none of its arguments: its failed attempt changed
+//      nothing the program can see, so running it again cannot apply anything twice. A random
+//      operator (one taking a Generator, or drawing from the default one: `random_by_name`) may
+//      have drawn before it ran out: the state of the generator it draws from (the one it was
+//      given, else the managed device's default) is saved before its kernel and restored before
+//      the retry, which so draws the numbers the first attempt would have. Between the attempts
+//      the OOM handler makes room (it evicts what the operator does not read, waits for the copies
+//      and empties the allocator's cache). The operator is seen, faulted and logged once, as if it
+//      had run once. The boxed path keeps a copy of the arguments for the retry (unboxing moves
+//      lists and optional tensors out of the stack); the unboxed path's arguments are its own and
+//      stay intact. A writing operator's OOM, a second OOM, and an OOM whose handler raised
+//      propagate unchanged (the handler's error is kept, as in invariant 3).
 //  12. No kernel reads a storage that is away. Where the fault handler returns with an input still
 //      away (it raised), the operator throws before its kernel, naming the handler's error; the
 //      storage's host copy is valid, so nothing is lost, and the kept error is raised as in invariant 3.
@@ -82,6 +85,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -105,7 +109,9 @@ struct OpInfo {
   bool skip = false;         // composite-implicit, or ignored (detach, lift_fresh)
   std::vector<int> writes;   // schema argument indices written in place
   int stream_arg = -1;       // a Stream argument (record_stream): the stream the operator uses the inputs on
-  bool retry = false;        // an out-of-memory error may be retried (invariant 11): no writes, no Generator
+  bool retry = false;        // an out-of-memory error may be retried (invariant 11): no writes
+  bool random = false;       // draws random numbers: its generator's state is kept for a retry (invariant 11)
+  int gen_arg = -1;          // its Generator argument, -1 without one (the default generator then)
 };
 
 struct Entry {
@@ -150,8 +156,14 @@ struct Ctx {
   std::vector<int64_t> fault;
   std::vector<int64_t> outs;
   std::vector<int64_t> allocs;
+  at::Generator rng;     // a random operator's generator, while a retry may need its state (invariant 11)
+  at::Tensor rng_state;  // ... and that state before its kernel ran
   void clear() {
     args.clear();
+    if (rng.defined()) {
+      rng = at::Generator();
+      rng_state.reset();
+    }
     ins.clear();
     in_entries.clear();
     writes.clear();
@@ -631,7 +643,7 @@ class Observer {
     if (it != ops_.end()) return it->second;
     OpInfo inf;
     inf.skip = skipped(op);
-    bool random = false;  // takes a Generator: a failed attempt may have drawn from it
+    bool random = random_by_name(op.schema().name());  // a failed attempt may have drawn
     const auto& args = op.schema().arguments();
     for (size_t i = 0; i < args.size(); ++i) {
       const auto* a = args[i].alias_info();
@@ -640,9 +652,13 @@ class Observer {
         inf.stream_arg = static_cast<int>(i);
       c10::TypePtr t = args[i].type();
       if (auto opt = t->cast<c10::OptionalType>()) t = opt->getElementType();
-      if (t->kind() == c10::TypeKind::GeneratorType) random = true;
+      if (t->kind() == c10::TypeKind::GeneratorType && inf.gen_arg < 0) {
+        inf.gen_arg = static_cast<int>(i);
+        random = true;
+      }
     }
-    inf.retry = inf.writes.empty() && !random;
+    inf.retry = inf.writes.empty();
+    inf.random = random;
     if (!inf.skip) {
       std::string name = op.schema().name();
       const std::string& overload = op.schema().overload_name();
@@ -713,6 +729,32 @@ class Observer {
     }
   }
 
+  // Operators that draw from the default generator without a Generator argument.
+  static bool random_by_name(const std::string& name) {
+    return name == "aten::native_dropout" || name == "aten::_scaled_dot_product_flash_attention" ||
+           name == "aten::_scaled_dot_product_efficient_attention" ||
+           name == "aten::_scaled_dot_product_cudnn_attention" || name == "aten::_flash_attention_forward" ||
+           name == "aten::_efficient_attention_forward";
+  }
+
+  // Before a random operator's kernel, in a step: the state of the generator it draws from (`given`,
+  // else the managed device's default), restored before a retry (invariant 11). Out of line: only
+  // random operators pay for it.
+  C10_NOINLINE void save_rng(Ctx& ctx, const std::optional<at::Generator>& given) {
+    at::Generator g = given.has_value() && given->defined()
+                          ? *given
+                          : at::globalContext().defaultGenerator(
+                                c10::Device(device_type_, static_cast<c10::DeviceIndex>(device_index_)));
+    std::lock_guard<std::mutex> lock(g.mutex());
+    ctx.rng_state = g.get_state();
+    ctx.rng = std::move(g);
+  }
+  static void restore_rng(Ctx& ctx) {
+    if (!ctx.rng.defined()) return;
+    std::lock_guard<std::mutex> lock(ctx.rng.mutex());
+    ctx.rng.set_state(ctx.rng_state);
+  }
+
   // The OOM handler: (message, the operator's input sids, its name, whether the retry failed too);
   // it returns whether to retry. The host may wait in it: this is the OOM path, not the hot path.
   bool on_oom(const c10::OutOfMemoryError& e, const char* name, const Ctx& ctx, bool failed) {
@@ -749,7 +791,15 @@ class Observer {
     }
     const char* name = op.schema().name().c_str();
     before_kernel(name, ctx, on);
-    if (inf.retry && in_step_) ctx.args.assign(stack->begin() + first, stack->end());  // invariant 11
+    if (inf.retry && in_step_) {  // invariant 11
+      ctx.args.assign(stack->begin() + first, stack->end());
+      if (inf.random) {
+        std::optional<at::Generator> given;
+        if (inf.gen_arg >= 0 && (*stack)[first + inf.gen_arg].isGenerator())
+          given = (*stack)[first + inf.gen_arg].toGenerator();
+        save_rng(ctx, given);
+      }
+    }
     DropArgs drop{ctx};
     try {
       redispatch_boxed(op, below, stack);
@@ -760,6 +810,7 @@ class Observer {
             if (ctx.args.size() != n || stack->size() < first) return false;
             stack->resize(first);
             stack->insert(stack->end(), ctx.args.begin(), ctx.args.end());
+            restore_rng(ctx);
             return true;
           });
     }
@@ -793,6 +844,14 @@ class Observer {
     };
     (in(args), ...);
     before_kernel(Op::name, ctx, current_stream());
+    if (inf.random && inf.retry && in_step_) {  // invariant 11: the generator it draws from, for a retry
+      std::optional<at::Generator> gen;
+      auto pick = [&](const auto& a) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(a)>, std::optional<at::Generator>>) gen = a;
+      };
+      (pick(args), ...);
+      save_rng(ctx, gen);
+    }
     // the kernel; after an out-of-memory error, once more on the same arguments: they are this
     // function's own, so the failed attempt left them as they were (`below` is copied into the
     // retry, so that the operator's path keeps it in a register)
@@ -802,7 +861,10 @@ class Observer {
       } catch (const c10::OutOfMemoryError& e) {
         return after_oom(
             inf, e, Op::name, ctx, [&, below]() -> Ret { return redispatch_unboxed<Op, Ret>(below, args...); },
-            [] { return true; });
+            [&] {
+              restore_rng(ctx);
+              return true;
+            });
       }
     };
     if constexpr (std::is_void_v<Ret>) {
@@ -1152,7 +1214,9 @@ void register_unboxed(torch::Library& lib) {
 // next n calls of dynn_test::oom, dynn_test::oom_unboxed and dynn_test::oom_ (in place) throw
 // c10::OutOfMemoryError, as the caching allocator does, before they compute. oom reaches the
 // observer's boxed fallback, oom_unboxed an unboxed kernel of its own at the key (Unboxed<>, as the
-// aten operators of register_unboxed). The operators are registered by the first arm_test_oom()
+// aten operators of register_unboxed). oom_random and oom_random_unboxed draw from their generator
+// (the default one where none is given) first and then run out: the worst case for a retry, whose
+// numbers are the first attempt's only where the generator's state is restored (invariant 11). The operators are registered by the first arm_test_oom()
 // call, so a process that never arms one has no such operator.
 std::atomic<int64_t> g_test_ooms{0};
 
@@ -1176,6 +1240,24 @@ at::Tensor& test_oom_(at::Tensor& x) {
   return x.mul_(2);
 }
 
+at::Tensor test_oom_random(const at::Tensor& x, double p, std::optional<at::Generator> generator) {
+  at::Tensor keep = at::empty_like(x).bernoulli_(1.0 - p, generator);
+  test_oom_check("oom_random", x);
+  return x * keep / (1.0 - p);
+}
+
+// dynn_test::oom_random_unboxed, as TestOomUnboxed below
+struct TestOomRandomUnboxed {
+  using schema = at::Tensor(const at::Tensor&, double, std::optional<at::Generator>);
+  static constexpr const char* name = "dynn_test::oom_random_unboxed";
+  static constexpr const char* overload_name = "";
+  static at::Tensor redispatch(c10::DispatchKeySet ks, const at::Tensor& x, double p,
+                               std::optional<at::Generator> generator) {
+    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, overload_name).typed<schema>();
+    return op.redispatch(ks, x, p, std::move(generator));
+  }
+};
+
 // dynn_test::oom_unboxed as the at::_ops structs describe an operator (what Unboxed<> reads).
 struct TestOomUnboxed {
   using schema = at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, at::IntArrayRef);
@@ -1194,14 +1276,20 @@ void arm_test_oom(int64_t n) {
     l->def("oom(Tensor x, Tensor? y=None, int[] dims=[]) -> Tensor");
     l->def("oom_(Tensor(a!) x) -> Tensor(a!)");
     l->def("oom_unboxed(Tensor x, Tensor? y=None, int[] dims=[]) -> Tensor");
+    l->def("oom_random(Tensor x, float p, *, Generator? generator=None) -> Tensor");
+    l->def("oom_random_unboxed(Tensor x, float p, *, Generator? generator=None) -> Tensor");
     l->impl("oom", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(test_oom)));
     l->impl("oom_", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(test_oom_)));
     l->impl("oom_unboxed", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(test_oom)));
+    l->impl("oom_random", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(test_oom_random)));
+    l->impl("oom_random_unboxed",
+            torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(test_oom_random)));
     return l;
   }();
   static torch::Library* at_key = [] {
     auto* l = new torch::Library(torch::Library::IMPL, "dynn_test", kKey, __FILE__, __LINE__);
     register_one<TestOomUnboxed>(*l);
+    register_one<TestOomRandomUnboxed>(*l);
     return l;
   }();
   (void)lib;

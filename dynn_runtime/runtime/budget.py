@@ -4,11 +4,23 @@ A budget is bytes, a size string, or a fraction of the unmanaged peak measured i
 (:meth:`MemoryManager._end_step`). With ``hard_cap`` the caching allocator is capped too
 (``torch.cuda.set_per_process_memory_fraction``): the cap is the manager's share on top of what the
 process held outside the managed storages when it was set, and the storages' budget is the cap less
-what grows outside them and less a headroom for the allocator's own rounding (``CAP_HEADROOM``,
-measured after the first managed step).
+what grows outside them and less a headroom for what the allocator holds beyond the storages
+(``CAP_HEADROOM`` until a managed step has measured it).
+
+The headroom's invariant: after each step, it is at least what the allocator held beyond the
+storages at its peak (x1.25, plus one small segment), and at least the headroom of a step in which
+the allocator ran out under the cap plus what it lacked then (:func:`~.oom.cap_shortfall`: its
+request, a whole new segment, and the free space in segments that live blocks keep, which is
+fragmentation the allocated bytes do not show; raised so to at most half the cap). So fragmentation
+and segment rounding are counted where they have made the allocator run out, and only there:
+``max_memory_reserved`` is no measure of them (the allocator keeps freed segments cached up to the
+cap, and gives them back before it runs out), and counting every free split block would lower the
+budget of runs that fit. ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` removes most of both
+(segments grow and shrink by pages); the manager does not switch it itself, since the setting is the
+whole process's.
 
 State: ``budget``, ``_budget_spec``, ``cap_bytes``, ``unmanaged_bytes``, ``_outside0``,
-``cap_headroom_bytes``.
+``cap_headroom_bytes``, ``_cap_short``.
 """
 
 from __future__ import annotations
@@ -61,14 +73,33 @@ class Budget:
     def _fit_to_cap(self) -> None:
         cap = self.cap_bytes
         grown = max(0, torch.cuda.memory_allocated(self.device) - self.used - self._outside0)
-        fixed, frac = self.CAP_HEADROOM
         self.unmanaged_bytes = grown
-        room = self.cap_headroom_bytes if self.cap_headroom_bytes is not None else max(fixed, int(cap * frac))
-        self.budget = max(1, cap - grown - room)
+        self.budget = max(1, cap - grown - self._cap_room())
 
-    def _measure_cap_headroom(self) -> None:
-        """After a managed step under the cap: what the allocator peaked at beyond the storages."""
-        peak = torch.cuda.max_memory_allocated(self.device)
-        beyond = peak - (self._outside0 + self.unmanaged_bytes + self._cur.peak_device_bytes)
+    def _cap_room(self) -> int:
+        """The headroom in effect: measured, or ``CAP_HEADROOM`` before any measurement."""
+        fixed, frac = self.CAP_HEADROOM
+        return self.cap_headroom_bytes if self.cap_headroom_bytes is not None else max(fixed, int(self.cap_bytes * frac))
+
+    def _measure_cap_headroom(self, ok: bool) -> None:
+        """After a managed step under the cap (the module docstring's invariant): what the allocator
+        peaked at beyond the storages (a step that completed), and what it lacked where it ran out
+        (``_cap_short``, a failed step too)."""
         fixed, _ = self.CAP_HEADROOM
-        self.cap_headroom_bytes = max(fixed, int(max(0, beyond) * 1.25) + (2 << 20))
+        room = self._cap_room()
+        measured = None
+        if ok:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            beyond = peak - (self._outside0 + self.unmanaged_bytes + self._cur.peak_device_bytes)
+            measured = max(fixed, int(max(0, beyond) * 1.25) + (2 << 20))
+        self.cap_headroom_bytes = self._next_cap_headroom(room, measured, self._cap_short)
+        self._cap_short = 0
+
+    def _next_cap_headroom(self, room: int, measured: int | None, short: int) -> int:
+        """The headroom after a step that ran with ``room``: ``measured`` (None: not measured, the step
+        failed), raised to ``room`` + ``short`` x1.25 (at most half the cap) where the allocator ran
+        out ``short`` bytes short."""
+        new = room if measured is None else measured
+        if short > 0:
+            new = max(new, min(room + int(short * 1.25), self.cap_bytes // 2))
+        return new

@@ -13,7 +13,8 @@ never leave. An eviction's copy waits for the compute stream and for the stream 
 last access (the native observer's ``last_stream``; ``_S.stream`` on the Python source).
 
 State: ``_copies``, ``async_copies``, ``pool``, ``_cur`` (the step's statistics), ``_pending_stalls``,
-``_held`` and ``_collectives`` (what collectives hold), ``_pinned``.
+``_held`` and ``_collectives`` (what collectives hold), ``_pinned``, ``_no_prefetch`` (a prefetch ran
+out of device memory in this step).
 """
 
 from __future__ import annotations
@@ -127,8 +128,12 @@ class Moves(Residency):
                 if st is not None:
                     self._finish_fetch(s, st)
 
-    def _fetch_now(self, s: _S, budgeted: bool = True, exclude: set[int] | None = None, where: str = "") -> None:
-        """Make ``s`` resident now (a demand fetch: the compute stream waits for it)."""
+    def _fetch_now(self, s: _S, budgeted: bool = True, exclude: set[int] | None = None, where: str = "",
+                   retry: bool | None = None) -> None:
+        """Make ``s`` resident now (a demand fetch: the compute stream waits for it). Where its
+        allocation runs out of device memory, room is made and it is tried once more when ``retry``
+        (default: in a step; the end of a step passes True); a second failure leaves ``s`` as it was
+        (on the host, its copy valid) and raises the allocator's error."""
         st = s.ref()
         internal_assert(st is not None, f"runtime: storage {s.sid} is needed but was freed")
         if s.status == RESIDENT:
@@ -148,7 +153,7 @@ class Moves(Residency):
         try:
             self._start_fetch(s, st)
         except torch.OutOfMemoryError as exc:
-            if not self._in_step:
+            if not (self._in_step if retry is None else retry):
                 raise
             # the allocator's count is not the manager's (oom.py): room, then once more; a failed
             # allocation changed nothing, so the fetch starts again from where it was
@@ -196,13 +201,25 @@ class Moves(Residency):
             self.set_status(s, RESIDENT)
 
     def _prefetch(self, s: _S) -> None:
+        """Start bringing ``s`` back ahead of its use, where it fits the budget. A prefetch is optional:
+        where the allocator runs out for it (its count is not the manager's, oom.py), it is dropped,
+        what it took is given back and ``s`` stays on the host, and no other prefetch starts in this
+        step (each would meet the same full allocator, whose out-of-memory path synchronizes the
+        device); its access fetches it on demand, with the retry of :meth:`_fetch_now`."""
         st = s.ref()
-        if st is None or s.status != HOST or not s.host_valid:
+        if st is None or s.status != HOST or not s.host_valid or self._no_prefetch:
             return
         if self.used + s.nbytes > self.budget:
             return
         t0 = time.perf_counter()
-        self._start_fetch(s, st)
+        try:
+            self._start_fetch(s, st)
+        except torch.OutOfMemoryError:
+            if s.status is HOST and st.nbytes() > 0:  # allocated, then the copy's own work ran out
+                self._release_device(s, st)
+            self._no_prefetch = True
+            self._cur.prefetches_dropped += 1
+            return
         s.pf = True
         self._cur.bytes_prefetched += s.nbytes
         dt = time.perf_counter() - t0

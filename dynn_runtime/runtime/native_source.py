@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..errors import BudgetError, internal_assert
+from ..errors import BudgetError, frames_of, internal_assert
 from ..memory import format_bytes
 from ..policies.base import OPERATOR, TOUCH_ACCESS, TOUCH_ALLOC, TOUCH_FREE, Policy, tells_in_bulk
 from ..residency import Status
@@ -100,7 +100,12 @@ class NativeSource:
 
     def _keep_error(self, exc: BaseException) -> None:
         """A handler's error, without its traceback: the frames of the operator's caller would keep
-        the program's tensors alive until it is raised."""
+        the program's tensors alive until it is raised. Where it was raised is kept as a note (text,
+        no frame), which tracebacks print and a bench row keeps (``errors.where_raised``)."""
+        if self._pending_error is None:
+            at = frames_of(exc, 6)
+            if at:  # ``__notes__`` by hand: add_note is Python 3.11's
+                exc.__notes__ = [*getattr(exc, "__notes__", ()), f"raised in a native event handler at {at}"]
         exc.__traceback__ = None
         exc.__context__ = None
         if self._pending_error is None:

@@ -202,12 +202,14 @@ class PythonSource:
                 self._cur.prefetch_hits += 1
         if est and not self._measure_step:
             self.make_room(est, need, where)
+        rng = self._rng_before(func, args, kwargs)  # a random operator's generator, for a retry (oom.py)
         try:
             out = func(*args, **kwargs)
         except torch.OutOfMemoryError as exc:
             if not retryable(func):  # an in-place or out= operator may have written part of its result
                 raise
             self._room_after_oom(str(exc), need, where, est)
+            self._rng_restore(rng)  # the retry draws what the failed attempt drew
             try:  # once more (oom.py); a second OOM propagates with the first as its context
                 out = func(*args, **kwargs)
             except torch.OutOfMemoryError as again:

@@ -4,7 +4,8 @@ step that measures the peak for a fractional budget.
 :meth:`Steps.step` is the user's context manager. Whatever happens inside, even an exception while the
 step opens or closes, the manager ends between steps and usable (:meth:`Steps._leave_step`). At the
 end of a step its copies complete, collectives are released, what the program still holds from it
-comes back to the device and stays put, and statistics are kept (:class:`StepStats`). Phases come
+comes back to the device and stays put (after a failed step it stays where it is: the error's
+traceback holds it), and statistics are kept (:class:`StepStats`). Phases come
 from the model's root forward pre-hook (forward), autograd's current node (backward) and the
 optimizer's step pre/post hooks (optimizer).
 
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from .. import hints
+from .._log import logger
 from ..errors import BudgetError, ConfigError
 from ..hints import Hint
 from ..memory import format_bytes
@@ -67,13 +69,20 @@ class StepStats:
     copy); the one synchronization that closes a step is not counted."""
     managed: bool = True
     oom_retries: int = 0
-    """Operators retried after the caching allocator ran out inside them, once room was made
-    (runtime/oom.py)."""
+    """Operators and fetches retried after the caching allocator ran out inside them, once room was
+    made (runtime/oom.py)."""
+    prefetches_dropped: int = 0
+    """Prefetches dropped because the caching allocator ran out for them (their storages were then
+    fetched on demand; runtime/moves.py)."""
+    left_on_host: int = 0
+    """Storages the program holds at the step's end that could not come back (the allocator ran out
+    twice for one): they stay on the host, their copy valid, and come back at their next access."""
 
     def add(self, other: StepStats) -> None:
         for k in ("ops", "bytes_offloaded", "bytes_prefetched", "bytes_fetched_on_demand", "evictions",
                   "stall_seconds", "copy_seconds", "policy_seconds", "recomputed_ops", "prefetch_hits",
-                  "prefetch_misses", "wall_seconds", "decision_points", "host_syncs", "oom_retries"):
+                  "prefetch_misses", "wall_seconds", "decision_points", "host_syncs", "oom_retries",
+                  "prefetches_dropped", "left_on_host"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.peak_device_bytes = max(self.peak_device_bytes, other.peak_device_bytes)
         if other.budget_overshoot_bytes > self.budget_overshoot_bytes:
@@ -174,6 +183,8 @@ class Steps:
             self._forget_pending()
         self._cur = StepStats(step=self._step_index)
         self._oom_failed = ()
+        self._no_prefetch = False
+        self._cap_short = 0
         self._measuring = self.budget is None  # a fractional budget: this step measures the peak
         if self._measuring:
             self.budget = self._first_step_budget()
@@ -259,6 +270,11 @@ class Steps:
             if self.budget is not None and not self._measure_step:
                 self._overshoot(obs.peak - self.budget, f"the step's peak, operator position {obs.peak_position}")
             error, self._pending_error = self._pending_error, None  # raised once the step is closed
+            if isinstance(error, torch.OutOfMemoryError):  # a fault's fetch ran out, and again when retried
+                said = self._oom_error()
+                if said is not None:
+                    said.__cause__ = error
+                    error = said
         self._in_step = False
         self._cur.host_syncs += self.pool.syncs - self._pool_syncs0
         with no_mode():
@@ -267,14 +283,21 @@ class Steps:
             self._drain()
             # What the step made and the program still holds (the loss, outputs it keeps) goes back
             # on the device, and stays put from now on: it is the program's now, not the step's.
-            for s in list(self.st.values()):
-                if s.kind not in _MOVABLE_ALWAYS:
-                    if s.status != RESIDENT:
-                        try:
-                            self._fetch_now(s, budgeted=True, exclude={s.sid})
-                        except BudgetError:
-                            self._fetch_now(s, budgeted=False)  # over budget (an overshoot) beats losing it
-                    s.movable = False
+            # After a failed step (an error in it, or one a handler kept) it stays where it is,
+            # movable: the error's traceback holds the frames of the failed forward or backward and
+            # so their tensors, which need not fit the budget (nor a hard cap) together; each comes
+            # back at its next access.
+            if ok and error is None:
+                left = 0
+                for s in list(self.st.values()):
+                    if s.kind not in _MOVABLE_ALWAYS:
+                        if s.status != RESIDENT and not self._fetch_back(s):
+                            left += 1
+                        s.movable = False
+                if left:
+                    logger.warning("runtime: %d storage(s) the program holds after step %d stay on the host: the "
+                                   "caching allocator ran out bringing them back, also after room was made. "
+                                   "They come back at their next access.", left, self._step_index)
             self._sync()
             self._resolve_stalls()
         cur = self._cur
@@ -305,8 +328,7 @@ class Steps:
             if self.hard_cap and self.cuda:
                 self._apply_hard_cap()
         elif self.hard_cap and self.cuda and self.cap_bytes is not None:
-            if ok:
-                self._measure_cap_headroom()
+            self._measure_cap_headroom(ok)
             self._fit_to_cap()  # what the step left outside the storages (workspaces it created) counts next step
         self._measure_step = self._measuring = False
         self.steps.append(cur)
@@ -316,6 +338,22 @@ class Steps:
             raise BudgetError(msg)
         if error is not None:
             raise error
+
+    def _fetch_back(self, s: Any) -> bool:
+        """End of a step: bring ``s``, which the program holds, back on the device; within the budget
+        where room can be made, else over it (an overshoot beats losing it). False where the
+        allocator ran out for it, also once room was made (oom.py): ``s`` then stays on the host with
+        its valid copy (its next access fetches it), counted in ``StepStats.left_on_host``."""
+        where = "the end of the step"
+        try:
+            try:
+                self._fetch_now(s, budgeted=True, exclude={s.sid}, where=where, retry=True)
+            except BudgetError:
+                self._fetch_now(s, budgeted=False, where=where, retry=True)
+        except torch.OutOfMemoryError:
+            self._cur.left_on_host += 1
+            return False
+        return True
 
     def _root_forward(self) -> None:
         if not torch._C._current_autograd_node():

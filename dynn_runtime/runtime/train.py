@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import math
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._log import logger
 from ..budget import Budget, is_plain_number
 from ..errors import ConfigError, WorkloadError
 from ..policies.base import policy_class
@@ -310,10 +312,17 @@ def train_managed(
                 if on_step is not None:
                     on_step(step, loss, {**st.__dict__, "budget_bytes": mm.budget})
         finally:
+            failing = sys.exc_info()[1] is not None
             try:
                 res.stats = mm.stats()
                 res.timeline = mm.timeline()
-                mm.detach()
+                try:
+                    mm.detach()
+                except Exception as exc:
+                    if not failing:
+                        raise
+                    # the run's own error is what the caller must see; the manager stays attached
+                    logger.warning("train: detach() after a failed run failed too: %s", exc)
             finally:
                 if hard_cap and dev.type == "cuda":
                     torch.cuda.set_per_process_memory_fraction(1.0, dev)  # the cap belongs to this run only

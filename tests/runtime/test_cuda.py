@@ -7,12 +7,15 @@ source that loads here.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from dynn_runtime.runtime.events import resolve
 from dynn_runtime.runtime.manager import MemoryManager
-from dynn_runtime.runtime.train import deterministic, train_managed, train_unmanaged
+from dynn_runtime.runtime.train import deterministic, state_digests, train_managed, train_unmanaged
+from dynn_runtime.workload import load_workload, make_optimizer, to_device, train_step
 
 pytestmark = pytest.mark.gpu
 
@@ -175,3 +178,49 @@ def test_record_stream_is_honoured_on_managed_storages(events, monkeypatch):
             y = torch.empty(1024, 256, device="cuda")  # the same size: the freed block would fit
             assert y.data_ptr() != block, "a block recorded on a busy stream was handed out again"
         torch.cuda.synchronize()
+
+
+class _StepFailed(Exception):
+    pass
+
+
+def fail_then_train(device: str, budget: int | None, hard_cap: bool = False) -> tuple[list[float], str]:
+    """varlen ``small``: steps 0 and 1 train, step 2 raises after its forward (the error's traceback
+    holds that forward's activations while the step ends), steps 3 and 4 train; under a manager with
+    lru when ``budget`` is given. Returns the losses and the digest of the parameters and optimizer
+    state. (Also run on the CPU, with a logical budget: the session-25 notes in docs/benchmarks.md.)"""
+    wl = load_workload("varlen", preset="small", seed=0)
+    torch.manual_seed(0)
+    model = wl.model.to(device)
+    opt = make_optimizer(wl, model.parameters())
+    mm = None if budget is None else MemoryManager(budget, policy="lru", device=device, hard_cap=hard_cap)
+    if mm is not None:
+        mm.attach(model, opt)
+    losses = []
+    try:
+        for step in range(5):
+            batch = to_device(wl.make_batch(step), device)
+            try:
+                with mm.step() if mm is not None else contextlib.nullcontext():
+                    loss = wl.loss(model, batch) if step == 2 else train_step(wl, model, opt, batch)
+                    if step == 2:
+                        raise _StepFailed(f"step {step} fails after its forward")
+                losses.append(loss.item())
+            except _StepFailed:
+                pass  # any other error (an out-of-memory error of the step's end) fails the test
+            del batch, loss
+    finally:
+        if mm is not None:
+            mm.detach()
+    return losses, state_digests(model, opt)[0]
+
+
+@pytest.mark.parametrize("events", _sources())
+def test_a_failed_step_under_a_hard_cap_raises_its_own_error_and_training_goes_on(events, monkeypatch):
+    """Under a hard cap of a quarter of the peak, a step that fails after its forward ends with its own
+    error: what its frames hold, most of it away, stays on the host (bringing it back would exceed
+    the cap). The steps after it train bit for bit as PyTorch alone doing the same."""
+    monkeypatch.setenv("DYNN_EVENTS", events)
+    base = train_unmanaged("varlen", steps=3, preset="small", device="cuda")
+    cap = int(max(base.peak_bytes) * 0.25)
+    assert fail_then_train("cuda", cap, hard_cap=True) == fail_then_train("cuda", None)

@@ -7,22 +7,31 @@ sees that as the caching allocator's error; on the native source a Python kernel
 Python error, not ``c10::OutOfMemoryError``). The extension's ``dynn_test`` operators throw
 ``c10::OutOfMemoryError`` from C++ (``_C.arm_test_oom``): ``oom`` reaches the native observer's boxed
 fallback, ``oom_unboxed`` an unboxed kernel of the observer's, ``oom_`` writes in place. Each ``oom``
-result depends on all of its arguments, so a retry that lost one computes other numbers.
+result depends on all of its arguments, so a retry that lost one computes other numbers. The
+``oom_random`` operators (and ``dynn_oom_py::oom_random``) draw from their generator first and then
+run out: a retry draws the numbers of PyTorch alone only where the generator's state was restored.
+The manager's own allocations (fetches, prefetches, the end of a step) run out through
+``_failing_allocations``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from dynn_runtime.errors import BudgetError
+from dynn_runtime.errors import BudgetError, where_raised
+from dynn_runtime.policies.base import Action
+from dynn_runtime.policies.basic import LRUPolicy
 from dynn_runtime.runtime.copies import SyncCopies
 from dynn_runtime.runtime.events import native_module
 from dynn_runtime.runtime.manager import MemoryManager
-from dynn_runtime.runtime.oom import oom_request
+from dynn_runtime.runtime.oom import RANDOM_BY_NAME, cap_shortfall, oom_request
+from dynn_runtime.runtime.steps import Steps
 
 _native = native_module()
 
@@ -30,6 +39,7 @@ _PY_ARMED = [0]
 _PY_LIB = torch.library.Library("dynn_oom_py", "DEF")
 _PY_LIB.define("oom(Tensor x, Tensor? y=None, int[] dims=[]) -> Tensor")
 _PY_LIB.define("oom_(Tensor(a!) x) -> Tensor(a!)")
+_PY_LIB.define("oom_random(Tensor x, float p, *, Generator? generator=None) -> Tensor")
 
 
 def _py_check(name: str) -> None:
@@ -49,8 +59,15 @@ def _py_oom_(x):
     return x.mul_(2)
 
 
+def _py_oom_random(x, p, generator=None):
+    keep = torch.empty_like(x).bernoulli_(1 - p, generator=generator)  # draws, then runs out
+    _py_check("oom_random")
+    return x * keep / (1 - p)
+
+
 _PY_LIB.impl("oom", _py_oom, "CPU")
 _PY_LIB.impl("oom_", _py_oom_, "CPU")
+_PY_LIB.impl("oom_random", _py_oom_random, "CPU")
 
 
 def _py_arm(n: int) -> None:
@@ -240,11 +257,14 @@ def test_a_demand_fetch_that_runs_out_is_retried_after_room_is_made(events, monk
         assert st.oom_retries == 1 and st.evictions >= 2, "the offload, and room for the failed request"
 
 
-def test_a_demand_fetch_that_runs_out_twice_is_a_budget_error(monkeypatch):
-    """(Python source: on the native one a fetch is made in the fault handler, whose error is kept.)"""
+@pytest.mark.parametrize("events", [e for e in ("python", "native") if e == "python" or _native is not None])
+def test_a_demand_fetch_that_runs_out_twice_is_a_budget_error(events, monkeypatch):
+    """On the native source the fetch runs in the fault handler, whose error is kept: the operator
+    then raises instead of reading the empty storage (events.cpp, invariant 12), and the step ends
+    with the kept error, said as the retry's BudgetError."""
     left = _failing_allocations(monkeypatch)
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
-    with _mm("python", model, None) as mm:
+    with _mm(events, model, None) as mm:
         with pytest.raises(BudgetError, match=r"\(fetching a 64.0 KiB \w+ back\) ran out of device memory") as info, mm.step():
             h = model(torch.randn(64, 256))
             assert mm.offload(h) > 0
@@ -252,3 +272,302 @@ def test_a_demand_fetch_that_runs_out_twice_is_a_budget_error(monkeypatch):
             h.detach() + 0.0
         assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
         assert mm.steps[-1].oom_retries == 1
+        if events == "native":
+            assert "did not run" in str(info.value.__context__) and "could not bring it back" in str(info.value.__context__)
+
+
+# ---- random operators: the generator's state is restored for the retry ----------------------------
+
+def _random_op(family: str):
+    if family == "py":
+        return torch.ops.dynn_oom_py.oom_random, _py_arm
+    op = torch.ops.dynn_test.oom_random if family == "boxed" else torch.ops.dynn_test.oom_random_unboxed
+    return op, _native.arm_test_oom
+
+
+def _train_random(events: str | None, family: str, ooms: dict[int, int], generator: bool, steps: int = 3):
+    """As :func:`_train`, with a random operator (dropout-like) on the activations, drawing from the
+    default generator or from one of its own, armed to run out ``ooms[step]`` times."""
+    op, arm = _random_op(family)
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(7) if generator else None
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mm = _mm(events, model, opt) if events else None
+    outs = []
+    try:
+        for step in range(steps):
+            x = torch.randn(64, 256)
+            with mm.step() if mm is not None else contextlib.nullcontext():
+                h = model(x)
+                arm(ooms.get(step, 0))
+                z = op(h.detach(), 0.3, generator=gen)
+                loss = (h * z).mean() + torch.rand(()).item() * 0  # the default generator draws on after it
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            outs.append(z.clone())
+        retries = mm.stats()["oom_retries"] if mm is not None else 0
+    finally:
+        if mm is not None:
+            mm.detach()
+    return outs, [p.detach().clone() for p in model.parameters()], torch.randn(4), retries
+
+
+@pytest.mark.parametrize("generator", [False, True], ids=["default-generator", "own-generator"])
+@pytest.mark.parametrize("events,family", CASES)
+def test_a_random_operator_that_runs_out_is_retried_with_its_generator_restored(events, family, generator):
+    """The operator draws before it runs out: without the generator's state put back, the retry
+    draws other numbers (and the default generator's later draws shift too)."""
+    want_outs, want_params, want_next, _ = _train_random(None, family, {}, generator)
+    outs, params, after, retries = _train_random(events, family, {1: 1}, generator)
+    assert retries == 1
+    assert all(torch.equal(a, b) for a, b in zip(outs, want_outs, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(params, want_params, strict=True))
+    assert torch.equal(after, want_next), "the default generator's state after the run is PyTorch alone's"
+
+
+class _DrawThenRunOut(torch.utils._python_dispatch.TorchDispatchMode):
+    """Below the manager's dispatch mode: the next ``armed`` calls of ``target`` run (and draw) and then
+    raise the allocator's out-of-memory error, as a kernel that ran out after drawing would."""
+
+    def __init__(self, target) -> None:
+        super().__init__()
+        self.target, self.armed = target, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        metas = any(isinstance(a, torch.Tensor) and a.is_meta for a in args)  # the manager's size estimate
+        if func is self.target and self.armed > 0 and not metas:
+            self.armed -= 1
+            raise torch.OutOfMemoryError("out of memory (injected after drawing). Tried to allocate 1.00 MiB.")
+        return out
+
+
+@pytest.mark.parametrize("which", ["native_dropout", "multinomial"])
+def test_real_random_operators_retried_after_running_out_give_pytorchs_bits(which):
+    """aten::native_dropout (draws from the default generator, no Generator argument) and
+    aten::multinomial (a Generator argument): run out once after drawing, retried (Python source, where
+    a mode below the manager's can make a real operator run out) with the same numbers as PyTorch alone."""
+    target = torch.ops.aten.native_dropout.default if which == "native_dropout" else torch.ops.aten.multinomial.default
+
+    def run(managed: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        inject = _DrawThenRunOut(target)
+        with inject:
+            mm = _mm("python", model, opt) if managed else None
+            got = []
+            try:
+                for _ in range(3):
+                    x = torch.randn(32, 64)
+                    with mm.step() if mm is not None else contextlib.nullcontext():
+                        h = model(x)
+                        inject.armed = 1 if managed else 0
+                        if which == "native_dropout":
+                            r = torch.ops.aten.native_dropout(h, 0.4, True)[0]
+                        else:
+                            r = torch.multinomial(h.detach().softmax(-1), 8, replacement=True).float().mean() * h
+                        r.square().mean().backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                    got.append(r.detach().clone())
+                retries = mm.stats()["oom_retries"] if mm is not None else 0
+            finally:
+                if mm is not None:
+                    mm.detach()
+        return got, [p.detach().clone() for p in model.parameters()], retries
+
+    want, want_params, _ = run(False)
+    got, params, retries = run(True)
+    assert retries == 3
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(params, want_params, strict=True))
+
+
+def test_the_random_operator_lists_agree():
+    """oom.py's RANDOM_BY_NAME and events.cpp's random_by_name name the same operators."""
+    src = (Path(__file__).parents[2] / "dynn_runtime" / "csrc" / "events.cpp").read_text()
+    body = src[src.index("static bool random_by_name"):]
+    body = body[:body.index("}")]
+    assert set(re.findall(r'"(aten::\w+)"', body)) == set(RANDOM_BY_NAME)
+
+
+# ---- the manager's own allocations: prefetches and the end of a step ------------------------------
+
+class _Prefetcher(LRUPolicy):
+    """lru that asks, after every operator, to prefetch the storages in ``wanted``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wanted: list[int] = []
+
+    def after_op(self, position: int) -> list[Action]:
+        return [Action("prefetch", sid) for sid in self.wanted]
+
+
+_SOURCES = [e for e in ("python", "native") if e == "python" or _native is not None]
+
+
+@pytest.mark.parametrize("events", _SOURCES)
+def test_a_prefetch_that_runs_out_is_dropped_and_its_storage_fetched_on_demand(events, monkeypatch):
+    left = _failing_allocations(monkeypatch)
+    pol = _Prefetcher()
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    mm = MemoryManager(64 << 20, policy=pol, device="cpu", events=events, decide_every=1).attach(model)
+    try:
+        with mm.step():
+            a = model(torch.randn(64, 256)).detach() * 1.0
+            b = a * 2.0
+            want_a, want_b = a.clone(), b.clone()
+            assert mm.offload(a, b) > 0
+            pol.wanted = [mm._sid(a), mm._sid(b)]
+            left[0] = 1
+            c = torch.ones(8) * 3.0  # operators: the policy asks for both prefetches; the first runs out
+            c = c + 1.0
+            assert left[0] == 0
+            st = mm._cur
+            assert st.prefetches_dropped == 1 and st.bytes_prefetched == 0, "no other prefetch in this step"
+            assert mm.st[pol.wanted[0]].status == "host" and mm.st[pol.wanted[1]].status == "host"
+            pol.wanted = []
+            assert torch.equal(a + 0.0, want_a) and torch.equal(b + 0.0, want_b)  # fetched on demand
+        with mm.step():  # a new step prefetches again
+            d = b * 3.0
+            want_d = d.clone()
+            assert mm.offload(d) > 0
+            pol.wanted = [mm._sid(d)]
+            c = c + 1.0
+            assert mm._cur.bytes_prefetched > 0 and mm._cur.prefetches_dropped == 0
+            pol.wanted = []
+            assert torch.equal(d + 0.0, want_d)
+    finally:
+        mm.detach()
+
+
+@pytest.mark.parametrize("events", _SOURCES)
+def test_a_fetch_back_at_the_end_of_a_step_that_runs_out_leaves_the_storage_on_the_host(events, monkeypatch):
+    """What the program holds comes back at the step's end; where the allocator runs out for it, also
+    once room was made, it stays on the host (its copy valid) and comes back at its next access, and
+    the step ends without an error."""
+    left = _failing_allocations(monkeypatch)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    with _mm(events, model, None) as mm:
+        with mm.step():
+            kept = model(torch.randn(64, 256)).detach() * 1.0
+            want = kept.clone()
+            assert mm.offload(kept) > 0
+            left[0] = 2  # the fetch back and its retry
+        st = mm.steps[-1]
+        assert left[0] == 0 and st.left_on_host == 1 and st.oom_retries == 1
+        s = mm.st[mm._sid(kept)]
+        assert s.status == "host" and s.host_valid
+        assert torch.equal(kept + 0.0, want)  # its next access brings it back
+        assert s.status == "resident"
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 256))
+
+
+@pytest.mark.parametrize("events", _SOURCES)
+def test_a_failed_step_raises_its_own_error_and_leaves_what_is_away_on_the_host(events, monkeypatch):
+    """A step fails with a BudgetError while the program (the failed step's frames) holds activations
+    that are away; the allocator would run out bringing them back. The user gets the BudgetError, not
+    an out-of-memory error of the step's end; they stay on the host, and training goes on, with a
+    larger budget, bit for bit as PyTorch alone."""
+    left = _failing_allocations(monkeypatch)
+    end = Steps._end_step
+
+    def end_step(self, ok):  # the allocator is full from here on: any fetch-back runs out
+        left[0] = 10**6
+        return end(self, ok)
+
+    model, ref = _mlp(), _mlp()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    xs = [torch.randn(512, 256) for _ in range(3)]
+    params = sum(p.nbytes for p in model.parameters())
+    mm = MemoryManager(params + (2 << 20), policy="lru", device="cpu", events=events).attach(model, opt)
+    try:
+        monkeypatch.setattr(Steps, "_end_step", end_step)
+        with pytest.raises(BudgetError, match="smaller than what one operator needs") as info, mm.step():
+            h = model(xs[0])
+            torch.cat([h] * 64)  # reads h and makes 64 times it: more than the budget
+        monkeypatch.setattr(Steps, "_end_step", end)
+        left[0] = 0
+        assert not isinstance(info.value, torch.OutOfMemoryError)
+        away = [s for s in mm.st.values() if s.kind in ("activation", "temp") and s.status == "host"]
+        assert away and all(s.host_valid for s in away), "the failed step's activations stay on the host"
+        assert "aten::cat" in str(info.value)
+        if events == "native":  # raised in a handler, kept without its traceback: where is in a note
+            assert "raised in a native event handler at dynn_runtime/runtime/native_source.py" in where_raised(info.value)
+        del h, info
+        mm.budget = 1 << 40
+        ref(xs[0])
+        for x in xs[1:]:
+            with mm.step():
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            ref(x).square().mean().backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+    finally:
+        mm.detach()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
+
+
+# ---- under a hard cap: what the allocator lacked, and where a failure came from -------------------
+
+def test_the_cap_shortfall_is_read_from_the_allocators_message():
+    msg = ("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 139.81 GiB of which "
+           "139.00 GiB is free. Including non-PyTorch memory, this process has 130.00 MiB memory in use. 129.83 MiB "
+           "allowed; Of the allocated memory 117.17 MiB is allocated by PyTorch, and 2.83 MiB is reserved by "
+           "PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+           "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+    def mib(v):
+        return int(v * (1 << 20))
+
+    assert cap_shortfall(msg) == mib(20) + mib(117.17) + mib(2.83) - mib(129.83)
+    brief = "Tried to allocate 2.00 MiB ... 102.14 MiB allowed; 96.51 MiB allocated by PyTorch, 5.49 MiB reserved but unallocated"
+    assert cap_shortfall(brief) == mib(2) + mib(96.51) + mib(5.49) - mib(102.14)
+    assert cap_shortfall("CUDA out of memory. Tried to allocate 2.00 MiB.") is None  # no cap in the message
+
+
+def test_the_cap_headroom_takes_on_what_the_allocator_lacked():
+    mm = MemoryManager(100 << 20, policy="lru", device="cpu")
+    mm.cap_bytes = 100 << 20
+    room = mm._cap_room()
+    assert room == 25 << 20  # a quarter of the cap until measured
+    assert mm._next_cap_headroom(room, 10 << 20, 0) == 10 << 20  # measured, no shortfall: as measured
+    assert mm._next_cap_headroom(room, 10 << 20, 8 << 20) == room + (10 << 20)  # room + 1.25 x the shortfall
+    assert mm._next_cap_headroom(room, None, 8 << 20) == room + (10 << 20)  # a failed step learns it too
+    assert mm._next_cap_headroom(room, None, 0) == room
+    assert mm._next_cap_headroom(room, None, 200 << 20) == 50 << 20  # at most half the cap
+
+
+def test_where_a_failure_came_from_names_the_frames_and_the_errors_it_was_raised_from_or_during():
+    def inner():
+        raise BudgetError("runtime: the first error")
+
+    def during():
+        try:
+            inner()
+        except BudgetError:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")  # noqa: B904
+
+    def chained():
+        try:
+            inner()
+        except BudgetError as exc:
+            raise RuntimeError("second") from exc
+
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        during()
+    text = where_raised(info.value)
+    assert text.startswith("at tests/runtime/test_oom.py:") and " during" in text
+    assert "during BudgetError: runtime: the first error (at tests/runtime/test_oom.py:" in text and "inner" in text
+    with pytest.raises(RuntimeError) as info:
+        chained()
+    assert "from BudgetError: runtime: the first error" in where_raised(info.value)
