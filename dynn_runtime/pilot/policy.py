@@ -140,6 +140,10 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
     #: one call each (True), or each operator in its own kernel call (False: an experiment's setting,
     #: tools/pilot_host_cost.py --paired-kernel)
     batch_kernel: bool = True
+    #: a run's records packed by the C module ``kernel/pack.c`` where it is built (True), or by
+    #: :meth:`_pack_run_op` in Python (False: an experiment's setting, tools/pilot_host_cost.py
+    #: --paired-pack); the same words either way
+    native_pack: bool = True
 
     def __init__(self, config: PilotPolicyConfig | None = None, /, **options: Any) -> None:
         super().__init__()
@@ -498,14 +502,13 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         could see (a storage of the previous iteration), and a decision point or a poll of the
         worker after an operator (then :meth:`_after_update`)."""
         state = self._state
-        view = self.view
         small = self._small
-        fraction = self.small_fraction
         slot = state._slot
         free = state._free
         prev_idx = state._prev_idx
-        kind_of, saved_of, nbytes_of = view.kind, view.saved, view.nbytes
-        cls_of: dict[int, int] = {}  # the view is the batch's end throughout the call: a class per storage
+        nbytes_of = self.view.nbytes
+        ctx = self._pack_context()
+        pack = self._packer()
         sl = state.decays[1]
         group = state.group
         run: list[int] = []  # the records
@@ -557,43 +560,15 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                 allocs = op.allocs
                 prev_allocs = state._align(position, op)
                 (_, iv), (_, ivk) = state.native_iv(op)
-                acc = list({*op.inputs, *op.outputs, *op.writes})
                 na = len(allocs)
-                run += (_BATCH_OP, position, ph, ph, iv, ivk, na, len(accessed), len(acc), ph)
-                if allocs:
-                    self._pack_allocs(run, allocs, prev_allocs, prev_idx)
+                h = len(run)  # the header's count of touched storages is known once they are packed
+                run += (_BATCH_OP, position, ph, ph, iv, ivk, na, len(accessed), 0, ph)
                 told: list[int] = []
-                if fraction:  # SmallStorages.access, inlined (as in _operator_native)
-                    sizes, smalls, thr = small._bytes, small._small, small.fraction * small._peak
-                    for sid in accessed:
-                        s = slot.get(sid)
-                        if sizes.get(sid, 0) < thr:
-                            smalls.add(sid)
-                            sk = 1
-                        else:
-                            smalls.discard(sid)
-                            sk = 0
-                        if s is None:
-                            run += (-1, sid, 0, 0)
-                            continue
-                        c = cls_of.get(sid)
-                        if c is None:
-                            c = cls_of[sid] = storage_class(kind_of(sid), saved_of(sid), False)
-                        run += (s, sid, sk, c)
-                        told += (sid, s)
-                else:
-                    for sid in accessed:
-                        s = slot.get(sid)
-                        if s is None:
-                            run += (-1, sid, 0, 0)
-                            continue
-                        c = cls_of.get(sid)
-                        if c is None:
-                            c = cls_of[sid] = storage_class(kind_of(sid), saved_of(sid), False)
-                        run += (s, sid, small.small(sid), c)
-                        told += (sid, s)
-                acc_slots = [slot.get(sid, -1) for sid in acc]
-                run += acc_slots
+                acc, acc_slots, top = pack(run, told, ctx, prev_idx, allocs, prev_allocs, accessed,
+                                           op.inputs, op.outputs, op.writes)
+                run[h + 8] = len(acc)
+                if top >= len(self._skip):
+                    self._grow_due()
                 n = max(na, len(accessed), len(acc))
                 if n > widest:
                     widest = n
@@ -726,12 +701,85 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         marks.clear()
         freed.clear()
 
+    def _pack_context(self) -> tuple[Any, ...]:
+        """What :meth:`_pack_run_op` (and its C twin) read besides the operator, for one
+        ``on_operators`` call: the view is the batch's end throughout the call, so a storage's class
+        is read once per call (``cls_of``). The order is ``kernel/pack.c``'s (``C_SLOT`` ...)."""
+        state, view = self._state, self.view
+        kind_of, saved_of = view.kind, view.saved
+
+        def classify(sid: int) -> int:
+            return storage_class(kind_of(sid), saved_of(sid), False)
+
+        def grow() -> None:
+            state._grow(state._cap * 2)  # extends the same free list
+
+        return (state._slot, state._free, grow, view.nbytes, kind_of, saved_of, _KIND_IDX, _TEMP, self._small,
+                bool(self.small_fraction), {}, classify)
+
+    def _packer(self) -> Any:
+        """The per-operator packing of a run: the C module where it is built and ``native_pack`` is
+        set, else :meth:`_pack_run_op`."""
+        if self.native_pack:
+            from .kernel import packer
+
+            pack = packer()
+            if pack is not None:
+                return pack
+        return self._pack_run_op
+
+    def _pack_run_op(self, run: list[Any], told: list[int], ctx: tuple[Any, ...], prev_idx: dict[int, int],
+                     allocs: Sequence[int], prev_allocs: Sequence[int], accessed: Sequence[int],
+                     inputs: Sequence[int], outputs: Sequence[int], writes: Sequence[int]) -> tuple[list[int], list[int], int]:
+        """An operator's words of a run's record after its header: its allocations
+        (:meth:`_pack_allocs`), then per storage told as accessed its slot, sid, small class and
+        storage class (-1, sid, 0, 0 without a slot; ``told`` gets (sid, slot) of the others),
+        then the slots of what it touches, in the order of the set of its inputs, outputs and
+        writes. Returns that order, those slots and the largest slot allocated (-1: none).
+        ``kernel/pack.c`` does the same reads and writes in the same order."""
+        slot, _, _, _, kind_of, saved_of, _, _, small, fraction, cls_of, _ = ctx
+        top = self._pack_allocs(run, allocs, prev_allocs, prev_idx) if allocs else -1
+        if fraction:  # SmallStorages.access, inlined (as in _operator_native)
+            sizes, smalls, thr = small._bytes, small._small, small.fraction * small._peak
+            for sid in accessed:
+                s = slot.get(sid)
+                if sizes.get(sid, 0) < thr:
+                    smalls.add(sid)
+                    sk = 1
+                else:
+                    smalls.discard(sid)
+                    sk = 0
+                if s is None:
+                    run += (-1, sid, 0, 0)
+                    continue
+                c = cls_of.get(sid)
+                if c is None:
+                    c = cls_of[sid] = storage_class(kind_of(sid), saved_of(sid), False)
+                run += (s, sid, sk, c)
+                told += (sid, s)
+        else:
+            for sid in accessed:
+                s = slot.get(sid)
+                if s is None:
+                    run += (-1, sid, 0, 0)
+                    continue
+                c = cls_of.get(sid)
+                if c is None:
+                    c = cls_of[sid] = storage_class(kind_of(sid), saved_of(sid), False)
+                run += (s, sid, small.small(sid), c)
+                told += (sid, s)
+        acc = list({*inputs, *outputs, *writes})
+        acc_slots = [slot.get(sid, -1) for sid in acc]
+        run += acc_slots
+        return acc, acc_slots, top
+
     def _pack_allocs(self, words: list[int], allocs: Sequence[int], prev_allocs: Sequence[int],
-                     prev_idx: dict[int, int]) -> None:
+                     prev_idx: dict[int, int]) -> int:
         """Append an operator's allocations to the kernel's words, eight per storage (slot, sid, kind,
         saved, bytes, its and its match's index in the previous iteration, small), the same for one
         operator's call and a run's record. A storage without a slot takes one here
-        (FeatureState._new_slot; the kernel marks the slot active and writes its sid)."""
+        (FeatureState._new_slot; the kernel marks the slot active and writes its sid). Returns the
+        largest slot (the caller grows the policy's per-slot arrays to it)."""
         state, view, small, fraction = self._state, self.view, self._small, self.small_fraction
         slot, free = state._slot, state._free
         n_prev = len(prev_allocs)
@@ -748,8 +796,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             words += (s, sid, _KIND_IDX.get(view.kind(sid), _TEMP), 1 if view.saved(sid) else 0, nb,
                       prev_idx.get(sid, -1), prev_idx.get(prev_allocs[i], -1) if i < n_prev else -2,
                       small.alloc(sid, nb) if fraction else small.small(sid))
-        if top >= len(self._skip):
-            self._grow_due()
+        return top
 
     def _operator_native(self, position: int, op: Any, accessed: Sequence[int]) -> None:
         """The fused :meth:`on_operator` and :meth:`on_op`'s per-operator update in one kernel call
@@ -772,7 +819,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         prev_allocs = state._align(position, op)
         if allocs:
             prior = max(position, 0) + self._prior_rows[_PHASES.get(op.phase, 0)][0]
-            self._pack_allocs(words, allocs, prev_allocs, state._prev_idx)
+            if self._pack_allocs(words, allocs, prev_allocs, state._prev_idx) >= len(self._skip):
+                self._grow_due()
         if fraction:  # SmallStorages.access, inlined: class each again (the threshold is fixed from here)
             sizes, smalls, thr = small._bytes, small._small, small.fraction * small._peak
             for sid in accessed:

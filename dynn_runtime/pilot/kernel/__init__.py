@@ -34,13 +34,15 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 from ..._log import logger
 from .calls import NativeKernel
 from .tables import BatchTable, FusedTable, ModelTable, NativeHeap, PolicyTable, StateTable
 
 __all__ = ["available", "reason", "kernel", "resolve", "reset", "cache_dir", "source_hash", "SOURCES", "NativeKernel",
-           "PolicyTable", "StateTable", "ModelTable", "NativeHeap", "FusedTable", "BatchTable", "BACKENDS"]
+           "PolicyTable", "StateTable", "ModelTable", "NativeHeap", "FusedTable", "BatchTable", "BACKENDS", "packer",
+           "PACK_VERSION"]
 
 BACKENDS = ("native", "numpy")
 _DIR = Path(__file__).parent
@@ -229,6 +231,30 @@ def kernel() -> NativeKernel | None:
             else:
                 logger.debug("pilot: %s", _reason)
     return _kernel
+
+
+#: the interface of ``pack.c`` this package calls (its module's ``VERSION``); a build of another
+#: version (an editable checkout not rebuilt since the source changed) is not used
+PACK_VERSION = 1
+_packer: list = []
+
+
+def packer() -> Any:
+    """``pack`` of the C module ``_pack`` (``pack.c``: an operator's record of a run, packed from the
+    policy's dicts and sets), or None where it was not built, or was built from another version of
+    ``pack.c``: then the policy packs in Python (:meth:`PilotPolicy._pack_run_op
+    <dynn_runtime.pilot.policy.PilotPolicy._pack_run_op>`, the same words)."""
+    if not _packer:
+        try:
+            from . import _pack  # type: ignore[attr-defined]
+
+            fn = _pack.pack if getattr(_pack, "VERSION", None) == PACK_VERSION else None
+        except ImportError:
+            fn = None
+        if fn is None:
+            logger.debug("pilot: packing in Python (no _pack module of version %d)", PACK_VERSION)
+        _packer.append(fn)
+    return _packer[0]
 
 
 def available() -> bool:
