@@ -86,10 +86,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import PolicyError
-from ..policies.base import NO_CONTEXT, OPERATOR, TOUCH_ALLOC, Action, IterationContext, register
+from ..policies.base import NO_CONTEXT, OPERATOR, TOUCH_ALLOC, TOUCH_FREE, Action, IterationContext, register
 from ..policies.nextuse import NextUsePolicy
 from .config import PilotPolicyConfig, cached_model, default_weights_path
-from .features import _KIND_IDX, BUCKET_EDGES, CAND_FEATURES, FeatureState
+from .features import _KIND_IDX, _NATIVE_IV, BUCKET_EDGES, CAND_FEATURES, FeatureState
 from .heaps import PredictionHeaps, PyHeap
 from .replay import plan_scores
 from .scheduling import HANDOFF_COST, WORKER_COST, Scheduling, _Job
@@ -511,6 +511,11 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         pack = self._packer()
         sl = state.decays[1]
         group = state.group
+        walk = self._walker()
+        if walk is not None:
+            wctx = (self, state, sl, group, _NATIVE_IV, _PHASES, OPERATOR, TOUCH_FREE)
+            if type(events) is not list:
+                events = list(events)
         run: list[int] = []  # the records
         # per operator: (its end, position, its told storages with a slot, flat (sid, slot) pairs, its accesses
         # and their slots): the run's slots, not the slot map's, which is at the run's end
@@ -519,7 +524,24 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         widest = 0
         timer = self._timer
         t0 = timer()
-        for ev in events:
+        i, n_events = 0, len(events)
+        while i < n_events:
+            if walk is not None:
+                # the common events in C (kernel/pack.c's walk: this loop's work for them, the same writes
+                # in the same order); it stops before an event it leaves to this loop, or after an
+                # operator whose decision point is due
+                i, due, position, tick, widest = walk(events, i, ctx, wctx, prev_idx, run, marks, freed, widest)
+                if due:
+                    self._run_native(run, marks, freed, widest)
+                    widest = 0
+                    self.bookkeeping_s += timer() - t0
+                    self._after_update(position, tick)
+                    t0 = timer()
+                    continue
+                if i >= n_events:
+                    break
+            ev = events[i]
+            i += 1
             tag = ev[0]
             if tag == OPERATOR:
                 position, op, accessed = ev[1], ev[2], ev[3]
@@ -727,6 +749,15 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             if pack is not None:
                 return pack
         return self._pack_run_op
+
+    def _walker(self) -> Any:
+        """The C walk over a batch's common events (``kernel/pack.c``), where it is built and
+        ``native_pack`` is set; else None (the Python loop takes every event)."""
+        if not self.native_pack:
+            return None
+        from .kernel import walker
+
+        return walker()
 
     def _pack_run_op(self, run: list[Any], told: list[int], ctx: tuple[Any, ...], prev_idx: dict[int, int],
                      allocs: Sequence[int], prev_allocs: Sequence[int], accessed: Sequence[int],

@@ -15,7 +15,7 @@
 enum { C_SLOT, C_FREE, C_GROW, C_NBYTES, C_KIND, C_SAVED, C_KIND_IDX, C_TEMP, C_SMALL, C_FRACTION, C_CLS_OF,
        C_CLASSIFY, C_N };
 
-static PyObject *s_alloc, *s_small, *s_bytes, *s_fraction, *s_peak, *minus_one, *minus_two, *zero, *one;
+static PyObject *s_alloc, *s_small, *s_bytes, *s_fraction, *s_peak, *minus_one, *minus_two, *zero, *one, *two;
 
 static int append_new(PyObject *list, PyObject *v) { /* steals v */
   if (v == NULL) return -1;
@@ -26,12 +26,7 @@ static int append_new(PyObject *list, PyObject *v) { /* steals v */
 
 /* pack(run, told, ctx, prev_idx, allocs, prev_allocs, accessed, inputs, outputs, writes)
  *   -> (acc, acc_slots, top) */
-static PyObject *pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  (void)self;
-  if (nargs != 10) {
-    PyErr_SetString(PyExc_TypeError, "pilot pack: expected 10 arguments");
-    return NULL;
-  }
+static PyObject *pack_op(PyObject *const *args) {
   PyObject *run = args[0], *told = args[1], *ctx = args[2], *prev_idx = args[3];
   if (!PyList_Check(run) || !PyList_Check(told) || !PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) != C_N ||
       !PyDict_Check(prev_idx)) {
@@ -225,14 +220,396 @@ done:
   return result;
 }
 
+static PyObject *pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 10) {
+    PyErr_SetString(PyExc_TypeError, "pilot pack: expected 10 arguments");
+    return NULL;
+  }
+  return pack_op(args);
+}
+
+/* ---- the walk over a batch's events (PilotPolicy._operators_native's loop) ------------------------ */
+
+/* the walk context tuple PilotPolicy._walk_context builds (its order) */
+enum { W_POLICY, W_STATE, W_SL, W_GROUP, W_IV_CACHE, W_PHASES, W_OPERATOR, W_FREE, W_N };
+
+static PyObject *a_phase, *a_pending, *a_fwd_log, *a_fwd_node, *a_node, *a_mirror, *a_decays, *a_hist_decays,
+    *a_idiom, *a_bulk_phase, *a_ops, *a_allocs, *a_name, *a_module, *a_op_seen, *a_prev_ops, *a_prev_allocs,
+    *a_anchor, *a_skip, *a_grow_due, *a_position, *a_hist_allocs, *a_last_decision, *a_job, *a_force_decision,
+    *a_policy_phase, *a_inputs, *a_outputs, *a_writes, *a_live;
+
+/* a truth value of obj.attr (-1: error) */
+static int attr_true(PyObject *obj, PyObject *name) {
+  PyObject *v = PyObject_GetAttr(obj, name);
+  if (v == NULL) return -1;
+  int t = PyObject_IsTrue(v);
+  Py_DECREF(v);
+  return t;
+}
+
+/* obj.attr as a C long (error: -1 with an exception set) */
+static long attr_long(PyObject *obj, PyObject *name) {
+  PyObject *v = PyObject_GetAttr(obj, name);
+  if (v == NULL) return -1;
+  long x = PyLong_AsLong(v);
+  Py_DECREF(v);
+  return x;
+}
+
+static int set_long(PyObject *obj, PyObject *name, long x) {
+  PyObject *v = PyLong_FromLong(x);
+  if (v == NULL) return -1;
+  int rc = PyObject_SetAttr(obj, name, v);
+  Py_DECREF(v);
+  return rc;
+}
+
+/* One operator of the state's phase past the iteration's first, handled as the Python loop handles it.
+ * Returns 1: done, 0: left to Python (nothing was changed), -1: error. *tick and *decide: the decision
+ * point's inputs (FeatureState._tick, and whether _after_update must run now). */
+static int walk_op(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *prev_idx, PyObject *run, PyObject *marks,
+                   long *widest, int *tick, int *decide) {
+  PyObject *policy = w[W_POLICY], *state = w[W_STATE];
+  PyObject *pos_obj = PyTuple_GET_ITEM(ev, 1), *op = PyTuple_GET_ITEM(ev, 2), *accessed = PyTuple_GET_ITEM(ev, 3);
+  long position = PyLong_AsLong(pos_obj);
+  if (position == -1 && PyErr_Occurred()) return -1;
+  int rc = -1, left = 0;
+  PyObject *phase = NULL, *hit = NULL, *decays = NULL, *hist = NULL, *key = NULL, *allocs = NULL, *name = NULL,
+           *module = NULL, *seen = NULL, *prev_ops = NULL, *prev_allocs = NULL, *packed = NULL, *told = NULL,
+           *inputs = NULL, *outputs = NULL, *writes = NULL, *skip = NULL;
+  phase = PyObject_GetAttr(op, a_phase);
+  if (phase == NULL) goto done;
+  PyObject *ph_obj = PyDict_GetItemWithError(w[W_PHASES], phase);
+  if (ph_obj == NULL) {
+    if (!PyErr_Occurred()) left = 1; /* a phase the table does not know: Python says what it is */
+    goto done;
+  }
+  long ph = PyLong_AsLong(ph_obj), st_phase = attr_long(state, a_phase);
+  if (PyErr_Occurred()) goto done;
+  int pending = attr_true(policy, a_pending);
+  if (pending < 0) goto done;
+  int fwd_log = ph == 1 ? attr_true(state, a_fwd_log) : 0;
+  if (fwd_log < 0) goto done;
+  if (ph != st_phase || position == 0 || pending || (ph == 1 && fwd_log)) {
+    left = 1; /* a phase begins, the iteration's first operator, or the mirror is built: Python's fused paths */
+    goto done;
+  }
+  allocs = PyObject_GetAttr(op, a_allocs);
+  if (allocs == NULL) goto done;
+  Py_ssize_t na = PyObject_Length(allocs);
+  if (na < 0) goto done;
+  if (ph == 1) { /* FeatureState.enter in backward: a move of the mirror, or its links, stay in Python */
+    PyObject *node = PyObject_GetAttr(op, a_node);
+    if (node == NULL) {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) goto done;
+      PyErr_Clear();
+      node = PyLong_FromLong(-1);
+      if (node == NULL) goto done;
+    }
+    PyObject *fwd_node = PyObject_GetAttr(state, a_fwd_node);
+    if (fwd_node == NULL) { Py_DECREF(node); goto done; }
+    if (PyDict_Check(fwd_node)) {
+      hit = PyDict_GetItemWithError(fwd_node, node);
+      if (hit != NULL) Py_INCREF(hit);
+      else if (!PyErr_Occurred()) hit = Py_NewRef(Py_None);
+    } else {
+      PyErr_SetString(PyExc_TypeError, "pilot walk: the forward nodes are not a dict");
+    }
+    Py_DECREF(fwd_node);
+    Py_DECREF(node);
+    if (hit == NULL) goto done;
+    if (hit != Py_None) {
+      if (na) { left = 1; goto done; }
+      PyObject *mirror = PyObject_GetAttr(state, a_mirror);
+      if (mirror == NULL) goto done;
+      PyObject *target = PySequence_GetItem(hit, 0);
+      if (target == NULL) { Py_DECREF(mirror); goto done; }
+      int moves = PyObject_RichCompareBool(target, mirror, Py_NE);
+      Py_DECREF(target);
+      Py_DECREF(mirror);
+      if (moves < 0) goto done;
+      if (moves) { left = 1; goto done; }
+    }
+  }
+  /* FeatureState.native_iv, its cache hit only */
+  decays = PyObject_GetAttr(state, a_decays);
+  if (decays == NULL) goto done;
+  hist = PyObject_GetAttr(state, a_hist_decays);
+  if (hist == NULL) goto done;
+  if (decays != hist || !PyTuple_Check(decays) || PyTuple_GET_SIZE(decays) != 2) { left = 1; goto done; }
+  PyObject *idiom = PyObject_GetAttr(op, a_idiom);
+  if (idiom == NULL) goto done;
+  key = PyTuple_Pack(3, idiom, PyTuple_GET_ITEM(decays, 0), PyTuple_GET_ITEM(decays, 1));
+  Py_DECREF(idiom);
+  if (key == NULL) goto done;
+  PyObject *iv = PyDict_GetItemWithError(w[W_IV_CACHE], key);
+  if (iv == NULL) {
+    if (!PyErr_Occurred()) left = 1;
+    goto done;
+  }
+  PyObject *iv_addr = PyTuple_GET_ITEM(PyTuple_GET_ITEM(iv, 0), 1), *ivk_addr = PyTuple_GET_ITEM(PyTuple_GET_ITEM(iv, 1), 1);
+  /* from here on the operator is this walk's: the Python loop's writes, in its order */
+  if (PyObject_SetAttr(policy, a_bulk_phase, phase) < 0) goto done;
+  long ops = attr_long(policy, a_ops);
+  if ((ops == -1 && PyErr_Occurred()) || set_long(policy, a_ops, ops + 1) < 0) goto done;
+  /* FeatureState._align */
+  name = PyObject_GetAttr(op, a_name);
+  module = name ? PyObject_GetAttr(op, a_module) : NULL;
+  if (module == NULL) goto done;
+  PyObject *k3 = PyTuple_Pack(3, name, module, phase);
+  if (k3 == NULL) goto done;
+  seen = PyObject_GetAttr(state, a_op_seen);
+  if (seen == NULL) { Py_DECREF(k3); goto done; }
+  PyObject *c = PyDict_GetItemWithError(seen, k3);
+  if (c == NULL && PyErr_Occurred()) { Py_DECREF(k3); goto done; }
+  long cv = c == NULL ? 0 : PyLong_AsLong(c);
+  if (cv == -1 && PyErr_Occurred()) { Py_DECREF(k3); goto done; }
+  PyObject *c1 = PyLong_FromLong(cv + 1);
+  int bad = c1 == NULL || PyDict_SetItem(seen, k3, c1) < 0;
+  Py_XDECREF(c1);
+  Py_DECREF(k3);
+  if (bad) goto done;
+  PyObject *cobj = PyLong_FromLong(cv);
+  PyObject *k4 = cobj ? PyTuple_Pack(4, name, module, phase, cobj) : NULL;
+  Py_XDECREF(cobj);
+  if (k4 == NULL) goto done;
+  prev_ops = PyObject_GetAttr(state, a_prev_ops);
+  PyObject *q = prev_ops ? PyDict_GetItemWithError(prev_ops, k4) : NULL;
+  Py_DECREF(k4);
+  if (q == NULL && PyErr_Occurred()) goto done;
+  if (q == NULL) {
+    prev_allocs = PyTuple_New(0);
+  } else {
+    PyObject *anchor = PyTuple_Pack(2, pos_obj, q);
+    if (anchor == NULL) goto done;
+    bad = PyObject_SetAttr(state, a_anchor, anchor) < 0;
+    Py_DECREF(anchor);
+    if (bad) goto done;
+    PyObject *pa = PyObject_GetAttr(state, a_prev_allocs);
+    if (pa == NULL) goto done;
+    if (PyDict_Check(pa)) {
+      prev_allocs = PyDict_GetItemWithError(pa, q);
+      if (prev_allocs != NULL) Py_INCREF(prev_allocs);
+      else if (!PyErr_Occurred()) prev_allocs = PyTuple_New(0);
+    } else {
+      PyErr_SetString(PyExc_TypeError, "pilot walk: the previous iteration's allocations are not a dict");
+    }
+    Py_DECREF(pa);
+  }
+  if (prev_allocs == NULL) goto done;
+  /* the record: header, allocations, accesses, what it touches (PilotPolicy._pack_run_op) */
+  Py_ssize_t h = PyList_GET_SIZE(run);
+  Py_ssize_t n_told = PyObject_Length(accessed);
+  if (n_told < 0) goto done;
+  long head[10] = {1, position, ph, ph, 0, 0, (long)na, (long)n_told, 0, ph};
+  for (int j = 0; j < 10; j++) {
+    PyObject *x = j == 4 ? (Py_INCREF(iv_addr), iv_addr) : j == 5 ? (Py_INCREF(ivk_addr), ivk_addr) : PyLong_FromLong(head[j]);
+    if (append_new(run, x) < 0) goto done;
+  }
+  told = PyList_New(0);
+  inputs = told ? PyObject_GetAttr(op, a_inputs) : NULL;
+  outputs = inputs ? PyObject_GetAttr(op, a_outputs) : NULL;
+  writes = outputs ? PyObject_GetAttr(op, a_writes) : NULL;
+  if (writes == NULL) goto done;
+  PyObject *pargs[10] = {run, told, ctx, prev_idx, allocs, prev_allocs, accessed, inputs, outputs, writes};
+  packed = pack_op(pargs);
+  if (packed == NULL) goto done;
+  PyObject *acc = PyTuple_GET_ITEM(packed, 0), *acc_slots = PyTuple_GET_ITEM(packed, 1);
+  long top = PyLong_AsLong(PyTuple_GET_ITEM(packed, 2));
+  Py_ssize_t n_acc = PyList_GET_SIZE(acc);
+  PyObject *nacc = PyLong_FromSsize_t(n_acc);
+  if (nacc == NULL || PyList_SetItem(run, h + 8, nacc) < 0) goto done;
+  skip = PyObject_GetAttr(policy, a_skip);
+  if (skip == NULL) goto done;
+  Py_ssize_t n_skip = PyObject_Length(skip);
+  if (n_skip < 0) goto done;
+  if (top >= n_skip) {
+    PyObject *r = PyObject_CallMethodNoArgs(policy, a_grow_due);
+    if (r == NULL) goto done;
+    Py_DECREF(r);
+  }
+  long n = (long)na;
+  if ((long)n_told > n) n = (long)n_told;
+  if ((long)n_acc > n) n = (long)n_acc;
+  if (n > *widest) *widest = n;
+  PyObject *nrun = PyLong_FromSsize_t(PyList_GET_SIZE(run));
+  PyObject *mark = nrun ? Py_BuildValue("(NOOOOO)", nrun, pos_obj, told, acc, acc_slots, ph_obj) : NULL;
+  if (append_new(marks, mark) < 0) goto done;
+  /* FeatureState.enter in the same phase past the first operator, and _tick */
+  if (PyObject_SetAttr(state, a_position, pos_obj) < 0) goto done;
+  if (ph == 0) {
+    PyObject *log = PyObject_GetAttr(state, a_fwd_log);
+    if (log == NULL) goto done;
+    PyObject *entry = PyTuple_Pack(2, pos_obj, op);
+    bad = entry == NULL || PyList_Append(log, entry) < 0;
+    Py_XDECREF(entry);
+    Py_DECREF(log);
+    if (bad) goto done;
+  }
+  PyObject *ha = PyObject_GetAttr(state, a_hist_allocs);
+  if (ha == NULL) goto done;
+  double hv = PyFloat_AsDouble(ha), sl = PyFloat_AsDouble(w[W_SL]);
+  Py_DECREF(ha);
+  if (PyErr_Occurred()) goto done;
+  PyObject *hn = PyFloat_FromDouble(hv * sl + (double)na * (1.0 - sl));
+  if (hn == NULL) goto done;
+  bad = PyObject_SetAttr(state, a_hist_allocs, hn) < 0;
+  Py_DECREF(hn);
+  if (bad) goto done;
+  long last = attr_long(state, a_last_decision), group = PyLong_AsLong(w[W_GROUP]);
+  if (PyErr_Occurred()) goto done;
+  *tick = position - last >= group;
+  if (*tick && PyObject_SetAttr(state, a_last_decision, pos_obj) < 0) goto done;
+  /* what _after_update would do: nothing unless a decision point is due or the worker holds one */
+  PyObject *job = PyObject_GetAttr(policy, a_job);
+  if (job == NULL) goto done;
+  int busy = job != Py_None;
+  Py_DECREF(job);
+  int force = attr_true(policy, a_force_decision);
+  if (force < 0) goto done;
+  PyObject *pph = PyObject_GetAttr(policy, a_policy_phase);
+  if (pph == NULL) goto done;
+  PyObject *sph = PyObject_GetAttr(state, a_phase);
+  if (sph == NULL) { Py_DECREF(pph); goto done; }
+  int other = PyObject_RichCompareBool(pph, sph, Py_NE);
+  Py_DECREF(pph);
+  Py_DECREF(sph);
+  if (other < 0) goto done;
+  *decide = *tick || busy || force || other;
+  rc = 1;
+done:
+  Py_XDECREF(phase);
+  Py_XDECREF(hit);
+  Py_XDECREF(decays);
+  Py_XDECREF(hist);
+  Py_XDECREF(key);
+  Py_XDECREF(allocs);
+  Py_XDECREF(name);
+  Py_XDECREF(module);
+  Py_XDECREF(seen);
+  Py_XDECREF(prev_ops);
+  Py_XDECREF(prev_allocs);
+  Py_XDECREF(packed);
+  Py_XDECREF(told);
+  Py_XDECREF(inputs);
+  Py_XDECREF(outputs);
+  Py_XDECREF(writes);
+  Py_XDECREF(skip);
+  if (rc < 0 && left && !PyErr_Occurred()) rc = 0;
+  return rc;
+}
+
+/* A death, inlined as the Python loop inlines it (FeatureState.free into the run, SmallStorages.free).
+ * Returns 1: done, 0: left to Python (a storage of the previous iteration while a run is open), -1: error. */
+static int walk_free(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *prev_idx, PyObject *run, PyObject *freed) {
+  PyObject *sid = PyTuple_GET_ITEM(ev, 1);
+  int in_prev = PyDict_Contains(prev_idx, sid);
+  if (in_prev < 0) return -1;
+  if (in_prev && PyList_GET_SIZE(run)) return 0;
+  PyObject *slot = PyTuple_GET_ITEM(ctx, C_SLOT), *free_list = PyTuple_GET_ITEM(ctx, C_FREE),
+           *small = PyTuple_GET_ITEM(ctx, C_SMALL);
+  PyObject *s = PyDict_GetItemWithError(slot, sid);
+  if (s == NULL && PyErr_Occurred()) return -1;
+  if (s != NULL) {
+    Py_INCREF(s);
+    if (PyDict_DelItem(slot, sid) < 0) { Py_DECREF(s); return -1; }
+    long st_phase = attr_long(w[W_STATE], a_phase);
+    if (st_phase == -1 && PyErr_Occurred()) { Py_DECREF(s); return -1; }
+    /* the record: (_BATCH_FREE, slot, whether it reports its log_bytes) */
+    int bad = PyList_Append(run, two) < 0 || PyList_Append(run, s) < 0 || PyList_Append(run, st_phase == 0 ? one : zero) < 0 ||
+          (st_phase == 0 && PyList_Append(freed, sid) < 0) || PyList_Append(free_list, s) < 0;
+    Py_DECREF(s);
+    if (bad) return -1;
+  }
+  PyObject *sizes = PyObject_GetAttr(small, s_bytes);
+  if (sizes == NULL) return -1;
+  PyObject *b = PyDict_GetItemWithError(sizes, sid);
+  if (b == NULL && PyErr_Occurred()) { Py_DECREF(sizes); return -1; }
+  PyObject *nb = b != NULL ? b : zero;
+  Py_INCREF(nb);
+  if (b != NULL && PyDict_DelItem(sizes, sid) < 0) { Py_DECREF(nb); Py_DECREF(sizes); return -1; }
+  Py_DECREF(sizes);
+  PyObject *live = PyObject_GetAttr(small, a_live);
+  PyObject *left = live ? PyNumber_Subtract(live, nb) : NULL;
+  Py_XDECREF(live);
+  Py_DECREF(nb);
+  if (left == NULL) return -1;
+  int bad = PyObject_SetAttr(small, a_live, left) < 0;
+  Py_DECREF(left);
+  if (bad) return -1;
+  PyObject *smalls = PyObject_GetAttr(small, s_small);
+  if (smalls == NULL) return -1;
+  bad = PySet_Discard(smalls, sid) < 0;
+  Py_DECREF(smalls);
+  return bad ? -1 : 1;
+}
+
+/* walk(events, i, ctx, wctx, prev_idx, run, marks, freed, widest) -> (i, decide, position, tick, widest)
+ * From event i, the events the Python loop handles the common way; stops before the first it leaves to
+ * Python (decide False) or after an operator whose decision point is due (decide True: the run goes to
+ * the kernel and _after_update(position, tick) runs next), or at the end. */
+static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 9) {
+    PyErr_SetString(PyExc_TypeError, "pilot walk: expected 9 arguments");
+    return NULL;
+  }
+  PyObject *events = args[0], *ctx = args[2], *wctx = args[3], *prev_idx = args[4], *run = args[5], *marks = args[6],
+           *freed = args[7];
+  Py_ssize_t i = PyLong_AsSsize_t(args[1]);
+  long widest = PyLong_AsLong(args[8]);
+  if (PyErr_Occurred()) return NULL;
+  if (!PyList_Check(events) || !PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) != C_N || !PyTuple_Check(wctx) ||
+      PyTuple_GET_SIZE(wctx) != W_N || !PyDict_Check(prev_idx) || !PyList_Check(run) || !PyList_Check(marks) ||
+      !PyList_Check(freed) || !PyDict_Check(PyTuple_GET_ITEM(wctx, W_IV_CACHE)) ||
+      !PyDict_Check(PyTuple_GET_ITEM(wctx, W_PHASES))) {
+    PyErr_SetString(PyExc_TypeError, "pilot walk: arguments of the wrong types");
+    return NULL;
+  }
+  PyObject *const *w = &PyTuple_GET_ITEM(wctx, 0);
+  Py_ssize_t n = PyList_GET_SIZE(events);
+  int decide = 0, tick = 0;
+  PyObject *position = Py_None;
+  while (i < n) {
+    PyObject *ev = PyList_GET_ITEM(events, i);
+    if (!PyTuple_Check(ev) || PyTuple_GET_SIZE(ev) < 2) break;
+    PyObject *tag = PyTuple_GET_ITEM(ev, 0);
+    int eq = PyObject_RichCompareBool(tag, w[W_OPERATOR], Py_EQ), rc;
+    if (eq < 0) return NULL;
+    if (eq) {
+      if (PyTuple_GET_SIZE(ev) != 4) break;
+      Py_INCREF(ev); /* the walk's calls into Python must not free it */
+      rc = walk_op(ev, w, ctx, prev_idx, run, marks, &widest, &tick, &decide);
+      if (rc > 0) position = PyTuple_GET_ITEM(ev, 1);
+      Py_DECREF(ev);
+    } else {
+      eq = PyObject_RichCompareBool(tag, w[W_FREE], Py_EQ);
+      if (eq < 0) return NULL;
+      if (!eq) break; /* a birth between operators: on_alloc in Python */
+      Py_INCREF(ev);
+      rc = walk_free(ev, w, ctx, prev_idx, run, freed);
+      Py_DECREF(ev);
+    }
+    if (rc < 0) return NULL;
+    if (rc == 0) break;
+    i++;
+    if (decide) break;
+  }
+  return Py_BuildValue("(niOil)", i, decide, position, tick, widest);
+}
+
 static PyMethodDef methods[] = {
     {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL,
      "pack(run, told, ctx, prev_idx, allocs, prev_allocs, accessed, inputs, outputs, writes) -> "
      "(acc, acc_slots, top): PilotPolicy._pack_run_op in C"},
+    {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
+     "walk(events, i, ctx, wctx, prev_idx, run, marks, freed, widest) -> (i, decide, position, tick, widest): "
+     "the common events of PilotPolicy._operators_native's loop in C"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pack", "The pilot's per-operator packing in C.", -1,
-                                    methods};
+                                    methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__pack(void) {
   s_alloc = PyUnicode_InternFromString("alloc");
@@ -244,10 +621,22 @@ PyMODINIT_FUNC PyInit__pack(void) {
   minus_two = PyLong_FromLong(-2);
   zero = PyLong_FromLong(0);
   one = PyLong_FromLong(1);
-  if (!s_alloc || !s_small || !s_bytes || !s_fraction || !s_peak || !minus_one || !minus_two || !zero || !one)
+  two = PyLong_FromLong(2);
+  if (!two || !s_alloc || !s_small || !s_bytes || !s_fraction || !s_peak || !minus_one || !minus_two || !zero || !one)
     return NULL;
+  struct { PyObject **p; const char *s; } names[] = {
+      {&a_phase, "phase"}, {&a_pending, "_pending"}, {&a_fwd_log, "_fwd_log"}, {&a_fwd_node, "_fwd_node"},
+      {&a_node, "node"}, {&a_mirror, "_mirror"}, {&a_decays, "decays"}, {&a_hist_decays, "_hist_decays"},
+      {&a_idiom, "idiom"}, {&a_bulk_phase, "_bulk_phase"}, {&a_ops, "ops"}, {&a_allocs, "allocs"}, {&a_name, "name"},
+      {&a_module, "module"}, {&a_op_seen, "_op_seen"}, {&a_prev_ops, "_prev_ops"}, {&a_prev_allocs, "_prev_allocs"},
+      {&a_anchor, "_anchor"}, {&a_skip, "_skip"}, {&a_grow_due, "_grow_due"}, {&a_position, "position"},
+      {&a_hist_allocs, "_hist_allocs"}, {&a_last_decision, "_last_decision"}, {&a_job, "_job"},
+      {&a_force_decision, "_force_decision"}, {&a_policy_phase, "_phase"}, {&a_inputs, "inputs"},
+      {&a_outputs, "outputs"}, {&a_writes, "writes"}, {&a_live, "_live"}};
+  for (size_t j = 0; j < sizeof(names) / sizeof(names[0]); j++)
+    if ((*names[j].p = PyUnicode_InternFromString(names[j].s)) == NULL) return NULL;
   PyObject *m = PyModule_Create(&module);
-  if (m != NULL && PyModule_AddIntConstant(m, "VERSION", 1) /* kernel.PACK_VERSION */ < 0) {
+  if (m != NULL && PyModule_AddIntConstant(m, "VERSION", 2) /* kernel.PACK_VERSION */ < 0) {
     Py_DECREF(m);
     return NULL;
   }
