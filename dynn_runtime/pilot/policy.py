@@ -86,8 +86,18 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import PolicyError
-from ..policies.base import NO_CONTEXT, OPERATOR, TOUCH_ALLOC, TOUCH_FREE, Action, IterationContext, register
+from ..policies.base import (
+    NO_CONTEXT,
+    OPERATOR,
+    TOUCH_ALLOC,
+    TOUCH_FREE,
+    Action,
+    IterationContext,
+    SmallStorages,
+    register,
+)
 from ..policies.nextuse import NextUsePolicy
+from ..residency import Residency
 from .config import PilotPolicyConfig, cached_model, default_weights_path
 from .features import _KIND_IDX, _NATIVE_IV, BUCKET_EDGES, CAND_FEATURES, FeatureState
 from .heaps import PredictionHeaps, PyHeap
@@ -107,11 +117,16 @@ _OPTIMIZER = _PHASES["optimizer"]
 _BATCH_OP, _BATCH_FREE, _BATCH_LINK = 1, 2, 3
 
 
+#: the kinds of which a saved storage is a saved activation (class 2)
+_SAVED_KINDS = ("activation", "temp", "input")
+
+
 def storage_class(kind: str, saved: bool, fresh: bool) -> int:
-    """Row of the provisional prior: 0 just allocated, 1 persistent, 2 saved activation, 3 gradient, 4 other."""
+    """Row of the provisional prior: 0 just allocated, 1 persistent, 2 saved activation, 3 gradient, 4 other
+    (``kernel/pack.c``'s ``storage_class`` too)."""
     if fresh:
         return 0
-    if saved and kind in ("activation", "temp", "input"):
+    if saved and kind in _SAVED_KINDS:
         return 2
     return _CLASS_OF_KIND.get(kind, 4)
 
@@ -726,7 +741,10 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
     def _pack_context(self) -> tuple[Any, ...]:
         """What :meth:`_pack_run_op` (and its C twin) read besides the operator, for one
         ``on_operators`` call: the view is the batch's end throughout the call, so a storage's class
-        is read once per call (``cls_of``). The order is ``kernel/pack.c``'s (``C_SLOT`` ...)."""
+        is read once per call (``cls_of``). The order is ``kernel/pack.c``'s (``C_SLOT`` ...); the
+        last four are the C packing's alone: the view's record table where the view reads it there,
+        the storage-class tables, and whether the small-storage classes are the plain
+        ``SmallStorages`` (whose ``alloc`` and ``access`` it then does itself)."""
         state, view = self._state, self.view
         kind_of, saved_of = view.kind, view.saved
 
@@ -736,8 +754,14 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         def grow() -> None:
             state._grow(state._cap * 2)  # extends the same free list
 
+        # the live runtime's view reads its record table (Residency: ``st[sid].nbytes``, ``.kind``,
+        # ``.saved``): the C packing reads the records there instead of calling the view
+        v = type(view)
+        table = (view.st if isinstance(view, Residency) and v.nbytes is Residency.nbytes and v.kind is Residency.kind
+                 and v.saved is Residency.saved else None)
         return (state._slot, state._free, grow, view.nbytes, kind_of, saved_of, _KIND_IDX, _TEMP, self._small,
-                bool(self.small_fraction), {}, classify)
+                bool(self.small_fraction), {}, classify, table, _CLASS_OF_KIND, _SAVED_KINDS,
+                type(self._small) is SmallStorages)
 
     def _packer(self) -> Any:
         """The per-operator packing of a run: the C module where it is built and ``native_pack`` is
@@ -768,7 +792,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         then the slots of what it touches, in the order of the set of its inputs, outputs and
         writes. Returns that order, those slots and the largest slot allocated (-1: none).
         ``kernel/pack.c`` does the same reads and writes in the same order."""
-        slot, _, _, _, kind_of, saved_of, _, _, small, fraction, cls_of, _ = ctx
+        slot, _, _, _, kind_of, saved_of, _, _, small, fraction, cls_of = ctx[:11]
         top = self._pack_allocs(run, allocs, prev_allocs, prev_idx) if allocs else -1
         if fraction:  # SmallStorages.access, inlined (as in _operator_native)
             sizes, smalls, thr = small._bytes, small._small, small.fraction * small._peak

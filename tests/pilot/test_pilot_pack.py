@@ -13,6 +13,7 @@ from dynn_runtime.pilot import kernel as native
 from dynn_runtime.pilot.features import _KIND_IDX
 from dynn_runtime.pilot.policy import _TEMP, PilotPolicy
 from dynn_runtime.policies.base import SmallStorages
+from dynn_runtime.residency import Record, Residency
 
 pytestmark = pytest.mark.skipif(native.packer() is None, reason="the C packing module (_pack) is not built")
 
@@ -33,6 +34,8 @@ class _State:
 
 
 class _View:
+    """A view answering through its calls (the C packing calls them)."""
+
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
         self.sizes: dict[int, int] = {}
@@ -54,6 +57,19 @@ class _View:
         return self.saved_[sid]
 
 
+class _RecordView(Residency):
+    """The live runtime's kind of view: Residency's reads of a record table (the C packing reads the
+    records)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.st: dict[int, Record] = {}
+
+    def born(self, sid: int) -> None:
+        self.st[sid] = Record(sid, self.rng.choice((4, 64, 1 << 10, 1 << 16, 1 << 20)), self.rng.choice(_KINDS),
+                              self.rng.random() < 0.3)
+
+
 def _policy(view: _View, fraction: float) -> PilotPolicy:
     """A pilot with only what the packing reads (no model, no runtime)."""
     pol = PilotPolicy.__new__(PilotPolicy)
@@ -71,15 +87,18 @@ def _context(pol: PilotPolicy) -> tuple:
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.05])
-def test_pack_writes_what_the_python_packing_writes(fraction):
+@pytest.mark.parametrize("view_cls", [_View, _RecordView])
+def test_pack_writes_what_the_python_packing_writes(fraction, view_cls):
     """Random operators (allocations new and announced again, accesses with and without a slot, some
     storages freed between them, the slot map growing): after every one, the C packing and the Python
-    packing have appended the same words and told pairs and left the same state."""
+    packing have appended the same words and told pairs and left the same state; whether the C side
+    calls the view or reads its record table."""
     rng = random.Random(7)
-    view = _View(rng)
+    view = view_cls(rng)
     py, c = _policy(view, fraction), _policy(view, fraction)
     pack = native.packer()
     py_ctx, c_ctx = _context(py), _context(c)
+    assert (c_ctx[12] is view.st) if view_cls is _RecordView else c_ctx[12] is None
     prev_idx = {sid: rng.randrange(50) for sid in range(0, 400, 3)}
     next_sid, live = 0, []
     grew = 0

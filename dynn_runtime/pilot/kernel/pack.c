@@ -13,9 +13,85 @@
 
 /* the context tuple PilotPolicy._pack_context builds (its order) */
 enum { C_SLOT, C_FREE, C_GROW, C_NBYTES, C_KIND, C_SAVED, C_KIND_IDX, C_TEMP, C_SMALL, C_FRACTION, C_CLS_OF,
-       C_CLASSIFY, C_N };
+       C_CLASSIFY, C_TABLE, C_CLASS_OF_KIND, C_SAVED_KINDS, C_PLAIN_SMALL, C_N };
 
 static PyObject *s_alloc, *s_small, *s_bytes, *s_fraction, *s_peak, *minus_one, *minus_two, *zero, *one, *two;
+
+static PyObject *a_nbytes, *a_kind, *a_saved, *s_live;
+
+/* the view's nbytes, kind or saved of sid: from the record table where the view reads it there
+ * (Residency: ``st[sid].<field>``), else through the view's call (a new reference) */
+static PyObject *view_read(PyObject *table, PyObject *field, PyObject *call, PyObject *sid) {
+  if (table == Py_None) return PyObject_CallOneArg(call, sid);
+  PyObject *rec = PyDict_GetItemWithError(table, sid);
+  if (rec == NULL) {
+    if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, sid);
+    return NULL;
+  }
+  return PyObject_GetAttr(rec, field);
+}
+
+/* policies.base.SmallStorages.access (the class is plain: C_PLAIN_SMALL) */
+static PyObject *small_access(PyObject *small, PyObject *sid) {
+  PyObject *sizes = PyObject_GetAttr(small, s_bytes), *f = NULL, *peak = NULL, *thr = NULL, *smalls = NULL;
+  PyObject *out = NULL;
+  if (sizes == NULL || (f = PyObject_GetAttr(small, s_fraction)) == NULL || (peak = PyObject_GetAttr(small, s_peak)) == NULL ||
+      (thr = PyNumber_Multiply(f, peak)) == NULL || (smalls = PyObject_GetAttr(small, s_small)) == NULL)
+    goto done;
+  PyObject *b = PyDict_GetItemWithError(sizes, sid);
+  if (b == NULL && PyErr_Occurred()) goto done;
+  int lt = PyObject_RichCompareBool(b != NULL ? b : zero, thr, Py_LT);
+  if (lt < 0 || (lt ? PySet_Add(smalls, sid) : PySet_Discard(smalls, sid)) < 0) goto done;
+  out = Py_NewRef(lt ? Py_True : Py_False);
+done:
+  Py_XDECREF(sizes);
+  Py_XDECREF(f);
+  Py_XDECREF(peak);
+  Py_XDECREF(thr);
+  Py_XDECREF(smalls);
+  return out;
+}
+
+/* policies.base.SmallStorages.alloc */
+static PyObject *small_alloc(PyObject *small, PyObject *sid, PyObject *nb) {
+  PyObject *sizes = PyObject_GetAttr(small, s_bytes), *live = NULL, *peak = NULL, *x = NULL;
+  PyObject *out = NULL;
+  if (sizes == NULL || (live = PyObject_GetAttr(small, s_live)) == NULL) goto done;
+  PyObject *old = PyDict_GetItemWithError(sizes, sid);
+  if (old == NULL && PyErr_Occurred()) goto done;
+  if (old != NULL) {
+    x = PyNumber_Subtract(live, old);
+    if (x == NULL) goto done;
+    Py_SETREF(live, x);
+    x = NULL;
+  }
+  if (PyDict_SetItem(sizes, sid, nb) < 0 || (x = PyNumber_Add(live, nb)) == NULL) goto done;
+  Py_SETREF(live, x);
+  x = NULL;
+  if (PyObject_SetAttr(small, s_live, live) < 0 || (peak = PyObject_GetAttr(small, s_peak)) == NULL) goto done;
+  int gt = PyObject_RichCompareBool(live, peak, Py_GT);
+  if (gt < 0 || (gt && PyObject_SetAttr(small, s_peak, live) < 0)) goto done;
+  out = small_access(small, sid);
+done:
+  Py_XDECREF(sizes);
+  Py_XDECREF(live);
+  Py_XDECREF(peak);
+  return out;
+}
+
+/* pilot.policy.storage_class(kind, saved, False) */
+static PyObject *storage_class(PyObject *ctx, PyObject *kind, PyObject *saved) {
+  int sb = PyObject_IsTrue(saved);
+  if (sb < 0) return NULL;
+  if (sb) {
+    int in = PySequence_Contains(PyTuple_GET_ITEM(ctx, C_SAVED_KINDS), kind);
+    if (in < 0) return NULL;
+    if (in) return PyLong_FromLong(2);
+  }
+  PyObject *c = PyDict_GetItemWithError(PyTuple_GET_ITEM(ctx, C_CLASS_OF_KIND), kind);
+  if (c != NULL) return Py_NewRef(c);
+  return PyErr_Occurred() ? NULL : PyLong_FromLong(4);
+}
 
 static int append_new(PyObject *list, PyObject *v) { /* steals v */
   if (v == NULL) return -1;
@@ -38,9 +114,15 @@ static PyObject *pack_op(PyObject *const *args) {
            *kind_of = PyTuple_GET_ITEM(ctx, C_KIND), *saved_of = PyTuple_GET_ITEM(ctx, C_SAVED),
            *kind_idx = PyTuple_GET_ITEM(ctx, C_KIND_IDX), *temp = PyTuple_GET_ITEM(ctx, C_TEMP),
            *small = PyTuple_GET_ITEM(ctx, C_SMALL), *cls_of = PyTuple_GET_ITEM(ctx, C_CLS_OF),
-           *classify = PyTuple_GET_ITEM(ctx, C_CLASSIFY);
+           *classify = PyTuple_GET_ITEM(ctx, C_CLASSIFY), *table = PyTuple_GET_ITEM(ctx, C_TABLE);
   int fraction = PyObject_IsTrue(PyTuple_GET_ITEM(ctx, C_FRACTION));
   if (fraction < 0) return NULL;
+  int plain_small = PyObject_IsTrue(PyTuple_GET_ITEM(ctx, C_PLAIN_SMALL));
+  if (plain_small < 0) return NULL;
+  if (table != Py_None && !PyDict_Check(table)) {
+    PyErr_SetString(PyExc_TypeError, "pilot pack: the record table is not a dict");
+    return NULL;
+  }
   if (!PyDict_Check(slot) || !PyList_Check(free_list) || !PyDict_Check(kind_idx) || !PyDict_Check(cls_of)) {
     PyErr_SetString(PyExc_TypeError, "pilot pack: a context of the wrong types");
     return NULL;
@@ -88,15 +170,15 @@ static PyObject *pack_op(PyObject *const *args) {
     if (sv > top) top = sv;
     /* the words in the Python tuple's order; the slot first, before the view's calls */
     if (PyList_Append(run, s) < 0 || PyList_Append(run, sid) < 0) goto done;
-    PyObject *nb = PyObject_CallOneArg(nbytes_of, sid);
+    PyObject *nb = view_read(table, a_nbytes, nbytes_of, sid);
     if (nb == NULL) goto done;
-    PyObject *kind = PyObject_CallOneArg(kind_of, sid);
+    PyObject *kind = view_read(table, a_kind, kind_of, sid);
     if (kind == NULL) { Py_DECREF(nb); goto done; }
     PyObject *k = PyDict_GetItemWithError(kind_idx, kind);
     Py_DECREF(kind);
     if (k == NULL && PyErr_Occurred()) { Py_DECREF(nb); goto done; }
     if (PyList_Append(run, k != NULL ? k : temp) < 0) { Py_DECREF(nb); goto done; }
-    PyObject *saved = PyObject_CallOneArg(saved_of, sid);
+    PyObject *saved = view_read(table, a_saved, saved_of, sid);
     if (saved == NULL) { Py_DECREF(nb); goto done; }
     int sb = PyObject_IsTrue(saved);
     Py_DECREF(saved);
@@ -113,7 +195,7 @@ static PyObject *pack_op(PyObject *const *args) {
       goto done;
     }
     if (fraction) {
-      PyObject *r = PyObject_CallMethodObjArgs(small, s_alloc, sid, nb, NULL);
+      PyObject *r = plain_small ? small_alloc(small, sid, nb) : PyObject_CallMethodObjArgs(small, s_alloc, sid, nb, NULL);
       Py_DECREF(nb);
       if (append_new(run, r) < 0) goto done;
     } else {
@@ -167,7 +249,15 @@ static PyObject *pack_op(PyObject *const *args) {
     PyObject *c = PyDict_GetItemWithError(cls_of, sid);
     if (c == NULL) {
       if (PyErr_Occurred()) { Py_DECREF(s); goto done; }
-      c = PyObject_CallOneArg(classify, sid);
+      if (table == Py_None) {
+        c = PyObject_CallOneArg(classify, sid);
+      } else {
+        PyObject *kind = view_read(table, a_kind, NULL, sid);
+        PyObject *saved = kind ? view_read(table, a_saved, NULL, sid) : NULL;
+        c = saved ? storage_class(ctx, kind, saved) : NULL;
+        Py_XDECREF(kind);
+        Py_XDECREF(saved);
+      }
       if (c == NULL || PyDict_SetItem(cls_of, sid, c) < 0) { Py_XDECREF(c); Py_DECREF(s); goto done; }
       Py_DECREF(c); /* cls_of holds it */
     }
@@ -622,6 +712,11 @@ PyMODINIT_FUNC PyInit__pack(void) {
   zero = PyLong_FromLong(0);
   one = PyLong_FromLong(1);
   two = PyLong_FromLong(2);
+  a_nbytes = PyUnicode_InternFromString("nbytes");
+  a_kind = PyUnicode_InternFromString("kind");
+  a_saved = PyUnicode_InternFromString("saved");
+  s_live = PyUnicode_InternFromString("_live");
+  if (!a_nbytes || !a_kind || !a_saved || !s_live) return NULL;
   if (!two || !s_alloc || !s_small || !s_bytes || !s_fraction || !s_peak || !minus_one || !minus_two || !zero || !one)
     return NULL;
   struct { PyObject **p; const char *s; } names[] = {
@@ -636,7 +731,7 @@ PyMODINIT_FUNC PyInit__pack(void) {
   for (size_t j = 0; j < sizeof(names) / sizeof(names[0]); j++)
     if ((*names[j].p = PyUnicode_InternFromString(names[j].s)) == NULL) return NULL;
   PyObject *m = PyModule_Create(&module);
-  if (m != NULL && PyModule_AddIntConstant(m, "VERSION", 2) /* kernel.PACK_VERSION */ < 0) {
+  if (m != NULL && PyModule_AddIntConstant(m, "VERSION", 3) /* kernel.PACK_VERSION */ < 0) {
     Py_DECREF(m);
     return NULL;
   }
