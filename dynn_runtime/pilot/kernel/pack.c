@@ -1,10 +1,14 @@
-/* The pilot's packing of one operator's record for a run of dynn_pilot_operators (kernel ABI: the
- * words of a _BATCH_OP record after its header), in C over the policy's own Python objects.
+/* The pilot's bulk loop over a batch's events in C, over the policy's own Python objects: ``pack``
+ * packs one operator's record for a run of dynn_pilot_operators (kernel ABI: the words of a
+ * _BATCH_OP record after its header), ``walk`` takes the batch's common events as the loop of
+ * PilotPolicy._operators_native takes them.
  *
- * PilotPolicy._pack_run_op (dynn_runtime/pilot/policy.py) is the reference: this module must append
- * the same words to the run, the same (sid, slot) pairs to ``told``, take the same slots from the
- * free list and leave the slot map and the small-storage classes as that Python leaves them, in the
- * same order of reads and writes (tests/pilot/test_pilot_operator.py packs every operator both ways).
+ * PilotPolicy._pack_run_op and that loop (dynn_runtime/pilot/policy.py) are the reference: this module
+ * must append the same words to the run, the same (sid, slot) pairs to ``told``, take the same slots
+ * from the free list and leave the slot map, the small-storage classes and the feature state's
+ * scalars as that Python leaves them, in the same order of reads and writes
+ * (tests/pilot/test_pilot_pack.py packs random operators both ways; tests/pilot/test_pilot_operator.py
+ * runs the walk in lockstep with a pilot told each notification separately).
  * Every value goes through the Python objects (dict and set lookups, the view's calls, rich
  * comparisons), so no rounding or hashing can differ from the Python path. A Python extension
  * module, not part of the ctypes kernel: it reads dicts and sets, which the kernel never sees. */
