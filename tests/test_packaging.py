@@ -32,6 +32,8 @@ def test_wheel_ships_the_zoo(tmp_path):
 
     for src in (*kernel.SOURCES, kernel.INTERNAL_HEADER, "pilot_kernel.h"):
         assert f"dynn_runtime/pilot/kernel/{Path(src).name}" in names, src
+    # the pilot's per-operator packing (pack.c), built by CMake as a Python extension
+    assert any(n.startswith("dynn_runtime/pilot/kernel/_pack.") and n.endswith(".so") for n in names)
     assert not any(n.startswith("models/") for n in names), "zoo must not install as a top-level package"
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "Requires-Dist: torch<2.14,>=2.11" in meta or "Requires-Dist: torch>=2.11,<2.14" in meta

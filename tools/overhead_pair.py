@@ -1,7 +1,8 @@
 """The managed step against PyTorch alone, paired step by step in one process (native event source).
 
 Usage: ``python tools/overhead_pair.py FAMILY[,FAMILY...] [--steps N] [--configs none,lru,lru@0.5]
-[--profile CONFIG] [--rounds R]`` (``small`` presets; a family may be ``examples/my_workload.py:build``).
+[--profile CONFIG] [--rounds R]`` (``small`` presets; a family may be ``examples/my_workload.py:build``;
+a configuration is a policy name, ``pilot-py`` for the pilot with its bulk loop in Python, ``@F`` a budget).
 
 Two copies of the model start from the same weights and train on the same batches: one under a
 manager (policy ``none`` or ``lru`` with a budget far above the peak, or ``lru@F`` at F of the
@@ -73,6 +74,11 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     batches = [wl.make_batch(s) for s in range(steps)]
     policy, _, frac = config.partition("@")
     budget = float(frac) if frac else _BIG
+    if policy == "pilot-py":  # the pilot with its bulk loop and packing in Python (no C walk)
+        from dynn_runtime.pilot.policy import PilotPolicy
+
+        policy = PilotPolicy()
+        policy.native_pack = False
     m_model, a_model = copy.deepcopy(initial), copy.deepcopy(initial)
     m_opt, a_opt = make_optimizer(wl, m_model.parameters()), make_optimizer(wl, a_model.parameters())
     mm = dr.MemoryManager(budget, policy=policy, device="cpu", events="native")

@@ -1,6 +1,8 @@
-"""`python tools/pilot_batch_pair.py [FAMILY] [PAIRS] [--nogc]`: `small`, the pilot above the peak on the native source: thread CPU time of managed steps
-with the bulk call's runs in one kernel call (batch_kernel True) and one kernel call per operator
-(False), alternating step by step in one manager, each after a PyTorch alone step (outside mm.step)."""
+"""`python tools/pilot_batch_pair.py [FAMILY] [PAIRS] [--nogc] [--switch ATTR]`: `small`, the pilot above the peak on the native
+source: thread CPU time of managed steps with the policy's boolean ATTR on and off, alternating step by step in one
+manager, each after a PyTorch alone step (outside mm.step). ATTR: ``batch_kernel`` (default: the bulk call's runs in
+one kernel call, or one kernel call per operator) or ``native_pack`` (the runs' records packed by the C module, or
+by the Python loop)."""
 from __future__ import annotations
 
 import gc
@@ -17,6 +19,7 @@ from dynn_runtime.workload import load_workload, make_optimizer, train_step
 family = sys.argv[1] if len(sys.argv) > 1 else "tree_lstm"
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 8
 nogc = "--nogc" in sys.argv
+switch = sys.argv[sys.argv.index("--switch") + 1] if "--switch" in sys.argv else "batch_kernel"
 torch.set_num_threads(1)
 wl = load_workload(family, preset="small", seed=0)
 torch.manual_seed(0)
@@ -57,7 +60,7 @@ try:
             t0 = time.thread_time()
             train_step(wl, model, opt, b)
             p = time.thread_time() - t0
-            pol.batch_kernel = on
+            setattr(pol, switch, on)
             cur[0] = on
             gc.collect()
             if nogc:
@@ -79,12 +82,12 @@ finally:
 for on in (True, False):
     m, p = statistics.median(res[on]), statistics.median(alone[on])
     print(f"  min managed {min(res[on]):.3f}, min alone {min(alone[on]):.3f}")
-    print(f"batch_kernel={on}: managed {m:.3f} s/step, PyTorch alone {p:.3f} s/step, ratio {m / p:.2f}x, "
+    print(f"{switch}={on}: managed {m:.3f} s/step, PyTorch alone {p:.3f} s/step, ratio {m / p:.2f}x, "
           f"+{(m - p) / ops * 1e6:.1f} us/op over alone ({ops} ops/step), young collections {young[on]}, full {full[on]}")
     print(f"  on_operators: median {statistics.median(inside[on]) * 1e6:.1f} us/op, min {min(inside[on]) * 1e6:.1f}")
 d = [a - b for a, b in zip(res[True], res[False])]
 e = [a - b for a, b in zip(inside[True], inside[False])]
-print(f"on_operators per pair (run - per-operator): median {statistics.median(e) * 1e6:+.1f} us/op, lower in {sum(x < 0 for x in e)}/{len(e)}")
-print("pairs (run, per-operator) s:", [(round(a, 3), round(b, 3)) for a, b in zip(res[True], res[False])])
-print(f"per-pair difference (run - per-operator): median {statistics.median(d) / ops * 1e6:+.1f} us/op; "
-      f"run lower in {sum(x < 0 for x in d)}/{len(d)} pairs")
+print(f"on_operators per pair (on - off): median {statistics.median(e) * 1e6:+.1f} us/op, lower in {sum(x < 0 for x in e)}/{len(e)}")
+print("pairs (on, off) s:", [(round(a, 3), round(b, 3)) for a, b in zip(res[True], res[False])])
+print(f"per-pair difference (on - off): median {statistics.median(d) / ops * 1e6:+.1f} us/op; "
+      f"on lower in {sum(x < 0 for x in d)}/{len(d)} pairs")

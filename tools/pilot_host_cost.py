@@ -25,7 +25,8 @@ Results are timing only: the stubbed variants make no sensible decisions.
 
 ``--paired-kernel``: the pilot's batches told in bulk on every step, their runs of operators in one
 kernel call (``dynn_pilot_operators``) and one kernel call per operator (``batch_kernel = False``)
-on alternate steps of one manager.
+on alternate steps of one manager. ``--paired-pack``: the same, the runs' records packed by the C
+module (``pilot/kernel/pack.c``) and by the Python loop (``native_pack = False``).
 """
 
 from __future__ import annotations
@@ -113,6 +114,20 @@ class _KernelSwitchable(PilotPolicy):
         self.batch_kernel = on
 
 
+class _PackSwitchable(PilotPolicy):
+    """The pilot told in bulk, its runs packed by the C module or by the Python loop as set before each step."""
+
+    name = "pilot-pack-switchable"
+
+    @property
+    def bulk(self) -> bool:
+        return self.native_pack
+
+    @bulk.setter
+    def bulk(self, on: bool) -> None:
+        self.native_pack = on
+
+
 def _work() -> tuple[Any, torch.nn.Module]:
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
@@ -129,13 +144,14 @@ def _work() -> tuple[Any, torch.nn.Module]:
     return work, lin
 
 
-def measure_paired(reps: int, kernel: bool = False) -> tuple[int, float, float]:
+def measure_paired(reps: int, kernel: bool = False, pack: bool = False) -> tuple[int, float, float]:
     """One manager, one pilot: every repetition runs PyTorch alone, a step told in bulk, PyTorch alone
     and a step told per operator (the order alternating), so both sides meet the same load.
     (operators per step, median us per operator over PyTorch alone in bulk, and per operator).
-    ``kernel``: both sides in bulk, the runs in one kernel call against one call per operator."""
+    ``kernel``: both sides in bulk, the runs in one kernel call against one call per operator;
+    ``pack``: both sides in bulk, the runs packed in C against in Python."""
     work, lin = _work()
-    pol = _KernelSwitchable() if kernel else _Switchable()
+    pol = _PackSwitchable() if pack else _KernelSwitchable() if kernel else _Switchable()
     mm = MemoryManager(1 << 50, policy=pol, device="cpu", events="native")
     mm.attach(lin)
     diff: dict[bool, list[float]] = {True: [], False: []}
@@ -198,11 +214,19 @@ def main() -> None:
     ap.add_argument("--paired-kernel", action="store_true",
                     help="only the pilot told in bulk, its runs in one kernel call and one per operator on alternate "
                          "steps of one manager")
+    ap.add_argument("--paired-pack", action="store_true",
+                    help="only the pilot told in bulk, its runs packed by the C module and by Python on alternate "
+                         "steps of one manager")
     args = ap.parse_args()
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad:
         ap.error(f"unknown variant(s) {', '.join(bad)}; choose from {', '.join(VARIANTS)}")
     torch.set_num_threads(1)
+    if args.paired_pack:
+        ops, c, py = measure_paired(args.reps, pack=True)
+        print(f"pilot told in bulk, {ops} operators per step: +{c:.1f} us/op packed in C, "
+              f"+{py:.1f} us/op packed in Python (median over PyTorch alone, paired step by step)")
+        return
     if args.paired_kernel:
         ops, run, per_op = measure_paired(args.reps, kernel=True)
         print(f"pilot told in bulk, {ops} operators per step: +{run:.1f} us/op with a kernel call per run, "

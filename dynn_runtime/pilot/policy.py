@@ -86,10 +86,20 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import PolicyError
-from ..policies.base import NO_CONTEXT, OPERATOR, TOUCH_ALLOC, Action, IterationContext, register
+from ..policies.base import (
+    NO_CONTEXT,
+    OPERATOR,
+    TOUCH_ALLOC,
+    TOUCH_FREE,
+    Action,
+    IterationContext,
+    SmallStorages,
+    register,
+)
 from ..policies.nextuse import NextUsePolicy
+from ..residency import Residency
 from .config import PilotPolicyConfig, cached_model, default_weights_path
-from .features import _KIND_IDX, BUCKET_EDGES, CAND_FEATURES, FeatureState
+from .features import _KIND_IDX, _NATIVE_IV, BUCKET_EDGES, CAND_FEATURES, FeatureState
 from .heaps import PredictionHeaps, PyHeap
 from .replay import plan_scores
 from .scheduling import HANDOFF_COST, WORKER_COST, Scheduling, _Job
@@ -107,11 +117,16 @@ _OPTIMIZER = _PHASES["optimizer"]
 _BATCH_OP, _BATCH_FREE, _BATCH_LINK = 1, 2, 3
 
 
+#: the kinds of which a saved storage is a saved activation (class 2)
+_SAVED_KINDS = ("activation", "temp", "input")
+
+
 def storage_class(kind: str, saved: bool, fresh: bool) -> int:
-    """Row of the provisional prior: 0 just allocated, 1 persistent, 2 saved activation, 3 gradient, 4 other."""
+    """Row of the provisional prior: 0 just allocated, 1 persistent, 2 saved activation, 3 gradient, 4 other
+    (``kernel/pack.c``'s ``storage_class`` too)."""
     if fresh:
         return 0
-    if saved and kind in ("activation", "temp", "input"):
+    if saved and kind in _SAVED_KINDS:
         return 2
     return _CLASS_OF_KIND.get(kind, 4)
 
@@ -140,6 +155,11 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
     #: one call each (True), or each operator in its own kernel call (False: an experiment's setting,
     #: tools/pilot_host_cost.py --paired-kernel)
     batch_kernel: bool = True
+    #: on the native kernel, a batch's common events walked and the runs' records packed by the C
+    #: module ``kernel/pack.c`` where it is built (True), or by the Python loop of
+    #: :meth:`_operators_native` and :meth:`_pack_run_op` (False: an experiment's setting,
+    #: tools/pilot_host_cost.py --paired-pack); the same writes either way
+    native_pack: bool = True
 
     def __init__(self, config: PilotPolicyConfig | None = None, /, **options: Any) -> None:
         super().__init__()
@@ -496,18 +516,24 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         before), a move of the backward mirror (then ``MirrorState._pass_through``, as
         ``FeatureState.enter`` does it), an announcement, a death the anchor's external matching
         could see (a storage of the previous iteration), and a decision point or a poll of the
-        worker after an operator (then :meth:`_after_update`)."""
+        worker after an operator (then :meth:`_after_update`). Where ``kernel/pack.c`` is built
+        (``native_pack``), its ``walk`` does this loop's work for the operators that need none of
+        these and for the deaths, and the loop takes only the others."""
         state = self._state
-        view = self.view
         small = self._small
-        fraction = self.small_fraction
         slot = state._slot
         free = state._free
         prev_idx = state._prev_idx
-        kind_of, saved_of, nbytes_of = view.kind, view.saved, view.nbytes
-        cls_of: dict[int, int] = {}  # the view is the batch's end throughout the call: a class per storage
+        nbytes_of = self.view.nbytes
+        ctx = self._pack_context()
+        pack = self._packer()
         sl = state.decays[1]
         group = state.group
+        walk = self._walker()
+        if walk is not None:
+            wctx = (self, state, sl, group, _NATIVE_IV, _PHASES, OPERATOR, TOUCH_FREE)
+            if type(events) is not list:
+                events = list(events)
         run: list[int] = []  # the records
         # per operator: (its end, position, its told storages with a slot, flat (sid, slot) pairs, its accesses
         # and their slots): the run's slots, not the slot map's, which is at the run's end
@@ -516,7 +542,24 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         widest = 0
         timer = self._timer
         t0 = timer()
-        for ev in events:
+        i, n_events = 0, len(events)
+        while i < n_events:
+            if walk is not None:
+                # the common events in C (kernel/pack.c's walk: this loop's work for them, the same writes
+                # in the same order); it stops before an event it leaves to this loop, or after an
+                # operator whose decision point is due
+                i, due, position, tick, widest = walk(events, i, ctx, wctx, prev_idx, run, marks, freed, widest)
+                if due:
+                    self._run_native(run, marks, freed, widest)
+                    widest = 0
+                    self.bookkeeping_s += timer() - t0
+                    self._after_update(position, tick)
+                    t0 = timer()
+                    continue
+                if i >= n_events:
+                    break
+            ev = events[i]
+            i += 1
             tag = ev[0]
             if tag == OPERATOR:
                 position, op, accessed = ev[1], ev[2], ev[3]
@@ -557,43 +600,15 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                 allocs = op.allocs
                 prev_allocs = state._align(position, op)
                 (_, iv), (_, ivk) = state.native_iv(op)
-                acc = list({*op.inputs, *op.outputs, *op.writes})
                 na = len(allocs)
-                run += (_BATCH_OP, position, ph, ph, iv, ivk, na, len(accessed), len(acc), ph)
-                if allocs:
-                    self._pack_allocs(run, allocs, prev_allocs, prev_idx)
+                h = len(run)  # the header's count of touched storages is known once they are packed
+                run += (_BATCH_OP, position, ph, ph, iv, ivk, na, len(accessed), 0, ph)
                 told: list[int] = []
-                if fraction:  # SmallStorages.access, inlined (as in _operator_native)
-                    sizes, smalls, thr = small._bytes, small._small, small.fraction * small._peak
-                    for sid in accessed:
-                        s = slot.get(sid)
-                        if sizes.get(sid, 0) < thr:
-                            smalls.add(sid)
-                            sk = 1
-                        else:
-                            smalls.discard(sid)
-                            sk = 0
-                        if s is None:
-                            run += (-1, sid, 0, 0)
-                            continue
-                        c = cls_of.get(sid)
-                        if c is None:
-                            c = cls_of[sid] = storage_class(kind_of(sid), saved_of(sid), False)
-                        run += (s, sid, sk, c)
-                        told += (sid, s)
-                else:
-                    for sid in accessed:
-                        s = slot.get(sid)
-                        if s is None:
-                            run += (-1, sid, 0, 0)
-                            continue
-                        c = cls_of.get(sid)
-                        if c is None:
-                            c = cls_of[sid] = storage_class(kind_of(sid), saved_of(sid), False)
-                        run += (s, sid, small.small(sid), c)
-                        told += (sid, s)
-                acc_slots = [slot.get(sid, -1) for sid in acc]
-                run += acc_slots
+                acc, acc_slots, top = pack(run, told, ctx, prev_idx, allocs, prev_allocs, accessed,
+                                           op.inputs, op.outputs, op.writes)
+                run[h + 8] = len(acc)
+                if top >= len(self._skip):
+                    self._grow_due()
                 n = max(na, len(accessed), len(acc))
                 if n > widest:
                     widest = n
@@ -726,12 +741,103 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         marks.clear()
         freed.clear()
 
+    def _pack_context(self) -> tuple[Any, ...]:
+        """What :meth:`_pack_run_op` (and its C twin) read besides the operator, for one
+        ``on_operators`` call: the view is the batch's end throughout the call, so a storage's class
+        is read once per call (``cls_of``). The order is ``kernel/pack.c``'s (``C_SLOT`` ...); the
+        last four are the C packing's alone: the view's record table where the view reads it there,
+        the storage-class tables, and whether the small-storage classes are the plain
+        ``SmallStorages`` (whose ``alloc`` and ``access`` it then does itself)."""
+        state, view = self._state, self.view
+        kind_of, saved_of = view.kind, view.saved
+
+        def classify(sid: int) -> int:
+            return storage_class(kind_of(sid), saved_of(sid), False)
+
+        def grow() -> None:
+            state._grow(state._cap * 2)  # extends the same free list
+
+        # the live runtime's view reads its record table (Residency: ``st[sid].nbytes``, ``.kind``,
+        # ``.saved``): the C packing reads the records there instead of calling the view
+        v = type(view)
+        table = (view.st if isinstance(view, Residency) and v.nbytes is Residency.nbytes and v.kind is Residency.kind
+                 and v.saved is Residency.saved else None)
+        return (state._slot, state._free, grow, view.nbytes, kind_of, saved_of, _KIND_IDX, _TEMP, self._small,
+                bool(self.small_fraction), {}, classify, table, _CLASS_OF_KIND, _SAVED_KINDS,
+                type(self._small) is SmallStorages)
+
+    def _packer(self) -> Any:
+        """The per-operator packing of a run: the C module where it is built and ``native_pack`` is
+        set, else :meth:`_pack_run_op`."""
+        if self.native_pack:
+            from .kernel import packer
+
+            pack = packer()
+            if pack is not None:
+                return pack
+        return self._pack_run_op
+
+    def _walker(self) -> Any:
+        """The C walk over a batch's common events (``kernel/pack.c``), where it is built and
+        ``native_pack`` is set; else None (the Python loop takes every event)."""
+        if not self.native_pack:
+            return None
+        from .kernel import walker
+
+        return walker()
+
+    def _pack_run_op(self, run: list[Any], told: list[int], ctx: tuple[Any, ...], prev_idx: dict[int, int],
+                     allocs: Sequence[int], prev_allocs: Sequence[int], accessed: Sequence[int],
+                     inputs: Sequence[int], outputs: Sequence[int], writes: Sequence[int]) -> tuple[list[int], list[int], int]:
+        """An operator's words of a run's record after its header: its allocations
+        (:meth:`_pack_allocs`), then per storage told as accessed its slot, sid, small class and
+        storage class (-1, sid, 0, 0 without a slot; ``told`` gets (sid, slot) of the others),
+        then the slots of what it touches, in the order of the set of its inputs, outputs and
+        writes. Returns that order, those slots and the largest slot allocated (-1: none).
+        ``kernel/pack.c`` does the same reads and writes in the same order."""
+        slot, _, _, _, kind_of, saved_of, _, _, small, fraction, cls_of = ctx[:11]
+        top = self._pack_allocs(run, allocs, prev_allocs, prev_idx) if allocs else -1
+        if fraction:  # SmallStorages.access, inlined (as in _operator_native)
+            sizes, smalls, thr = small._bytes, small._small, small.fraction * small._peak
+            for sid in accessed:
+                s = slot.get(sid)
+                if sizes.get(sid, 0) < thr:
+                    smalls.add(sid)
+                    sk = 1
+                else:
+                    smalls.discard(sid)
+                    sk = 0
+                if s is None:
+                    run += (-1, sid, 0, 0)
+                    continue
+                c = cls_of.get(sid)
+                if c is None:
+                    c = cls_of[sid] = storage_class(kind_of(sid), saved_of(sid), False)
+                run += (s, sid, sk, c)
+                told += (sid, s)
+        else:
+            for sid in accessed:
+                s = slot.get(sid)
+                if s is None:
+                    run += (-1, sid, 0, 0)
+                    continue
+                c = cls_of.get(sid)
+                if c is None:
+                    c = cls_of[sid] = storage_class(kind_of(sid), saved_of(sid), False)
+                run += (s, sid, small.small(sid), c)
+                told += (sid, s)
+        acc = list({*inputs, *outputs, *writes})
+        acc_slots = [slot.get(sid, -1) for sid in acc]
+        run += acc_slots
+        return acc, acc_slots, top
+
     def _pack_allocs(self, words: list[int], allocs: Sequence[int], prev_allocs: Sequence[int],
-                     prev_idx: dict[int, int]) -> None:
+                     prev_idx: dict[int, int]) -> int:
         """Append an operator's allocations to the kernel's words, eight per storage (slot, sid, kind,
         saved, bytes, its and its match's index in the previous iteration, small), the same for one
         operator's call and a run's record. A storage without a slot takes one here
-        (FeatureState._new_slot; the kernel marks the slot active and writes its sid)."""
+        (FeatureState._new_slot; the kernel marks the slot active and writes its sid). Returns the
+        largest slot (the caller grows the policy's per-slot arrays to it)."""
         state, view, small, fraction = self._state, self.view, self._small, self.small_fraction
         slot, free = state._slot, state._free
         n_prev = len(prev_allocs)
@@ -748,8 +854,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             words += (s, sid, _KIND_IDX.get(view.kind(sid), _TEMP), 1 if view.saved(sid) else 0, nb,
                       prev_idx.get(sid, -1), prev_idx.get(prev_allocs[i], -1) if i < n_prev else -2,
                       small.alloc(sid, nb) if fraction else small.small(sid))
-        if top >= len(self._skip):
-            self._grow_due()
+        return top
 
     def _operator_native(self, position: int, op: Any, accessed: Sequence[int]) -> None:
         """The fused :meth:`on_operator` and :meth:`on_op`'s per-operator update in one kernel call
@@ -772,7 +877,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         prev_allocs = state._align(position, op)
         if allocs:
             prior = max(position, 0) + self._prior_rows[_PHASES.get(op.phase, 0)][0]
-            self._pack_allocs(words, allocs, prev_allocs, state._prev_idx)
+            if self._pack_allocs(words, allocs, prev_allocs, state._prev_idx) >= len(self._skip):
+                self._grow_due()
         if fraction:  # SmallStorages.access, inlined: class each again (the threshold is fixed from here)
             sizes, smalls, thr = small._bytes, small._small, small.fraction * small._peak
             for sid in accessed:

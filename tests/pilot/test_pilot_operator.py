@@ -333,3 +333,69 @@ def test_the_batch_call_refuses_a_malformed_run():
         assert kern.operators(t.addr, bt.addr) == code, words
     with pytest.raises(IndexError, match="out of range"):
         pol._run_native([2, -1, 0], [], [], 0)
+
+
+class _WalkLockstep(_BulkLockstep):
+    """:class:`_BulkLockstep` counting the events the C walk (``pilot/kernel/pack.c``) took."""
+
+    name = "pilot-walk-lockstep"
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)
+        self.walked = 0
+
+    def _walker(self) -> object:
+        walk = super()._walker()
+        if walk is None:
+            return None
+
+        def counting(events: list, i: int, *args: object) -> tuple:
+            out = walk(events, i, *args)
+            self.walked += out[0] - i
+            return out
+
+        return counting
+
+
+@pytest.mark.parametrize("native_pack", [True, False])
+def test_the_c_walk_keeps_the_per_notification_state(native_pack):
+    """The bulk path with its common events walked in C (forward, optimizer and backward operators
+    that neither move the mirror nor link, deaths) holds, after every batch, the state of a pilot told
+    each notification separately; and so does the Python loop it replaces (``native_pack=False``)."""
+    from dynn_runtime.pilot import kernel as native
+
+    if native_pack and native.walker() is None:
+        pytest.skip("the C packing module (_pack) is not built")
+    pol = _WalkLockstep(backend="native")
+    pol.native_pack = native_pack
+    _run("tree_lstm", pol, 1 << 40)
+    assert pol.batches > 10 and pol.bulk_ops > 200 and pol.decisions > 3 and pol.runs > pol.batches
+    if native_pack:
+        assert pol.walked > pol.bulk_ops // 2  # most events went through the walk
+    else:
+        assert pol.walked == 0
+
+
+class _PythonPacking(PilotPolicy):
+    """The pilot told in bulk with its runs packed by the Python loop (the path without ``_pack``)."""
+
+    name = "pilot-python-packing"
+    native_pack = False
+
+
+@pytest.mark.parametrize(("family", "budget"), [("evoformer", "3/4"), ("moe", "3/4")])
+def test_the_c_walk_makes_the_same_decisions(family, budget):
+    """The C walk and packing make the same moves (evictions and prefetches, in order, at the same
+    positions), decision points and rows scored as the Python loop, and training is PyTorch alone's."""
+    from dynn_runtime.pilot import kernel as native
+
+    if native.walker() is None:
+        pytest.skip("the C packing module (_pack) is not built")
+    base = _PythonPacking(backend="native")
+    losses, moves = _run(family, base, budget)
+    pilot = PilotPolicy(backend="native")
+    walk_losses, walk_moves = _run(family, pilot, budget)
+    assert any(kind == "evict" for _, kind, _ in moves)
+    assert walk_moves == moves
+    assert (pilot.decisions, pilot.candidates, pilot.ops) == (base.decisions, base.candidates, base.ops)
+    assert walk_losses == losses == _plain_losses(family)

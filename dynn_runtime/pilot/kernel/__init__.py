@@ -34,13 +34,15 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 from ..._log import logger
 from .calls import NativeKernel
 from .tables import BatchTable, FusedTable, ModelTable, NativeHeap, PolicyTable, StateTable
 
 __all__ = ["available", "reason", "kernel", "resolve", "reset", "cache_dir", "source_hash", "SOURCES", "NativeKernel",
-           "PolicyTable", "StateTable", "ModelTable", "NativeHeap", "FusedTable", "BatchTable", "BACKENDS"]
+           "PolicyTable", "StateTable", "ModelTable", "NativeHeap", "FusedTable", "BatchTable", "BACKENDS", "packer",
+           "walker", "PACK_VERSION"]
 
 BACKENDS = ("native", "numpy")
 _DIR = Path(__file__).parent
@@ -229,6 +231,45 @@ def kernel() -> NativeKernel | None:
             else:
                 logger.debug("pilot: %s", _reason)
     return _kernel
+
+
+#: the interface of ``pack.c`` this package calls (its module's ``VERSION``); a build of another
+#: version (an editable checkout not rebuilt since the source changed) is not used
+PACK_VERSION = 3
+_packer: list = []
+
+
+def _pack_module() -> Any:
+    """The C module ``_pack`` (``pack.c``), or None where it was not built, or was built from another
+    version of ``pack.c``."""
+    if not _packer:
+        try:
+            from . import _pack  # type: ignore[attr-defined]
+
+            mod = _pack if getattr(_pack, "VERSION", None) == PACK_VERSION else None
+        except ImportError:
+            mod = None
+        if mod is None:
+            logger.debug("pilot: packing in Python (no _pack module of version %d)", PACK_VERSION)
+        _packer.append(mod)
+    return _packer[0]
+
+
+def packer() -> Any:
+    """``pack`` of the C module ``_pack`` (an operator's record of a run, packed from the policy's
+    dicts and sets), or None without the module: then the policy packs in Python
+    (:meth:`PilotPolicy._pack_run_op <dynn_runtime.pilot.policy.PilotPolicy._pack_run_op>`, the
+    same words)."""
+    mod = _pack_module()
+    return None if mod is None else mod.pack
+
+
+def walker() -> Any:
+    """``walk`` of the C module ``_pack`` (the common events of a batch, as
+    :meth:`PilotPolicy._operators_native <dynn_runtime.pilot.policy.PilotPolicy._operators_native>`'s
+    loop handles them), or None without the module: then that loop takes every event."""
+    mod = _pack_module()
+    return None if mod is None else mod.walk
 
 
 def available() -> bool:

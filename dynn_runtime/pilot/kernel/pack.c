@@ -1,0 +1,743 @@
+/* The pilot's bulk loop over a batch's events in C, over the policy's own Python objects: ``pack``
+ * packs one operator's record for a run of dynn_pilot_operators (kernel ABI: the words of a
+ * _BATCH_OP record after its header), ``walk`` takes the batch's common events as the loop of
+ * PilotPolicy._operators_native takes them.
+ *
+ * PilotPolicy._pack_run_op and that loop (dynn_runtime/pilot/policy.py) are the reference: this module
+ * must append the same words to the run, the same (sid, slot) pairs to ``told``, take the same slots
+ * from the free list and leave the slot map, the small-storage classes and the feature state's
+ * scalars as that Python leaves them, in the same order of reads and writes
+ * (tests/pilot/test_pilot_pack.py packs random operators both ways; tests/pilot/test_pilot_operator.py
+ * runs the walk in lockstep with a pilot told each notification separately).
+ * Every value goes through the Python objects (dict and set lookups, the view's calls, rich
+ * comparisons), so no rounding or hashing can differ from the Python path. A Python extension
+ * module, not part of the ctypes kernel: it reads dicts and sets, which the kernel never sees. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* the context tuple PilotPolicy._pack_context builds (its order) */
+enum { C_SLOT, C_FREE, C_GROW, C_NBYTES, C_KIND, C_SAVED, C_KIND_IDX, C_TEMP, C_SMALL, C_FRACTION, C_CLS_OF,
+       C_CLASSIFY, C_TABLE, C_CLASS_OF_KIND, C_SAVED_KINDS, C_PLAIN_SMALL, C_N };
+
+static PyObject *s_alloc, *s_small, *s_bytes, *s_fraction, *s_peak, *minus_one, *minus_two, *zero, *one, *two;
+
+static PyObject *a_nbytes, *a_kind, *a_saved, *s_live;
+
+/* the view's nbytes, kind or saved of sid: from the record table where the view reads it there
+ * (Residency: ``st[sid].<field>``), else through the view's call (a new reference) */
+static PyObject *view_read(PyObject *table, PyObject *field, PyObject *call, PyObject *sid) {
+  if (table == Py_None) return PyObject_CallOneArg(call, sid);
+  PyObject *rec = PyDict_GetItemWithError(table, sid);
+  if (rec == NULL) {
+    if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, sid);
+    return NULL;
+  }
+  return PyObject_GetAttr(rec, field);
+}
+
+/* policies.base.SmallStorages.access (the class is plain: C_PLAIN_SMALL) */
+static PyObject *small_access(PyObject *small, PyObject *sid) {
+  PyObject *sizes = PyObject_GetAttr(small, s_bytes), *f = NULL, *peak = NULL, *thr = NULL, *smalls = NULL;
+  PyObject *out = NULL;
+  if (sizes == NULL || (f = PyObject_GetAttr(small, s_fraction)) == NULL || (peak = PyObject_GetAttr(small, s_peak)) == NULL ||
+      (thr = PyNumber_Multiply(f, peak)) == NULL || (smalls = PyObject_GetAttr(small, s_small)) == NULL)
+    goto done;
+  PyObject *b = PyDict_GetItemWithError(sizes, sid);
+  if (b == NULL && PyErr_Occurred()) goto done;
+  int lt = PyObject_RichCompareBool(b != NULL ? b : zero, thr, Py_LT);
+  if (lt < 0 || (lt ? PySet_Add(smalls, sid) : PySet_Discard(smalls, sid)) < 0) goto done;
+  out = Py_NewRef(lt ? Py_True : Py_False);
+done:
+  Py_XDECREF(sizes);
+  Py_XDECREF(f);
+  Py_XDECREF(peak);
+  Py_XDECREF(thr);
+  Py_XDECREF(smalls);
+  return out;
+}
+
+/* policies.base.SmallStorages.alloc */
+static PyObject *small_alloc(PyObject *small, PyObject *sid, PyObject *nb) {
+  PyObject *sizes = PyObject_GetAttr(small, s_bytes), *live = NULL, *peak = NULL, *x = NULL;
+  PyObject *out = NULL;
+  if (sizes == NULL || (live = PyObject_GetAttr(small, s_live)) == NULL) goto done;
+  PyObject *old = PyDict_GetItemWithError(sizes, sid);
+  if (old == NULL && PyErr_Occurred()) goto done;
+  if (old != NULL) {
+    x = PyNumber_Subtract(live, old);
+    if (x == NULL) goto done;
+    Py_SETREF(live, x);
+    x = NULL;
+  }
+  if (PyDict_SetItem(sizes, sid, nb) < 0 || (x = PyNumber_Add(live, nb)) == NULL) goto done;
+  Py_SETREF(live, x);
+  x = NULL;
+  if (PyObject_SetAttr(small, s_live, live) < 0 || (peak = PyObject_GetAttr(small, s_peak)) == NULL) goto done;
+  int gt = PyObject_RichCompareBool(live, peak, Py_GT);
+  if (gt < 0 || (gt && PyObject_SetAttr(small, s_peak, live) < 0)) goto done;
+  out = small_access(small, sid);
+done:
+  Py_XDECREF(sizes);
+  Py_XDECREF(live);
+  Py_XDECREF(peak);
+  return out;
+}
+
+/* pilot.policy.storage_class(kind, saved, False) */
+static PyObject *storage_class(PyObject *ctx, PyObject *kind, PyObject *saved) {
+  int sb = PyObject_IsTrue(saved);
+  if (sb < 0) return NULL;
+  if (sb) {
+    int in = PySequence_Contains(PyTuple_GET_ITEM(ctx, C_SAVED_KINDS), kind);
+    if (in < 0) return NULL;
+    if (in) return PyLong_FromLong(2);
+  }
+  PyObject *c = PyDict_GetItemWithError(PyTuple_GET_ITEM(ctx, C_CLASS_OF_KIND), kind);
+  if (c != NULL) return Py_NewRef(c);
+  return PyErr_Occurred() ? NULL : PyLong_FromLong(4);
+}
+
+static int append_new(PyObject *list, PyObject *v) { /* steals v */
+  if (v == NULL) return -1;
+  int rc = PyList_Append(list, v);
+  Py_DECREF(v);
+  return rc;
+}
+
+/* pack(run, told, ctx, prev_idx, allocs, prev_allocs, accessed, inputs, outputs, writes)
+ *   -> (acc, acc_slots, top) */
+static PyObject *pack_op(PyObject *const *args) {
+  PyObject *run = args[0], *told = args[1], *ctx = args[2], *prev_idx = args[3];
+  if (!PyList_Check(run) || !PyList_Check(told) || !PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) != C_N ||
+      !PyDict_Check(prev_idx)) {
+    PyErr_SetString(PyExc_TypeError, "pilot pack: arguments of the wrong types");
+    return NULL;
+  }
+  PyObject *slot = PyTuple_GET_ITEM(ctx, C_SLOT), *free_list = PyTuple_GET_ITEM(ctx, C_FREE),
+           *grow = PyTuple_GET_ITEM(ctx, C_GROW), *nbytes_of = PyTuple_GET_ITEM(ctx, C_NBYTES),
+           *kind_of = PyTuple_GET_ITEM(ctx, C_KIND), *saved_of = PyTuple_GET_ITEM(ctx, C_SAVED),
+           *kind_idx = PyTuple_GET_ITEM(ctx, C_KIND_IDX), *temp = PyTuple_GET_ITEM(ctx, C_TEMP),
+           *small = PyTuple_GET_ITEM(ctx, C_SMALL), *cls_of = PyTuple_GET_ITEM(ctx, C_CLS_OF),
+           *classify = PyTuple_GET_ITEM(ctx, C_CLASSIFY), *table = PyTuple_GET_ITEM(ctx, C_TABLE);
+  int fraction = PyObject_IsTrue(PyTuple_GET_ITEM(ctx, C_FRACTION));
+  if (fraction < 0) return NULL;
+  int plain_small = PyObject_IsTrue(PyTuple_GET_ITEM(ctx, C_PLAIN_SMALL));
+  if (plain_small < 0) return NULL;
+  if (table != Py_None && !PyDict_Check(table)) {
+    PyErr_SetString(PyExc_TypeError, "pilot pack: the record table is not a dict");
+    return NULL;
+  }
+  if (!PyDict_Check(slot) || !PyList_Check(free_list) || !PyDict_Check(kind_idx) || !PyDict_Check(cls_of)) {
+    PyErr_SetString(PyExc_TypeError, "pilot pack: a context of the wrong types");
+    return NULL;
+  }
+  PyObject *smalls = PyObject_GetAttr(small, s_small);
+  if (smalls == NULL) return NULL;
+  PyObject *acc = NULL, *acc_slots = NULL, *set = NULL, *sizes = NULL, *thr = NULL, *result = NULL;
+  PyObject *allocs = PySequence_Fast(args[4], "pilot pack: the allocations are not a sequence");
+  PyObject *prev_allocs = allocs ? PySequence_Fast(args[5], "pilot pack: the previous allocations are not a sequence")
+                                 : NULL;
+  PyObject *accessed = prev_allocs ? PySequence_Fast(args[6], "pilot pack: the accesses are not a sequence") : NULL;
+  if (accessed == NULL) goto done;
+  if (!PySet_Check(smalls)) {
+    PyErr_SetString(PyExc_TypeError, "pilot pack: the small-storage classes are not a set");
+    goto done;
+  }
+  /* the allocations: eight words each (PilotPolicy._pack_allocs) */
+  Py_ssize_t n_alloc = PySequence_Fast_GET_SIZE(allocs), n_prev = PySequence_Fast_GET_SIZE(prev_allocs);
+  long top = -1;
+  for (Py_ssize_t i = 0; i < n_alloc; i++) {
+    PyObject *sid = PySequence_Fast_GET_ITEM(allocs, i);
+    PyObject *s = PyDict_GetItemWithError(slot, sid); /* borrowed */
+    if (s == NULL) {
+      if (PyErr_Occurred()) goto done;
+      if (PyList_GET_SIZE(free_list) == 0) { /* FeatureState._grow extends the same free list */
+        PyObject *r = PyObject_CallNoArgs(grow);
+        if (r == NULL) goto done;
+        Py_DECREF(r);
+        if (PyList_GET_SIZE(free_list) == 0) {
+          PyErr_SetString(PyExc_RuntimeError, "pilot pack: the feature state grew no free slot");
+          goto done;
+        }
+      }
+      Py_ssize_t last = PyList_GET_SIZE(free_list) - 1;
+      s = PyList_GET_ITEM(free_list, last);
+      Py_INCREF(s);
+      if (PyList_SetSlice(free_list, last, last + 1, NULL) < 0 || PyDict_SetItem(slot, sid, s) < 0) {
+        Py_DECREF(s);
+        goto done;
+      }
+      Py_DECREF(s); /* the slot map holds it */
+    }
+    long sv = PyLong_AsLong(s);
+    if (sv == -1 && PyErr_Occurred()) goto done;
+    if (sv > top) top = sv;
+    /* the words in the Python tuple's order; the slot first, before the view's calls */
+    if (PyList_Append(run, s) < 0 || PyList_Append(run, sid) < 0) goto done;
+    PyObject *nb = view_read(table, a_nbytes, nbytes_of, sid);
+    if (nb == NULL) goto done;
+    PyObject *kind = view_read(table, a_kind, kind_of, sid);
+    if (kind == NULL) { Py_DECREF(nb); goto done; }
+    PyObject *k = PyDict_GetItemWithError(kind_idx, kind);
+    Py_DECREF(kind);
+    if (k == NULL && PyErr_Occurred()) { Py_DECREF(nb); goto done; }
+    if (PyList_Append(run, k != NULL ? k : temp) < 0) { Py_DECREF(nb); goto done; }
+    PyObject *saved = view_read(table, a_saved, saved_of, sid);
+    if (saved == NULL) { Py_DECREF(nb); goto done; }
+    int sb = PyObject_IsTrue(saved);
+    Py_DECREF(saved);
+    if (sb < 0 || PyList_Append(run, sb ? one : zero) < 0 || PyList_Append(run, nb) < 0) { Py_DECREF(nb); goto done; }
+    PyObject *p = PyDict_GetItemWithError(prev_idx, sid);
+    if (p == NULL && PyErr_Occurred()) { Py_DECREF(nb); goto done; }
+    if (PyList_Append(run, p != NULL ? p : minus_one) < 0) { Py_DECREF(nb); goto done; }
+    if (i < n_prev) {
+      p = PyDict_GetItemWithError(prev_idx, PySequence_Fast_GET_ITEM(prev_allocs, i));
+      if (p == NULL && PyErr_Occurred()) { Py_DECREF(nb); goto done; }
+      if (PyList_Append(run, p != NULL ? p : minus_one) < 0) { Py_DECREF(nb); goto done; }
+    } else if (PyList_Append(run, minus_two) < 0) {
+      Py_DECREF(nb);
+      goto done;
+    }
+    if (fraction) {
+      PyObject *r = plain_small ? small_alloc(small, sid, nb) : PyObject_CallMethodObjArgs(small, s_alloc, sid, nb, NULL);
+      Py_DECREF(nb);
+      if (append_new(run, r) < 0) goto done;
+    } else {
+      Py_DECREF(nb);
+      int c = PySet_Contains(smalls, sid);
+      if (c < 0 || PyList_Append(run, c ? Py_True : Py_False) < 0) goto done;
+    }
+  }
+  /* the accesses told: four words each (slot, sid, small, storage class), and their (sid, slot) pairs */
+  if (fraction) {
+    sizes = PyObject_GetAttr(small, s_bytes);
+    if (sizes == NULL) goto done;
+    if (!PyDict_Check(sizes)) {
+      PyErr_SetString(PyExc_TypeError, "pilot pack: the small storages' sizes are not a dict");
+      goto done;
+    }
+    PyObject *f = PyObject_GetAttr(small, s_fraction);
+    if (f == NULL) goto done;
+    PyObject *peak = PyObject_GetAttr(small, s_peak); /* after the allocations raised it */
+    if (peak == NULL) { Py_DECREF(f); goto done; }
+    thr = PyNumber_Multiply(f, peak);
+    Py_DECREF(f);
+    Py_DECREF(peak);
+    if (thr == NULL) goto done;
+  }
+  Py_ssize_t n_acc = PySequence_Fast_GET_SIZE(accessed);
+  for (Py_ssize_t i = 0; i < n_acc; i++) {
+    PyObject *sid = PySequence_Fast_GET_ITEM(accessed, i);
+    PyObject *s = PyDict_GetItemWithError(slot, sid);
+    if (s == NULL && PyErr_Occurred()) goto done;
+    PyObject *sk;
+    if (fraction) { /* SmallStorages.access */
+      PyObject *b = PyDict_GetItemWithError(sizes, sid);
+      if (b == NULL && PyErr_Occurred()) goto done;
+      int lt = PyObject_RichCompareBool(b != NULL ? b : zero, thr, Py_LT);
+      if (lt < 0) goto done;
+      if (lt ? PySet_Add(smalls, sid) < 0 : PySet_Discard(smalls, sid) < 0) goto done;
+      sk = lt ? one : zero;
+    } else {
+      int c = PySet_Contains(smalls, sid);
+      if (c < 0) goto done;
+      sk = c ? Py_True : Py_False;
+    }
+    if (s == NULL) {
+      if (PyList_Append(run, minus_one) < 0 || PyList_Append(run, sid) < 0 || PyList_Append(run, zero) < 0 ||
+          PyList_Append(run, zero) < 0)
+        goto done;
+      continue;
+    }
+    Py_INCREF(s); /* the view's calls below may run code that changes the slot map */
+    PyObject *c = PyDict_GetItemWithError(cls_of, sid);
+    if (c == NULL) {
+      if (PyErr_Occurred()) { Py_DECREF(s); goto done; }
+      if (table == Py_None) {
+        c = PyObject_CallOneArg(classify, sid);
+      } else {
+        PyObject *kind = view_read(table, a_kind, NULL, sid);
+        PyObject *saved = kind ? view_read(table, a_saved, NULL, sid) : NULL;
+        c = saved ? storage_class(ctx, kind, saved) : NULL;
+        Py_XDECREF(kind);
+        Py_XDECREF(saved);
+      }
+      if (c == NULL || PyDict_SetItem(cls_of, sid, c) < 0) { Py_XDECREF(c); Py_DECREF(s); goto done; }
+      Py_DECREF(c); /* cls_of holds it */
+    }
+    int rc = PyList_Append(run, s) < 0 || PyList_Append(run, sid) < 0 || PyList_Append(run, sk) < 0 ||
+             PyList_Append(run, c) < 0 || PyList_Append(told, sid) < 0 || PyList_Append(told, s) < 0;
+    Py_DECREF(s);
+    if (rc) goto done;
+  }
+  /* what the operator touches, in the order of the set {*inputs, *outputs, *writes}, and their slots */
+  set = PySet_New(args[7]);
+  if (set == NULL) goto done;
+  for (int a = 8; a < 10; a++) {
+    PyObject *it = PyObject_GetIter(args[a]);
+    if (it == NULL) goto done;
+    PyObject *x;
+    while ((x = PyIter_Next(it)) != NULL) {
+      int rc = PySet_Add(set, x);
+      Py_DECREF(x);
+      if (rc < 0) { Py_DECREF(it); goto done; }
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) goto done;
+  }
+  acc = PySequence_List(set);
+  if (acc == NULL) goto done;
+  Py_ssize_t n_set = PyList_GET_SIZE(acc);
+  acc_slots = PyList_New(n_set);
+  if (acc_slots == NULL) goto done;
+  for (Py_ssize_t i = 0; i < n_set; i++) {
+    PyObject *s = PyDict_GetItemWithError(slot, PyList_GET_ITEM(acc, i));
+    if (s == NULL) {
+      if (PyErr_Occurred()) goto done;
+      s = minus_one;
+    }
+    Py_INCREF(s);
+    PyList_SET_ITEM(acc_slots, i, s);
+    if (PyList_Append(run, s) < 0) goto done;
+  }
+  result = Py_BuildValue("(OOl)", acc, acc_slots, top);
+done:
+  Py_DECREF(smalls);
+  Py_XDECREF(allocs);
+  Py_XDECREF(prev_allocs);
+  Py_XDECREF(accessed);
+  Py_XDECREF(sizes);
+  Py_XDECREF(thr);
+  Py_XDECREF(set);
+  Py_XDECREF(acc);
+  Py_XDECREF(acc_slots);
+  return result;
+}
+
+static PyObject *pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 10) {
+    PyErr_SetString(PyExc_TypeError, "pilot pack: expected 10 arguments");
+    return NULL;
+  }
+  return pack_op(args);
+}
+
+/* ---- the walk over a batch's events (PilotPolicy._operators_native's loop) ------------------------ */
+
+/* the walk context tuple PilotPolicy._walk_context builds (its order) */
+enum { W_POLICY, W_STATE, W_SL, W_GROUP, W_IV_CACHE, W_PHASES, W_OPERATOR, W_FREE, W_N };
+
+static PyObject *a_phase, *a_pending, *a_fwd_log, *a_fwd_node, *a_node, *a_mirror, *a_decays, *a_hist_decays,
+    *a_idiom, *a_bulk_phase, *a_ops, *a_allocs, *a_name, *a_module, *a_op_seen, *a_prev_ops, *a_prev_allocs,
+    *a_anchor, *a_skip, *a_grow_due, *a_position, *a_hist_allocs, *a_last_decision, *a_job, *a_force_decision,
+    *a_policy_phase, *a_inputs, *a_outputs, *a_writes, *a_live;
+
+/* a truth value of obj.attr (-1: error) */
+static int attr_true(PyObject *obj, PyObject *name) {
+  PyObject *v = PyObject_GetAttr(obj, name);
+  if (v == NULL) return -1;
+  int t = PyObject_IsTrue(v);
+  Py_DECREF(v);
+  return t;
+}
+
+/* obj.attr as a C long (error: -1 with an exception set) */
+static long attr_long(PyObject *obj, PyObject *name) {
+  PyObject *v = PyObject_GetAttr(obj, name);
+  if (v == NULL) return -1;
+  long x = PyLong_AsLong(v);
+  Py_DECREF(v);
+  return x;
+}
+
+static int set_long(PyObject *obj, PyObject *name, long x) {
+  PyObject *v = PyLong_FromLong(x);
+  if (v == NULL) return -1;
+  int rc = PyObject_SetAttr(obj, name, v);
+  Py_DECREF(v);
+  return rc;
+}
+
+/* One operator of the state's phase past the iteration's first, handled as the Python loop handles it.
+ * Returns 1: done, 0: left to Python (nothing was changed), -1: error. *tick and *decide: the decision
+ * point's inputs (FeatureState._tick, and whether _after_update must run now). */
+static int walk_op(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *prev_idx, PyObject *run, PyObject *marks,
+                   long *widest, int *tick, int *decide) {
+  PyObject *policy = w[W_POLICY], *state = w[W_STATE];
+  PyObject *pos_obj = PyTuple_GET_ITEM(ev, 1), *op = PyTuple_GET_ITEM(ev, 2), *accessed = PyTuple_GET_ITEM(ev, 3);
+  long position = PyLong_AsLong(pos_obj);
+  if (position == -1 && PyErr_Occurred()) return -1;
+  int rc = -1, left = 0;
+  PyObject *phase = NULL, *hit = NULL, *decays = NULL, *hist = NULL, *key = NULL, *allocs = NULL, *name = NULL,
+           *module = NULL, *seen = NULL, *prev_ops = NULL, *prev_allocs = NULL, *packed = NULL, *told = NULL,
+           *inputs = NULL, *outputs = NULL, *writes = NULL, *skip = NULL;
+  phase = PyObject_GetAttr(op, a_phase);
+  if (phase == NULL) goto done;
+  PyObject *ph_obj = PyDict_GetItemWithError(w[W_PHASES], phase);
+  if (ph_obj == NULL) {
+    if (!PyErr_Occurred()) left = 1; /* a phase the table does not know: Python says what it is */
+    goto done;
+  }
+  long ph = PyLong_AsLong(ph_obj), st_phase = attr_long(state, a_phase);
+  if (PyErr_Occurred()) goto done;
+  int pending = attr_true(policy, a_pending);
+  if (pending < 0) goto done;
+  int fwd_log = ph == 1 ? attr_true(state, a_fwd_log) : 0;
+  if (fwd_log < 0) goto done;
+  if (ph != st_phase || position == 0 || pending || (ph == 1 && fwd_log)) {
+    left = 1; /* a phase begins, the iteration's first operator, or the mirror is built: Python's fused paths */
+    goto done;
+  }
+  allocs = PyObject_GetAttr(op, a_allocs);
+  if (allocs == NULL) goto done;
+  Py_ssize_t na = PyObject_Length(allocs);
+  if (na < 0) goto done;
+  if (ph == 1) { /* FeatureState.enter in backward: a move of the mirror, or its links, stay in Python */
+    PyObject *node = PyObject_GetAttr(op, a_node);
+    if (node == NULL) {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) goto done;
+      PyErr_Clear();
+      node = PyLong_FromLong(-1);
+      if (node == NULL) goto done;
+    }
+    PyObject *fwd_node = PyObject_GetAttr(state, a_fwd_node);
+    if (fwd_node == NULL) { Py_DECREF(node); goto done; }
+    if (PyDict_Check(fwd_node)) {
+      hit = PyDict_GetItemWithError(fwd_node, node);
+      if (hit != NULL) Py_INCREF(hit);
+      else if (!PyErr_Occurred()) hit = Py_NewRef(Py_None);
+    } else {
+      PyErr_SetString(PyExc_TypeError, "pilot walk: the forward nodes are not a dict");
+    }
+    Py_DECREF(fwd_node);
+    Py_DECREF(node);
+    if (hit == NULL) goto done;
+    if (hit != Py_None) {
+      if (na) { left = 1; goto done; }
+      PyObject *mirror = PyObject_GetAttr(state, a_mirror);
+      if (mirror == NULL) goto done;
+      PyObject *target = PySequence_GetItem(hit, 0);
+      if (target == NULL) { Py_DECREF(mirror); goto done; }
+      int moves = PyObject_RichCompareBool(target, mirror, Py_NE);
+      Py_DECREF(target);
+      Py_DECREF(mirror);
+      if (moves < 0) goto done;
+      if (moves) { left = 1; goto done; }
+    }
+  }
+  /* FeatureState.native_iv, its cache hit only */
+  decays = PyObject_GetAttr(state, a_decays);
+  if (decays == NULL) goto done;
+  hist = PyObject_GetAttr(state, a_hist_decays);
+  if (hist == NULL) goto done;
+  if (decays != hist || !PyTuple_Check(decays) || PyTuple_GET_SIZE(decays) != 2) { left = 1; goto done; }
+  PyObject *idiom = PyObject_GetAttr(op, a_idiom);
+  if (idiom == NULL) goto done;
+  key = PyTuple_Pack(3, idiom, PyTuple_GET_ITEM(decays, 0), PyTuple_GET_ITEM(decays, 1));
+  Py_DECREF(idiom);
+  if (key == NULL) goto done;
+  PyObject *iv = PyDict_GetItemWithError(w[W_IV_CACHE], key);
+  if (iv == NULL) {
+    if (!PyErr_Occurred()) left = 1;
+    goto done;
+  }
+  PyObject *iv_addr = PyTuple_GET_ITEM(PyTuple_GET_ITEM(iv, 0), 1), *ivk_addr = PyTuple_GET_ITEM(PyTuple_GET_ITEM(iv, 1), 1);
+  /* from here on the operator is this walk's: the Python loop's writes, in its order */
+  if (PyObject_SetAttr(policy, a_bulk_phase, phase) < 0) goto done;
+  long ops = attr_long(policy, a_ops);
+  if ((ops == -1 && PyErr_Occurred()) || set_long(policy, a_ops, ops + 1) < 0) goto done;
+  /* FeatureState._align */
+  name = PyObject_GetAttr(op, a_name);
+  module = name ? PyObject_GetAttr(op, a_module) : NULL;
+  if (module == NULL) goto done;
+  PyObject *k3 = PyTuple_Pack(3, name, module, phase);
+  if (k3 == NULL) goto done;
+  seen = PyObject_GetAttr(state, a_op_seen);
+  if (seen == NULL) { Py_DECREF(k3); goto done; }
+  PyObject *c = PyDict_GetItemWithError(seen, k3);
+  if (c == NULL && PyErr_Occurred()) { Py_DECREF(k3); goto done; }
+  long cv = c == NULL ? 0 : PyLong_AsLong(c);
+  if (cv == -1 && PyErr_Occurred()) { Py_DECREF(k3); goto done; }
+  PyObject *c1 = PyLong_FromLong(cv + 1);
+  int bad = c1 == NULL || PyDict_SetItem(seen, k3, c1) < 0;
+  Py_XDECREF(c1);
+  Py_DECREF(k3);
+  if (bad) goto done;
+  PyObject *cobj = PyLong_FromLong(cv);
+  PyObject *k4 = cobj ? PyTuple_Pack(4, name, module, phase, cobj) : NULL;
+  Py_XDECREF(cobj);
+  if (k4 == NULL) goto done;
+  prev_ops = PyObject_GetAttr(state, a_prev_ops);
+  PyObject *q = prev_ops ? PyDict_GetItemWithError(prev_ops, k4) : NULL;
+  Py_DECREF(k4);
+  if (q == NULL && PyErr_Occurred()) goto done;
+  if (q == NULL) {
+    prev_allocs = PyTuple_New(0);
+  } else {
+    PyObject *anchor = PyTuple_Pack(2, pos_obj, q);
+    if (anchor == NULL) goto done;
+    bad = PyObject_SetAttr(state, a_anchor, anchor) < 0;
+    Py_DECREF(anchor);
+    if (bad) goto done;
+    PyObject *pa = PyObject_GetAttr(state, a_prev_allocs);
+    if (pa == NULL) goto done;
+    if (PyDict_Check(pa)) {
+      prev_allocs = PyDict_GetItemWithError(pa, q);
+      if (prev_allocs != NULL) Py_INCREF(prev_allocs);
+      else if (!PyErr_Occurred()) prev_allocs = PyTuple_New(0);
+    } else {
+      PyErr_SetString(PyExc_TypeError, "pilot walk: the previous iteration's allocations are not a dict");
+    }
+    Py_DECREF(pa);
+  }
+  if (prev_allocs == NULL) goto done;
+  /* the record: header, allocations, accesses, what it touches (PilotPolicy._pack_run_op) */
+  Py_ssize_t h = PyList_GET_SIZE(run);
+  Py_ssize_t n_told = PyObject_Length(accessed);
+  if (n_told < 0) goto done;
+  long head[10] = {1, position, ph, ph, 0, 0, (long)na, (long)n_told, 0, ph};
+  for (int j = 0; j < 10; j++) {
+    PyObject *x = j == 4 ? (Py_INCREF(iv_addr), iv_addr) : j == 5 ? (Py_INCREF(ivk_addr), ivk_addr) : PyLong_FromLong(head[j]);
+    if (append_new(run, x) < 0) goto done;
+  }
+  told = PyList_New(0);
+  inputs = told ? PyObject_GetAttr(op, a_inputs) : NULL;
+  outputs = inputs ? PyObject_GetAttr(op, a_outputs) : NULL;
+  writes = outputs ? PyObject_GetAttr(op, a_writes) : NULL;
+  if (writes == NULL) goto done;
+  PyObject *pargs[10] = {run, told, ctx, prev_idx, allocs, prev_allocs, accessed, inputs, outputs, writes};
+  packed = pack_op(pargs);
+  if (packed == NULL) goto done;
+  PyObject *acc = PyTuple_GET_ITEM(packed, 0), *acc_slots = PyTuple_GET_ITEM(packed, 1);
+  long top = PyLong_AsLong(PyTuple_GET_ITEM(packed, 2));
+  Py_ssize_t n_acc = PyList_GET_SIZE(acc);
+  PyObject *nacc = PyLong_FromSsize_t(n_acc);
+  if (nacc == NULL || PyList_SetItem(run, h + 8, nacc) < 0) goto done;
+  skip = PyObject_GetAttr(policy, a_skip);
+  if (skip == NULL) goto done;
+  Py_ssize_t n_skip = PyObject_Length(skip);
+  if (n_skip < 0) goto done;
+  if (top >= n_skip) {
+    PyObject *r = PyObject_CallMethodNoArgs(policy, a_grow_due);
+    if (r == NULL) goto done;
+    Py_DECREF(r);
+  }
+  long n = (long)na;
+  if ((long)n_told > n) n = (long)n_told;
+  if ((long)n_acc > n) n = (long)n_acc;
+  if (n > *widest) *widest = n;
+  PyObject *nrun = PyLong_FromSsize_t(PyList_GET_SIZE(run));
+  PyObject *mark = nrun ? Py_BuildValue("(NOOOOO)", nrun, pos_obj, told, acc, acc_slots, ph_obj) : NULL;
+  if (append_new(marks, mark) < 0) goto done;
+  /* FeatureState.enter in the same phase past the first operator, and _tick */
+  if (PyObject_SetAttr(state, a_position, pos_obj) < 0) goto done;
+  if (ph == 0) {
+    PyObject *log = PyObject_GetAttr(state, a_fwd_log);
+    if (log == NULL) goto done;
+    PyObject *entry = PyTuple_Pack(2, pos_obj, op);
+    bad = entry == NULL || PyList_Append(log, entry) < 0;
+    Py_XDECREF(entry);
+    Py_DECREF(log);
+    if (bad) goto done;
+  }
+  PyObject *ha = PyObject_GetAttr(state, a_hist_allocs);
+  if (ha == NULL) goto done;
+  double hv = PyFloat_AsDouble(ha), sl = PyFloat_AsDouble(w[W_SL]);
+  Py_DECREF(ha);
+  if (PyErr_Occurred()) goto done;
+  PyObject *hn = PyFloat_FromDouble(hv * sl + (double)na * (1.0 - sl));
+  if (hn == NULL) goto done;
+  bad = PyObject_SetAttr(state, a_hist_allocs, hn) < 0;
+  Py_DECREF(hn);
+  if (bad) goto done;
+  long last = attr_long(state, a_last_decision), group = PyLong_AsLong(w[W_GROUP]);
+  if (PyErr_Occurred()) goto done;
+  *tick = position - last >= group;
+  if (*tick && PyObject_SetAttr(state, a_last_decision, pos_obj) < 0) goto done;
+  /* what _after_update would do: nothing unless a decision point is due or the worker holds one */
+  PyObject *job = PyObject_GetAttr(policy, a_job);
+  if (job == NULL) goto done;
+  int busy = job != Py_None;
+  Py_DECREF(job);
+  int force = attr_true(policy, a_force_decision);
+  if (force < 0) goto done;
+  PyObject *pph = PyObject_GetAttr(policy, a_policy_phase);
+  if (pph == NULL) goto done;
+  PyObject *sph = PyObject_GetAttr(state, a_phase);
+  if (sph == NULL) { Py_DECREF(pph); goto done; }
+  int other = PyObject_RichCompareBool(pph, sph, Py_NE);
+  Py_DECREF(pph);
+  Py_DECREF(sph);
+  if (other < 0) goto done;
+  *decide = *tick || busy || force || other;
+  rc = 1;
+done:
+  Py_XDECREF(phase);
+  Py_XDECREF(hit);
+  Py_XDECREF(decays);
+  Py_XDECREF(hist);
+  Py_XDECREF(key);
+  Py_XDECREF(allocs);
+  Py_XDECREF(name);
+  Py_XDECREF(module);
+  Py_XDECREF(seen);
+  Py_XDECREF(prev_ops);
+  Py_XDECREF(prev_allocs);
+  Py_XDECREF(packed);
+  Py_XDECREF(told);
+  Py_XDECREF(inputs);
+  Py_XDECREF(outputs);
+  Py_XDECREF(writes);
+  Py_XDECREF(skip);
+  if (rc < 0 && left && !PyErr_Occurred()) rc = 0;
+  return rc;
+}
+
+/* A death, inlined as the Python loop inlines it (FeatureState.free into the run, SmallStorages.free).
+ * Returns 1: done, 0: left to Python (a storage of the previous iteration while a run is open), -1: error. */
+static int walk_free(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *prev_idx, PyObject *run, PyObject *freed) {
+  PyObject *sid = PyTuple_GET_ITEM(ev, 1);
+  int in_prev = PyDict_Contains(prev_idx, sid);
+  if (in_prev < 0) return -1;
+  if (in_prev && PyList_GET_SIZE(run)) return 0;
+  PyObject *slot = PyTuple_GET_ITEM(ctx, C_SLOT), *free_list = PyTuple_GET_ITEM(ctx, C_FREE),
+           *small = PyTuple_GET_ITEM(ctx, C_SMALL);
+  PyObject *s = PyDict_GetItemWithError(slot, sid);
+  if (s == NULL && PyErr_Occurred()) return -1;
+  if (s != NULL) {
+    Py_INCREF(s);
+    if (PyDict_DelItem(slot, sid) < 0) { Py_DECREF(s); return -1; }
+    long st_phase = attr_long(w[W_STATE], a_phase);
+    if (st_phase == -1 && PyErr_Occurred()) { Py_DECREF(s); return -1; }
+    /* the record: (_BATCH_FREE, slot, whether it reports its log_bytes) */
+    int bad = PyList_Append(run, two) < 0 || PyList_Append(run, s) < 0 || PyList_Append(run, st_phase == 0 ? one : zero) < 0 ||
+          (st_phase == 0 && PyList_Append(freed, sid) < 0) || PyList_Append(free_list, s) < 0;
+    Py_DECREF(s);
+    if (bad) return -1;
+  }
+  PyObject *sizes = PyObject_GetAttr(small, s_bytes);
+  if (sizes == NULL) return -1;
+  PyObject *b = PyDict_GetItemWithError(sizes, sid);
+  if (b == NULL && PyErr_Occurred()) { Py_DECREF(sizes); return -1; }
+  PyObject *nb = b != NULL ? b : zero;
+  Py_INCREF(nb);
+  if (b != NULL && PyDict_DelItem(sizes, sid) < 0) { Py_DECREF(nb); Py_DECREF(sizes); return -1; }
+  Py_DECREF(sizes);
+  PyObject *live = PyObject_GetAttr(small, a_live);
+  PyObject *left = live ? PyNumber_Subtract(live, nb) : NULL;
+  Py_XDECREF(live);
+  Py_DECREF(nb);
+  if (left == NULL) return -1;
+  int bad = PyObject_SetAttr(small, a_live, left) < 0;
+  Py_DECREF(left);
+  if (bad) return -1;
+  PyObject *smalls = PyObject_GetAttr(small, s_small);
+  if (smalls == NULL) return -1;
+  bad = PySet_Discard(smalls, sid) < 0;
+  Py_DECREF(smalls);
+  return bad ? -1 : 1;
+}
+
+/* walk(events, i, ctx, wctx, prev_idx, run, marks, freed, widest) -> (i, decide, position, tick, widest)
+ * From event i, the events the Python loop handles the common way; stops before the first it leaves to
+ * Python (decide False) or after an operator whose decision point is due (decide True: the run goes to
+ * the kernel and _after_update(position, tick) runs next), or at the end. */
+static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 9) {
+    PyErr_SetString(PyExc_TypeError, "pilot walk: expected 9 arguments");
+    return NULL;
+  }
+  PyObject *events = args[0], *ctx = args[2], *wctx = args[3], *prev_idx = args[4], *run = args[5], *marks = args[6],
+           *freed = args[7];
+  Py_ssize_t i = PyLong_AsSsize_t(args[1]);
+  long widest = PyLong_AsLong(args[8]);
+  if (PyErr_Occurred()) return NULL;
+  if (!PyList_Check(events) || !PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) != C_N || !PyTuple_Check(wctx) ||
+      PyTuple_GET_SIZE(wctx) != W_N || !PyDict_Check(prev_idx) || !PyList_Check(run) || !PyList_Check(marks) ||
+      !PyList_Check(freed) || !PyDict_Check(PyTuple_GET_ITEM(wctx, W_IV_CACHE)) ||
+      !PyDict_Check(PyTuple_GET_ITEM(wctx, W_PHASES))) {
+    PyErr_SetString(PyExc_TypeError, "pilot walk: arguments of the wrong types");
+    return NULL;
+  }
+  PyObject *const *w = &PyTuple_GET_ITEM(wctx, 0);
+  Py_ssize_t n = PyList_GET_SIZE(events);
+  int decide = 0, tick = 0;
+  PyObject *position = Py_None;
+  while (i < n) {
+    PyObject *ev = PyList_GET_ITEM(events, i);
+    if (!PyTuple_Check(ev) || PyTuple_GET_SIZE(ev) < 2) break;
+    PyObject *tag = PyTuple_GET_ITEM(ev, 0);
+    int eq = PyObject_RichCompareBool(tag, w[W_OPERATOR], Py_EQ), rc;
+    if (eq < 0) return NULL;
+    if (eq) {
+      if (PyTuple_GET_SIZE(ev) != 4) break;
+      Py_INCREF(ev); /* the walk's calls into Python must not free it */
+      rc = walk_op(ev, w, ctx, prev_idx, run, marks, &widest, &tick, &decide);
+      if (rc > 0) position = PyTuple_GET_ITEM(ev, 1);
+      Py_DECREF(ev);
+    } else {
+      eq = PyObject_RichCompareBool(tag, w[W_FREE], Py_EQ);
+      if (eq < 0) return NULL;
+      if (!eq) break; /* a birth between operators: on_alloc in Python */
+      Py_INCREF(ev);
+      rc = walk_free(ev, w, ctx, prev_idx, run, freed);
+      Py_DECREF(ev);
+    }
+    if (rc < 0) return NULL;
+    if (rc == 0) break;
+    i++;
+    if (decide) break;
+  }
+  return Py_BuildValue("(niOil)", i, decide, position, tick, widest);
+}
+
+static PyMethodDef methods[] = {
+    {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL,
+     "pack(run, told, ctx, prev_idx, allocs, prev_allocs, accessed, inputs, outputs, writes) -> "
+     "(acc, acc_slots, top): PilotPolicy._pack_run_op in C"},
+    {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
+     "walk(events, i, ctx, wctx, prev_idx, run, marks, freed, widest) -> (i, decide, position, tick, widest): "
+     "the common events of PilotPolicy._operators_native's loop in C"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pack", "The pilot's per-operator packing in C.", -1,
+                                    methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__pack(void) {
+  s_alloc = PyUnicode_InternFromString("alloc");
+  s_small = PyUnicode_InternFromString("_small");
+  s_bytes = PyUnicode_InternFromString("_bytes");
+  s_fraction = PyUnicode_InternFromString("fraction");
+  s_peak = PyUnicode_InternFromString("_peak");
+  minus_one = PyLong_FromLong(-1);
+  minus_two = PyLong_FromLong(-2);
+  zero = PyLong_FromLong(0);
+  one = PyLong_FromLong(1);
+  two = PyLong_FromLong(2);
+  a_nbytes = PyUnicode_InternFromString("nbytes");
+  a_kind = PyUnicode_InternFromString("kind");
+  a_saved = PyUnicode_InternFromString("saved");
+  s_live = PyUnicode_InternFromString("_live");
+  if (!a_nbytes || !a_kind || !a_saved || !s_live) return NULL;
+  if (!two || !s_alloc || !s_small || !s_bytes || !s_fraction || !s_peak || !minus_one || !minus_two || !zero || !one)
+    return NULL;
+  struct { PyObject **p; const char *s; } names[] = {
+      {&a_phase, "phase"}, {&a_pending, "_pending"}, {&a_fwd_log, "_fwd_log"}, {&a_fwd_node, "_fwd_node"},
+      {&a_node, "node"}, {&a_mirror, "_mirror"}, {&a_decays, "decays"}, {&a_hist_decays, "_hist_decays"},
+      {&a_idiom, "idiom"}, {&a_bulk_phase, "_bulk_phase"}, {&a_ops, "ops"}, {&a_allocs, "allocs"}, {&a_name, "name"},
+      {&a_module, "module"}, {&a_op_seen, "_op_seen"}, {&a_prev_ops, "_prev_ops"}, {&a_prev_allocs, "_prev_allocs"},
+      {&a_anchor, "_anchor"}, {&a_skip, "_skip"}, {&a_grow_due, "_grow_due"}, {&a_position, "position"},
+      {&a_hist_allocs, "_hist_allocs"}, {&a_last_decision, "_last_decision"}, {&a_job, "_job"},
+      {&a_force_decision, "_force_decision"}, {&a_policy_phase, "_phase"}, {&a_inputs, "inputs"},
+      {&a_outputs, "outputs"}, {&a_writes, "writes"}, {&a_live, "_live"}};
+  for (size_t j = 0; j < sizeof(names) / sizeof(names[0]); j++)
+    if ((*names[j].p = PyUnicode_InternFromString(names[j].s)) == NULL) return NULL;
+  PyObject *m = PyModule_Create(&module);
+  if (m != NULL && PyModule_AddIntConstant(m, "VERSION", 3) /* kernel.PACK_VERSION */ < 0) {
+    Py_DECREF(m);
+    return NULL;
+  }
+  return m;
+}

@@ -1,0 +1,154 @@
+"""The C packing of a run's operator records (``pilot/kernel/pack.c``'s ``pack``) against the Python
+packing it replaces (``PilotPolicy._pack_run_op``): on the same random operators, the same words,
+the same told pairs and touched storages, and the same slot map, free list and small-storage state
+afterwards. (The walk over whole batches is checked live in test_pilot_operator.py.)"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dynn_runtime.pilot import kernel as native
+from dynn_runtime.pilot.features import _KIND_IDX
+from dynn_runtime.pilot.policy import _TEMP, PilotPolicy
+from dynn_runtime.policies.base import SmallStorages
+from dynn_runtime.residency import Record, Residency
+
+pytestmark = pytest.mark.skipif(native.packer() is None, reason="the C packing module (_pack) is not built")
+
+_KINDS = ("param", "grad", "activation", "temp", "input", "opt_state", "buffer", "other")
+
+
+class _State:
+    """What the packing reads of FeatureState: the slot map, the free list, and growing it."""
+
+    def __init__(self) -> None:
+        self._slot: dict[int, int] = {}
+        self._cap = 4
+        self._free = list(range(self._cap - 1, -1, -1))
+
+    def _grow(self, cap: int) -> None:
+        self._free[:0] = range(cap - 1, self._cap - 1, -1)  # extends the same list, as FeatureState does
+        self._cap = cap
+
+
+class _View:
+    """A view answering through its calls (the C packing calls them)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.sizes: dict[int, int] = {}
+        self.kinds: dict[int, str] = {}
+        self.saved_: dict[int, bool] = {}
+
+    def born(self, sid: int) -> None:
+        self.sizes[sid] = self.rng.choice((4, 64, 1 << 10, 1 << 16, 1 << 20))
+        self.kinds[sid] = self.rng.choice(_KINDS)
+        self.saved_[sid] = self.rng.random() < 0.3
+
+    def nbytes(self, sid: int) -> int:
+        return self.sizes[sid]
+
+    def kind(self, sid: int) -> str:
+        return self.kinds[sid]
+
+    def saved(self, sid: int) -> bool:
+        return self.saved_[sid]
+
+
+class _RecordView(Residency):
+    """The live runtime's kind of view: Residency's reads of a record table (the C packing reads the
+    records)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.st: dict[int, Record] = {}
+
+    def born(self, sid: int) -> None:
+        self.st[sid] = Record(sid, self.rng.choice((4, 64, 1 << 10, 1 << 16, 1 << 20)), self.rng.choice(_KINDS),
+                              self.rng.random() < 0.3)
+
+
+def _policy(view: _View, fraction: float) -> PilotPolicy:
+    """A pilot with only what the packing reads (no model, no runtime)."""
+    pol = PilotPolicy.__new__(PilotPolicy)
+    pol._state = _State()
+    pol.view = view
+    pol.small_fraction = fraction
+    pol._small = SmallStorages(fraction)
+    return pol
+
+
+def _context(pol: PilotPolicy) -> tuple:
+    ctx = pol._pack_context()
+    assert ctx[0] is pol._state._slot and ctx[1] is pol._state._free and ctx[6] is _KIND_IDX and ctx[7] == _TEMP
+    return ctx
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.05])
+@pytest.mark.parametrize("view_cls", [_View, _RecordView])
+def test_pack_writes_what_the_python_packing_writes(fraction, view_cls):
+    """Random operators (allocations new and announced again, accesses with and without a slot, some
+    storages freed between them, the slot map growing): after every one, the C packing and the Python
+    packing have appended the same words and told pairs and left the same state; whether the C side
+    calls the view or reads its record table."""
+    rng = random.Random(7)
+    view = view_cls(rng)
+    py, c = _policy(view, fraction), _policy(view, fraction)
+    pack = native.packer()
+    py_ctx, c_ctx = _context(py), _context(c)
+    assert (c_ctx[12] is view.st) if view_cls is _RecordView else c_ctx[12] is None
+    prev_idx = {sid: rng.randrange(50) for sid in range(0, 400, 3)}
+    next_sid, live = 0, []
+    grew = 0
+    for op in range(300):
+        allocs = []
+        for _ in range(rng.choice((0, 0, 1, 2, 3))):
+            if live and rng.random() < 0.1:
+                allocs.append(rng.choice(live))  # announced again: it keeps its slot
+            else:
+                view.born(next_sid)
+                allocs.append(next_sid)
+                live.append(next_sid)
+                next_sid += 1
+        prev_allocs = tuple(rng.randrange(400) for _ in range(rng.randrange(len(allocs) + 2)))
+        accessed = rng.sample(live, min(len(live), rng.randrange(5))) + [10_000 + op]  # the last has no slot
+        inputs = tuple(accessed[:2])
+        outputs = tuple(allocs)
+        writes = tuple(accessed[1:3])
+        outs = []
+        for ctx, fn in ((py_ctx, py._pack_run_op), (c_ctx, pack)):
+            run, told = [1, op], []
+            got = fn(run, told, ctx, prev_idx, tuple(allocs), prev_allocs, accessed, inputs, outputs, writes)
+            outs.append((run, told, got))
+        assert outs[0] == outs[1], f"operator {op}"
+        assert [type(x) for x in outs[0][0]] == [type(x) for x in outs[1][0]], f"operator {op}: word types"
+        assert py._state._slot == c._state._slot and py._state._free == c._state._free, f"operator {op}"
+        assert py._state._cap == c._state._cap
+        for name in ("_bytes", "_small", "_live", "_peak"):
+            assert getattr(py._small, name) == getattr(c._small, name), f"operator {op}: {name}"
+        assert py_ctx[10] == c_ctx[10]  # the storage classes read
+        for sid in rng.sample(live, min(len(live), rng.randrange(3))):  # deaths between operators
+            live.remove(sid)
+            for pol in (py, c):
+                s = pol._state._slot.pop(sid, None)
+                if s is not None:
+                    pol._state._free.append(s)
+                pol._small.free(sid)
+        grew = max(grew, py._state._cap)
+    assert grew > 4  # the free list ran out and grew
+
+
+def test_pack_refuses_arguments_of_the_wrong_types():
+    pack = native.packer()
+    pol = _policy(_View(random.Random(0)), 0.0)
+    ctx = _context(pol)
+    with pytest.raises(TypeError, match="pilot pack"):
+        pack([], [], ctx[:-1], {}, (), (), [], (), (), ())
+    with pytest.raises(TypeError, match="pilot pack"):
+        pack([], [], ctx, {}, 5, (), [], (), (), ())
+    bad = list(ctx)
+    bad[0] = []  # the slot map is not a dict
+    with pytest.raises(TypeError, match="pilot pack"):
+        pack([], [], tuple(bad), {}, (), (), [], (), (), ())
