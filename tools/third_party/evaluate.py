@@ -4,10 +4,15 @@ For each network of this folder (each a ``file.py:build`` workload, evaluation o
 (``cpu`` by default, or ``cuda``), under deterministic algorithms (so that on a GPU bit identity is
 judged on the manager alone):
 
-1. **Cap.** PyTorch alone for ``--steps`` steps; the cap is ``--fraction`` of the largest step's peak
-   (bytes, so that every step, the first included, runs under it). PyTorch alone runs again after
-   the methods; the mean of the two runs' median step times (the first step left out) is what each
-   method's median step time is divided by (``step x alone``).
+1. **Cap.** The same steps under the manager with nothing to move (policy ``none``, no budget): the
+   largest step's peak of the managed storages, PyTorch alone's peak counted as the manager counts
+   (:func:`managed_peak`); the cap is ``--fraction`` of it (:func:`cap_bytes`; bytes, so that every
+   step, the first included, runs under it). Not the allocator's peak: on CUDA that also holds what
+   the manager never manages (cuBLAS workspaces, 32 MiB each under the deterministic setting's
+   ``CUBLAS_WORKSPACE_CONFIG=:4096:8``; the allocator's rounding), at ``tiny`` many times the managed
+   bytes, so that a cap taken from it leaves nothing to move. PyTorch alone runs for ``--steps`` steps before and again after the
+   methods: the reference for bit identity, and the mean of the two runs' median step times (the
+   first step left out) is what each method's median step time is divided by (``step x alone``).
 2. **Live.** The same steps under the memory manager at that cap, per method: ``pilot (shipped)``,
    ``pilot (fallback)`` (per decision point, replay's or lru's predictions while their recent window
    recall beats the model's; the model's side takes replay's where its plan has held exactly), ``pilot (adapted)`` (the fallback and the model refit online on the
@@ -90,6 +95,32 @@ def _spec(name: str) -> str:
     return f"{HERE / (name + '.py')}:build"
 
 
+def managed_peak(spec: str, steps: int, device: str = "cpu") -> int:
+    """PyTorch alone's largest step peak as the manager counts device bytes: ``spec`` trained for
+    ``steps`` steps under a manager that moves nothing (policy ``none``, no budget), the largest
+    per-step peak of the storages it manages. The same on every device (on the CPU within a few
+    percent of the bytes allocated, on CUDA without the allocator's own bytes), so a fraction of it
+    means the same there."""
+    from dynn_runtime.runtime.train import UNLIMITED, train_managed
+
+    return train_managed(spec, UNLIMITED, "none", steps=steps, preset="tiny", device=device).max_managed_peak()
+
+
+def cap_bytes(peak: int, fraction: float) -> int:
+    """The evaluation's cap: ``fraction`` (in (0, 1]) of ``peak`` (:func:`managed_peak`), in bytes.
+
+    >>> cap_bytes(4 << 20, 0.25)
+    1048576
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"evaluate: the cap is a fraction in (0, 1] of PyTorch alone's peak, got {fraction}; "
+                         "pass --fraction 0.25 for a quarter.")
+    if peak <= 0:
+        raise ValueError(f"evaluate: PyTorch alone's managed peak is {peak} bytes; the network allocated nothing "
+                         "on the device the manager could count.")
+    return max(1, int(peak * fraction))
+
+
 def _rate(h: int, m: int) -> float | None:
     return h / (h + m) if h + m else None
 
@@ -166,7 +197,8 @@ def live(name: str, fraction: float, steps: int, candidate: str | None = None, r
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in todo}
     with deterministic():  # on any device: the CPU runs the path a GPU does
         ref = train_unmanaged(spec, steps=steps, preset="tiny", device=device)
-        cap = int(max(ref.peak_bytes) * fraction)
+        peak = managed_peak(spec, steps, device)
+        cap = cap_bytes(peak, fraction)
         for k in range(rounds):
             order = list(todo) if k % 2 == 0 else list(reversed(todo))  # pairs every method with every other in time
             for method in order:
@@ -179,7 +211,10 @@ def live(name: str, fraction: float, steps: int, candidate: str | None = None, r
     ref_step_s = sum(alone) / 2
     for run in (r for rs in runs.values() for r in rs):
         run["step_ratio"] = run["step_s"] / ref_step_s if ref_step_s else None
-    out: dict[str, Any] = {"cap_bytes": cap, "peak_bytes": max(ref.peak_bytes), "rounds": rounds, "device": device,
+    # peak_bytes: the cap's basis; unmanaged_peak_bytes: PyTorch alone's own count (CUDA: the allocator's
+    # max_memory_allocated above the process's bytes before the run; the CPU: bytes allocated)
+    out: dict[str, Any] = {"cap_bytes": cap, "peak_bytes": peak, "unmanaged_peak_bytes": max(ref.peak_bytes),
+                           "rounds": rounds, "device": device,
                            "alone_step_s": ref_step_s, "alone_step_s_before_after": alone, "methods": {}}
     for method in todo:
         out["methods"][method] = _combine(runs[method])
@@ -299,7 +334,8 @@ def rescore(path: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--networks", nargs="+", default=list(NETWORKS), choices=list(NETWORKS))
-    p.add_argument("--fraction", type=float, default=0.25, help="cap as a fraction of the largest step's peak")
+    p.add_argument("--fraction", type=float, default=0.25,
+                   help="cap as a fraction of the largest step's peak of the managed storages")
     p.add_argument("--steps", type=int, default=8, help="live steps per run")
     p.add_argument("--trace-steps", type=int, default=5, help="iterations of the recorded trace")
     p.add_argument("--json", default="out/third_party/eval.json")
@@ -310,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-trace", dest="trace", action="store_false",
                    help="skip the recorded trace's metrics and the simulation (CPU work; the live runs only)")
     args = p.parse_args(argv)
+    if not 0 < args.fraction <= 1:
+        p.error(f"--fraction {args.fraction}: the cap is a fraction in (0, 1] of PyTorch alone's peak (0.25: a quarter)")
     if args.table:
         print(table(rescore(args.table)["results"]))
         return 0
