@@ -17,8 +17,9 @@ judged on the manager alone):
    ``pilot (fallback)`` (per decision point, replay's or lru's predictions while their recent window
    recall beats the model's; the model's side takes replay's where its plan has held exactly), ``pilot (adapted)`` (the fallback and the model refit online on the
    run's own accesses every step, swapped in when it beats the model in use on the latest step),
-   ``replay`` and ``lru``. Per step: prefetch hits, misses, stall seconds, bytes moved; per run the
-   median step time.
+   ``replay`` and ``lru``. Per step: prefetch hits, misses, stall seconds, late fetches (asynchronous
+   copies: the fetches the compute stream waited for; the stall is those waits, timed on the GPU),
+   bytes moved; per run the median step time. The table gives stalls in milliseconds.
 3. **Steps to recover.** For each pilot variant, the least ``s`` such that over steps ``s..end`` its
    prefetch hit rate is at least the better of replay's and lru's (``None``: not within the run);
    and the same also requiring its stall time to be at most the smaller of theirs (on the CPU the
@@ -155,11 +156,12 @@ def _one_run(name: str, spec: str, cap: int, method: str, policy: str, options: 
     pol = make_policy(policy, **(options or {}))
     r = train_managed(spec, cap, pol, steps=steps, preset="tiny", device=device)
     st = r.stats
-    rows = [{k: s[k] for k in ("prefetch_hits", "prefetch_misses", "stall_seconds", "bytes_offloaded",
+    rows = [{k: s[k] for k in ("prefetch_hits", "prefetch_misses", "stall_seconds", "late_fetches", "bytes_offloaded",
                                "bytes_prefetched", "bytes_fetched_on_demand")} for s in st["per_step"]]
     out = {
         "prefetch_hits": st["prefetch_hits"], "prefetch_misses": st["prefetch_misses"],
         "hit_rate": _rate(st["prefetch_hits"], st["prefetch_misses"]), "stall_seconds": st["stall_seconds"],
+        "late_fetches": st["late_fetches"],
         "bytes_moved": st["bytes_offloaded"] + st["bytes_prefetched"] + st["bytes_fetched_on_demand"],
         "bit_identical": r.digest == ref_digest, "wall_s": time.perf_counter() - t0, "per_step": rows,
         "step_s": r.median_step_seconds(),
@@ -167,8 +169,8 @@ def _one_run(name: str, spec: str, cap: int, method: str, policy: str, options: 
     if policy == "pilot" and pol.judged_recall:  # the fallback's judge: recall of each predictor, live
         out["live_window_recall"] = pol.judged_recall
         out["followed"] = dict(pol.followed)
-    print(f"  {name} {method}: {st['prefetch_hits']} / {st['prefetch_misses']}, "
-          f"stalls {st['stall_seconds']:.3f} s, step {out['step_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+    print(f"  {name} {method}: {st['prefetch_hits']} / {st['prefetch_misses']}, stalls {_stall(out)}, "
+          f"step {out['step_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
     return out
 
 
@@ -177,8 +179,8 @@ def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if len(runs) == 1:
         return runs[0]
     out = dict(runs[0])
-    for k in ("prefetch_hits", "prefetch_misses", "stall_seconds", "bytes_moved", "wall_s"):
-        out[k] = sum(r[k] for r in runs)
+    for k in ("prefetch_hits", "prefetch_misses", "stall_seconds", "late_fetches", "bytes_moved", "wall_s"):
+        out[k] = sum(r.get(k, 0) for r in runs)
     for k in ("step_s", "step_ratio"):  # a time per step: the median over the rounds
         vals = sorted(r[k] for r in runs if r.get(k) is not None)
         out[k] = vals[len(vals) // 2] if vals else None
@@ -289,6 +291,13 @@ def _sim(r: dict[str, Any] | None) -> str:
     return f"{r['prefetch_hits']} / {r['prefetch_misses']} | {r['stall_seconds'] * 1e3:.3f} ms"
 
 
+def _stall(m: dict[str, Any]) -> str:
+    """Stall time in milliseconds (a GPU's timed waits add up to well under one), and where copies
+    are asynchronous the fetches that were late (``StepStats.late_fetches``)."""
+    late = m.get("late_fetches")
+    return f"{m['stall_seconds'] * 1e3:.3f} ms" + (f" ({late} late)" if late else "")
+
+
 def _ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
@@ -310,7 +319,7 @@ def table(results: dict[str, Any]) -> str:
                                for k in ("steps_to_recover", "steps_to_recover_with_stalls"))
             pilot = method.startswith(("pilot", CANDIDATE))
             lines.append(f"| {name} | {method} | {_pct(wr)} | {m['prefetch_hits']} / {m['prefetch_misses']} | "
-                         f"{_pct(m['hit_rate'])} | {m['stall_seconds']:.3f} s | {m['bytes_moved'] / 2**20:.1f} MiB | "
+                         f"{_pct(m['hit_rate'])} | {_stall(m)} | {m['bytes_moved'] / 2**20:.1f} MiB | "
                          f"{rec_s if pilot else ''} | {_ratio(m.get('step_ratio'))} | "
                          f"{'yes' if m['bit_identical'] else 'NO'} | {_sim(tr.get('simulated', {}).get(method))} |")
     return "\n".join(lines) + "\n"
