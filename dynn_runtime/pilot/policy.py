@@ -266,7 +266,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             self._judge = RecallJudge(window=WINDOW_OPS)
             self._shadow = ReplayPolicy()
             self._shadow.attach(view)
-            self._exact = ExactReplay(self._shadow)
+            self._exact = ExactReplay(self._shadow, near=WINDOW_OPS)
         cls = type(self)
         self._fused = (self._judge is None and cls.on_alloc is PilotPolicy.on_alloc
                        and cls.on_access is PilotPolicy.on_access)

@@ -105,7 +105,7 @@ def test_live_runs_the_device_path_and_reports_the_step_time_ratio(monkeypatch):
 def test_the_cap_is_a_fraction_of_the_managed_peak_whatever_else_the_device_counts(monkeypatch):
     """The cap is ``fraction`` of PyTorch alone's peak as the manager counts it, not of the device's own
     count: on CUDA that holds what the manager never manages (cuBLAS workspaces), which at ``tiny`` is
-    many times the managed bytes; a cap taken from it would move nothing. Modelled on the CPU by an
+    several times the managed bytes; a cap taken from it can move nothing. Modelled on the CPU by an
     unmanaged run whose every step's peak carries 32 MiB the manager does not see."""
     tool = _tool()
     import dynn_runtime.runtime.train as train
