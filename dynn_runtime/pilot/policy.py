@@ -316,6 +316,15 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             self.dropped += 1
         self._worker_free = 0.0
 
+    def close(self) -> None:
+        if self._job is not None and self._job.future is not None:
+            self._job.future.result()  # the worker's decision point completes (its buffers are ours)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._refit is not None:
+            self._refit.close()
+
     # ---- notifications ------------------------------------------------------------------------
     def _provisional(self, position: int, kind: str, saved: bool, fresh: bool) -> float:
         """The prior: position + the median next-use distance of its phase and storage class."""

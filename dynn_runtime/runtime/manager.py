@@ -428,6 +428,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._teardown()
 
     def _teardown(self) -> None:
+        self.policy.close()
         if self.provider is not None:
             self.provider.uninstall()
         if self._mode is not None:

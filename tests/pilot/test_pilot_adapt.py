@@ -236,3 +236,16 @@ def test_exact_replay_trusts_what_was_alive_at_the_start_for_the_operators_just_
     for j in range(4):
         ex.op(j, ops[j])
     assert [ex.exact(8), ex.exact(9)] == [False, True]  # next use 6 and 5, both near: 6 is where the last one left
+
+
+def test_a_background_refit_ends_with_the_run():
+    """The online refit's thread completes and ends at detach: it does not go on competing with what
+    runs after the manager (a next run, another method's timing)."""
+    import threading
+
+    from dynn_runtime.runtime.train import train_managed
+
+    pol = make_policy("pilot", online=True, refit_every=1)
+    r = train_managed("moe", 0.5, pol, steps=3)
+    assert r.stats["bytes_offloaded"] > 0 and pol._refit.refits >= 1
+    assert not [t for t in threading.enumerate() if t.name.startswith("dynn-pilot")]
