@@ -52,6 +52,9 @@ def test_steps_to_recover():
     assert tool.steps_to_recover(per_step, "pilot") is None
     per_step["pilot"] = steps((0, 10, 2.0), (1, 10, 2.0), (0, 0, 0.0))  # a last step that needed nothing back
     assert tool.steps_to_recover(per_step, "pilot") is None
+    assert tool.steps_to_recover({"pilot": per_step["pilot"]}, "pilot") is None  # no baseline ran (--methods)
+    with pytest.raises(ValueError, match="no method 'nope'"):
+        tool.live("dynamic_gnn", 0.25, 1, only=["replay", "nope"])
 
 
 def test_candidate_weights_run_beside_each_shipped_variant():

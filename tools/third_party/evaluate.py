@@ -39,7 +39,8 @@ judged on the manager alone):
 ``candidate (fallback)`` and ``candidate (adapted)``, each run right after its shipped counterpart.
 ``--rounds 2`` runs every method twice per network, the second time in the reverse order, so that
 each method's stall time is paired in time with every other's on a shared machine (counts and
-stalls are summed over the rounds; steps to recover is the worse round's).
+stalls are summed over the rounds; steps to recover is the worse round's). ``--methods`` runs only
+the methods named (steps to recover needs replay or lru among them).
 
 Writes JSON (``--json``) and prints the markdown rows of docs/pilot.md's table. Needs the networks'
 packages (``transformers``, ``torch-geometric``; see docs/pilot.md, "Networks outside the zoo").
@@ -48,6 +49,8 @@ Run from the repository root::
     python tools/third_party/evaluate.py --fraction 0.25 --steps 8 --json out/third_party/eval.json
     python tools/third_party/evaluate.py --candidate mine.npz --rounds 2 --json out/third_party/cand.json
     python tools/third_party/evaluate.py --device cuda --steps 4 --no-trace --json out/third_party/gpu.json
+    python tools/third_party/evaluate.py --networks dynamic_gnn --fraction 0.5 --steps 5 --no-trace \
+        --methods "pilot (fallback)" replay lru --json out/third_party/gnn-half.json
 """
 
 from __future__ import annotations
@@ -140,6 +143,8 @@ def steps_to_recover(per_step: dict[str, list[dict[str, Any]]], method: str, sta
         if not h + m:
             break  # nothing was needed back from here on: no evidence either way
         base = [tot(b, s) for b in BASELINES if b in per_step]
+        if not base:
+            return None  # no baseline ran: nothing to recover to
         best_rate = max((_rate(bh, bm) or 0.0) for bh, bm, _ in base)
         best_stall = min(bs for _, _, bs in base)
         if (_rate(h, m) or 0.0) >= best_rate and (not stalls or st <= best_stall):
@@ -191,11 +196,17 @@ def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def live(name: str, fraction: float, steps: int, candidate: str | None = None, rounds: int = 1,
-         device: str = "cpu") -> dict[str, Any]:
+         device: str = "cpu", only: list[str] | None = None) -> dict[str, Any]:
     from dynn_runtime.runtime.train import deterministic, train_unmanaged
 
     spec = _spec(name)
     todo = methods(candidate)
+    if only is not None:
+        unknown = sorted(set(only) - set(todo))
+        if unknown:
+            raise ValueError(f"evaluate: no method {', '.join(map(repr, unknown))}; the methods are "
+                             f"{', '.join(map(repr, todo))}.")
+        todo = {k: v for k, v in todo.items() if k in only}
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in todo}
     with deterministic():  # on any device: the CPU runs the path a GPU does
         ref = train_unmanaged(spec, steps=steps, preset="tiny", device=device)
@@ -350,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="out/third_party/eval.json")
     p.add_argument("--table", metavar="JSON", help="print the table of an earlier results file (nothing runs)")
     p.add_argument("--candidate", metavar="WEIGHTS", help="also evaluate these weights (methods 'candidate ...')")
+    p.add_argument("--methods", nargs="+", metavar="METHOD",
+                   help="run only these methods (names as in the table, e.g. 'pilot (fallback)' replay lru)")
     p.add_argument("--rounds", type=int, default=1, help="runs per method, alternating the order (paired stalls)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the live runs train (default cpu)")
     p.add_argument("--no-trace", dest="trace", action="store_false",
@@ -357,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 0 < args.fraction <= 1:
         p.error(f"--fraction {args.fraction}: the cap is a fraction in (0, 1] of PyTorch alone's peak (0.25: a quarter)")
+    if args.methods:
+        unknown = sorted(set(args.methods) - set(methods(args.candidate)))
+        if unknown:
+            p.error(f"--methods: no method {', '.join(map(repr, unknown))}; the methods are "
+                    f"{', '.join(map(repr, methods(args.candidate)))}")
     if args.table:
         print(table(rescore(args.table)["results"]))
         return 0
@@ -373,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"description": NETWORKS[name],
                          "trace": (trace_metrics(name, args.trace_steps, out_dir, args.fraction, args.candidate)
                                    if args.trace else None),
-                         "live": live(name, args.fraction, args.steps, args.candidate, args.rounds, args.device)}
+                         "live": live(name, args.fraction, args.steps, args.candidate, args.rounds, args.device,
+                                      args.methods)}
     data = {"config": vars(args), "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
             "results": results}
     Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
