@@ -428,7 +428,6 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._teardown()
 
     def _teardown(self) -> None:
-        self.policy.close()
         if self.provider is not None:
             self.provider.uninstall()
         if self._mode is not None:
@@ -461,6 +460,8 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
             self._used = self._obs.used
         self._obs = None
         self._attached = False
+        # last: the manager is detached whatever the policy's threads raise on their way out
+        self.policy.close()
 
     def __enter__(self) -> MemoryManager:
         return self

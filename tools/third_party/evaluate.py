@@ -8,7 +8,7 @@ judged on the manager alone):
    largest step's peak of the managed storages, PyTorch alone's peak counted as the manager counts
    (:func:`managed_peak`); the cap is ``--fraction`` of it (:func:`cap_bytes`; bytes, so that every
    step, the first included, runs under it). Not the allocator's peak: on CUDA that also holds what
-   the manager never manages (cuBLAS workspaces, one per thread and stream, megabytes each; the
+   the manager never manages (cuBLAS workspaces, one per handle and stream, megabytes each; the
    allocator's rounding), at ``tiny`` several times the managed bytes, so that a cap taken from it
    can leave nothing to move. PyTorch alone runs for ``--steps`` steps before and again after the
    methods: the reference for bit identity, and the mean of the two runs' median step times (the
