@@ -50,5 +50,5 @@ def test_report_renders_the_overhead_and_thirdparty_sections():
     assert "### dynn bench --overhead (d): manager on cuda" in md and "#### Operators" in md
     assert "calibration written to `out/host_cost.json`" in md
     assert "PyTorch alone per step: moe_lm 12.0 ms." in md
-    assert "| moe_lm | pilot (shipped) | - | 3 / 1 | 75.0% | 0.002 s | 3.0 MiB | 1 / not reached | 2.50x | yes |" in md
-    assert "| moe_lm | lru | - | 3 / 1 | 75.0% | 0.002 s | 3.0 MiB |  | 1.75x | yes |" in md
+    assert "| moe_lm | pilot (shipped) | - | 3 / 1 | 75.0% | 2.000 ms | 3.0 MiB | 1 / not reached | 2.50x | yes |" in md
+    assert "| moe_lm | lru | - | 3 / 1 | 75.0% | 2.000 ms | 3.0 MiB |  | 1.75x | yes |" in md

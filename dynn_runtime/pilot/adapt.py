@@ -20,6 +20,7 @@ there the fallback's model side takes replay's prediction (see the class).
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,24 +126,45 @@ class ExactReplay:
     exact so far in the iteration: while every operator has been the previous iteration's at the
     same position (name and module), a storage born at its counterpart's position whose every access
     here fell on one of its counterpart's positions is *on plan*, and replay's next use for it is,
-    as far as anything run says, the true one. Elsewhere (another sequence, a shifted access, a
-    storage replay has no match for) nothing is on plan. Fed the policy's notifications."""
+    as far as anything run says, the true one. A storage alive at the iteration's start (a
+    parameter, optimizer state), matched by identity, is on plan until an access falls elsewhere, but
+    only for a next use within ``near`` operators and before the position where the last iteration
+    fell out of step with its predecessor: the operators run so far vouch for the ones just ahead,
+    not for a later phase that a network choosing its path per step (routing, dropped layers) may
+    run differently. Elsewhere (another sequence, a shifted access, a storage replay has no match
+    for) nothing is on plan. Fed the policy's notifications."""
 
-    def __init__(self, replay: Any) -> None:
+    def __init__(self, replay: Any, near: int = 64) -> None:
         self.replay = replay
+        self.near = int(near)
         self._keys: list[tuple[str, str]] = []
         self._on: dict[int, bool] = {}
+        #: storages alive at the iteration's start (parameters, optimizer state, what the program holds)
+        self._start: set[int] = set()
+        self._position = -1
+        #: where the last iteration fell out of step with its predecessor (None: it did not, or
+        #: had none to compare with); below it, this one is expected in step too
+        self._lost_at: int | None = None
+        self._compared = False
+        self._reach = math.inf
         #: every operator so far was the previous iteration's at its position
         self.in_sync = False
 
     def begin_iteration(self, history: Any) -> None:
+        self._reach = math.inf if not self._compared or self._lost_at is None else self._lost_at
         self._keys = [(op.name, op.module) for op in history[-1].ops] if history else []
-        self.in_sync = bool(self._keys)
+        self.in_sync = self._compared = bool(self._keys)
+        self._lost_at = None
         self._on.clear()
+        self._start.clear()
+        self._position = -1
 
     def alloc(self, sid: int, position: int) -> None:
+        if position < 0:  # alive at the start: matched by identity, on plan until an access says not
+            self._start.add(sid)
+            return
         # the replay matched a storage born here by the allocating operator's position: born on plan
-        self._on[sid] = position >= 0 and self.replay.plan(sid) is not None
+        self._on[sid] = self.replay.plan(sid) is not None
 
     def access(self, sid: int, position: int) -> None:
         acc = self.replay.plan(sid)
@@ -154,12 +176,27 @@ class ExactReplay:
 
     def free(self, sid: int) -> None:
         self._on.pop(sid, None)
+        self._start.discard(sid)
 
     def op(self, position: int, op: Any) -> None:
+        self._position = position
         if self.in_sync:
             keys = self._keys
             self.in_sync = position < len(keys) and keys[position] == (op.name, op.module)
+            if not self.in_sync:
+                self._lost_at = position
 
     def exact(self, sid: int) -> bool:
-        """``sid`` is on plan and the iteration in step with the previous one."""
-        return self.in_sync and self._on.get(sid, False)
+        """``sid`` is on plan and the iteration in step with the previous one (alive at the start:
+        and its match's next access near enough, see the class)."""
+        if not self.in_sync:
+            return False
+        if sid in self._start:
+            if not self._on.get(sid, True):
+                return False
+            acc = self.replay.plan(sid)
+            if acc is None:
+                return False
+            k = bisect.bisect_right(acc, self._position)
+            return k < len(acc) and acc[k] - self._position <= self.near and acc[k] < self._reach
+        return self._on.get(sid, False)

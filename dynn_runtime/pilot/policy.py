@@ -286,7 +286,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             self._judge = RecallJudge(window=WINDOW_OPS)
             self._shadow = ReplayPolicy()
             self._shadow.attach(view)
-            self._exact = ExactReplay(self._shadow)
+            self._exact = ExactReplay(self._shadow, near=WINDOW_OPS)
         cls = type(self)
         self._fused = (self._judge is None and cls.on_alloc is PilotPolicy.on_alloc
                        and cls.on_access is PilotPolicy.on_access)
@@ -335,6 +335,15 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             self._job = None
             self.dropped += 1
         self._worker_free = 0.0
+
+    def close(self) -> None:
+        if self._job is not None and self._job.future is not None:
+            self._job.future.result()  # the worker's decision point completes (its buffers are ours)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._refit is not None:
+            self._refit.close()
 
     # ---- notifications ------------------------------------------------------------------------
     def _provisional(self, position: int, kind: str, saved: bool, fresh: bool) -> float:

@@ -244,6 +244,11 @@ class Policy:
     def begin_iteration(self, index: int, context: IterationContext = NO_CONTEXT) -> None:
         """An iteration starts; ``context`` carries what the mechanism knows (history, trace)."""
 
+    def close(self) -> None:
+        """Called by the live manager at detach: work the policy runs on threads of its own (a
+        background refit, a worker) completes and the threads end, so none outlives the run and
+        competes with what runs next. A later ``attach`` may start them again."""
+
     # -- decisions ---------------------------------------------------------------------------
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
         return iter(())

@@ -14,6 +14,9 @@ module docstring of :mod:`~dynn_runtime.runtime.manager` is one call here:
   allocation is ordered and the event ``after`` (the copy that filled the host buffer) completed.
 * ``compute_waits(event)``: the compute stream waits for ``event`` before its next kernel (on the GPU,
   not the host).
+* ``timed_wait(event)``: ``compute_waits`` for a copy that had not landed when asked (a stall),
+  bracketed by two timing events (``before.elapsed_time(after)``: milliseconds, read once the step's
+  copies completed); None where waits are not timed (synchronous copies: their wall time is the stall).
 * ``sync()``: the host waits for everything (step ends, detach).
 
 Events have ``query()`` and ``synchronize()`` (host pool buffers wait on them).
@@ -29,6 +32,7 @@ the bit-identity tests see it.
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import torch
@@ -162,6 +166,19 @@ class _FakeEvent:
         self.engine._finish(self.op)
 
 
+class _FakeTime:
+    """A timing event of the fake GPU: the host clock when it was made; ``elapsed_time`` in
+    milliseconds, as ``torch.cuda.Event``'s."""
+
+    __slots__ = ("t",)
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: _FakeTime) -> float:
+        return (end.t - self.t) * 1e3
+
+
 class _FakeOp:
     __slots__ = ("stream", "run", "done", "reads")
 
@@ -274,9 +291,12 @@ class FakeAsyncCopies:
     def compute_waits(self, event: Any) -> None:
         self._finish(event.op)  # the CPU's "compute stream" runs now: waiting means completing
 
-    def timed_wait(self, event: Any) -> None:
+    def timed_wait(self, event: Any) -> tuple[_FakeTime, _FakeTime]:
+        """``compute_waits`` bracketed by two host-clock marks: the wait is the forced copies' run,
+        as on a GPU it is the compute stream's time before the copy lands."""
+        before = _FakeTime()
         self.compute_waits(event)
-        return None
+        return before, _FakeTime()
 
     def sync(self) -> None:
         for stream in self.queues:

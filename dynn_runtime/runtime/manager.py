@@ -462,6 +462,8 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
             self._used = self._obs.used
         self._obs = None
         self._attached = False
+        # last: the manager is detached whatever the policy's threads raise on their way out
+        self.policy.close()
 
     def __enter__(self) -> MemoryManager:
         return self

@@ -191,6 +191,7 @@ class Moves(Residency):
         """A fetched storage becomes usable: the compute stream waits on its copy (invariant 3)."""
         if s.fetch_event is not None:
             if not s.fetch_event.query():  # a demand fetch or a late prefetch: time the wait on the GPU
+                self._cur.late_fetches += 1
                 pair = self._copies.timed_wait(s.fetch_event)
                 if pair is not None:
                     self._pending_stalls.append(pair)
@@ -309,6 +310,8 @@ class Moves(Residency):
                 self._prefetch(s)
 
     def _resolve_stalls(self) -> None:
+        """The step's timed waits into ``stall_seconds``; after the step's copies completed (``_sync``),
+        so every pair's events have been reached."""
         for before, after in self._pending_stalls:
             self._cur.stall_seconds += before.elapsed_time(after) * 1e-3
         self._pending_stalls = []

@@ -54,6 +54,13 @@ class StepStats:
     bytes_fetched_on_demand: int = 0
     evictions: int = 0
     stall_seconds: float = 0.0
+    """Synchronous copies: their wall time. Asynchronous ones: the compute stream's waits for the
+    fetches that had not landed when it needed them (``late_fetches``), timed on the device (CUDA
+    events bracketing each wait), so a copy that lands while the host is still issuing the
+    operator costs nothing here."""
+    late_fetches: int = 0
+    """Asynchronous copies: fetches (on demand, or a prefetch not landed yet) the compute stream was
+    made to wait for; each wait's time is in ``stall_seconds``."""
     copy_seconds: float = 0.0
     policy_seconds: float = 0.0
     recomputed_ops: int = 0
@@ -80,9 +87,9 @@ class StepStats:
 
     def add(self, other: StepStats) -> None:
         for k in ("ops", "bytes_offloaded", "bytes_prefetched", "bytes_fetched_on_demand", "evictions",
-                  "stall_seconds", "copy_seconds", "policy_seconds", "recomputed_ops", "prefetch_hits",
-                  "prefetch_misses", "wall_seconds", "decision_points", "host_syncs", "oom_retries",
-                  "prefetches_dropped", "left_on_host"):
+                  "stall_seconds", "late_fetches", "copy_seconds", "policy_seconds", "recomputed_ops",
+                  "prefetch_hits", "prefetch_misses", "wall_seconds", "decision_points", "host_syncs",
+                  "oom_retries", "prefetches_dropped", "left_on_host"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.peak_device_bytes = max(self.peak_device_bytes, other.peak_device_bytes)
         if other.budget_overshoot_bytes > self.budget_overshoot_bytes:

@@ -64,14 +64,20 @@ def test_the_judge_follows_another_predictor_only_when_it_beats_the_first_by_the
     assert judge.choice() == "pilot"
 
 
-def test_fallback_rescues_a_model_that_predicts_nothing(trace, broken):
+@pytest.mark.parametrize("exact", [True, False], ids=["with-exact-replay", "judge-alone"])
+def test_fallback_rescues_a_model_that_predicts_nothing(trace, broken, exact, monkeypatch):
+    from dynn_runtime.pilot.adapt import ExactReplay
+
+    if not exact:  # the model side gets nothing from replay's plan: the judge alone must rescue it
+        monkeypatch.setattr(ExactReplay, "exact", lambda self, sid: False)
     plain = make_policy("pilot", model=broken, backend="numpy")
     r_plain = simulate(trace, plain, 0.25)
     fb = make_policy("pilot", model=broken, backend="numpy", fallback=True)
     r_fb = simulate(trace, fb, 0.25)
     assert r_plain.feasible and r_fb.feasible
-    # the judge sees the model rank no better than chance and follows replay or lru for most decisions
-    assert sum(v for k, v in fb.followed.items() if k != "pilot") > fb.followed.get("pilot", 0)
+    if not exact:
+        # the judge sees the model rank no better than chance and follows replay or lru for most decisions
+        assert sum(v for k, v in fb.followed.items() if k != "pilot") > fb.followed.get("pilot", 0)
     assert r_fb.prefetch_hits > r_plain.prefetch_hits and r_fb.stall_time_s < r_plain.stall_time_s
 
 
@@ -200,3 +206,46 @@ def test_fallback_takes_replay_where_its_plan_is_exact(tmp_path, broken):
     fb._follow = spy
     assert simulate(trace, fb, 0.5).feasible
     assert len(set(checked)) > 10
+
+
+def test_exact_replay_trusts_what_was_alive_at_the_start_for_the_operators_just_ahead():
+    """A storage alive at the start (told with position -1) is matched by identity: on plan for a next
+    use within ``near`` operators, before where the last iteration fell out of step, and until an
+    access falls off its match's positions."""
+    from types import SimpleNamespace
+
+    from dynn_runtime.pilot.adapt import ExactReplay
+
+    ops = [SimpleNamespace(name=f"op{j}", module="m") for j in range(12)]
+    ex = ExactReplay(_Plan({5: [3, 9], 6: [11], 7: [2, 4], 8: [6], 9: [5]}), near=4)
+    ex.begin_iteration([SimpleNamespace(ops=ops)])  # the previous iteration had nothing to compare with
+    for sid in (5, 6, 7, 8):
+        ex.alloc(sid, -1)
+    ex.op(0, ops[0])
+    ex.op(1, ops[1])
+    assert [ex.exact(s) for s in (5, 6, 7, 8)] == [True, False, True, False]  # next use 3, 11, 2, 6: near is 4
+    ex.access(7, 3)  # one operator off its match's 2
+    for j in range(2, 6):
+        ex.op(j, ops[j])
+    assert [ex.exact(s) for s in (5, 7, 8)] == [True, False, True]  # 5's next is 9, 8's is 6; 7 is off plan
+    ex.op(6, SimpleNamespace(name="other", module="m"))  # this iteration falls out of step at 6
+    assert not ex.exact(8)
+    ex.begin_iteration([SimpleNamespace(ops=ops)])  # the next one: in step, but trusted only below 6
+    for sid in (8, 9):
+        ex.alloc(sid, -1)
+    for j in range(4):
+        ex.op(j, ops[j])
+    assert [ex.exact(8), ex.exact(9)] == [False, True]  # next use 6 and 5, both near: 6 is where the last one left
+
+
+def test_a_background_refit_ends_with_the_run():
+    """The online refit's thread completes and ends at detach: it does not go on competing with what
+    runs after the manager (a next run, another method's timing)."""
+    import threading
+
+    from dynn_runtime.runtime.train import train_managed
+
+    pol = make_policy("pilot", online=True, refit_every=1)
+    r = train_managed("moe", 0.5, pol, steps=3)
+    assert r.stats["bytes_offloaded"] > 0 and pol._refit.refits >= 1
+    assert not [t for t in threading.enumerate() if t.name.startswith("dynn-pilot")]

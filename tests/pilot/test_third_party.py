@@ -52,6 +52,9 @@ def test_steps_to_recover():
     assert tool.steps_to_recover(per_step, "pilot") is None
     per_step["pilot"] = steps((0, 10, 2.0), (1, 10, 2.0), (0, 0, 0.0))  # a last step that needed nothing back
     assert tool.steps_to_recover(per_step, "pilot") is None
+    assert tool.steps_to_recover({"pilot": per_step["pilot"]}, "pilot") is None  # no baseline ran (--methods)
+    with pytest.raises(ValueError, match="no method 'nope'"):
+        tool.live("dynamic_gnn", 0.25, 1, only=["replay", "nope"])
 
 
 def test_candidate_weights_run_beside_each_shipped_variant():
@@ -91,7 +94,7 @@ def test_live_runs_the_device_path_and_reports_the_step_time_ratio(monkeypatch):
         res = tool.live("dynamic_gnn", 0.5, 2, device="cpu")
     finally:
         torch.set_num_threads(threads)
-    assert seen == ["cpu"] * 3 and res["device"] == "cpu"
+    assert seen == ["cpu"] * 4 and res["device"] == "cpu"  # the managed peak's run, then each method
     assert res["alone_step_s"] == pytest.approx(sum(res["alone_step_s_before_after"]) / 2) and res["alone_step_s"] > 0
     for m in res["methods"].values():
         assert m["bit_identical"] and m["step_s"] > 0 and m["step_ratio"] == pytest.approx(m["step_s"] / res["alone_step_s"])
@@ -100,3 +103,31 @@ def test_live_runs_the_device_path_and_reports_the_step_time_ratio(monkeypatch):
     text = tool.table({"dynamic_gnn": {"trace": None, "live": res}})
     row = next(line for line in text.splitlines() if "| lru |" in line)
     assert f"| {res['methods']['lru']['step_ratio']:.2f}x | yes |" in row and "| - |" in row
+
+
+def test_the_cap_is_a_fraction_of_the_managed_peak_whatever_else_the_device_counts(monkeypatch):
+    """The cap is ``fraction`` of PyTorch alone's peak as the manager counts it, not of the device's own
+    count: on CUDA that holds what the manager never manages (cuBLAS workspaces), which at ``tiny`` is
+    several times the managed bytes; a cap taken from it can move nothing. Modelled on the CPU by an
+    unmanaged run whose every step's peak carries 32 MiB the manager does not see."""
+    tool = _tool()
+    import dynn_runtime.runtime.train as train
+
+    real = train.train_unmanaged
+
+    def with_workspace(*a, **k):
+        r = real(*a, **k)
+        r.peak_bytes = [p + (32 << 20) for p in r.peak_bytes]
+        return r
+
+    monkeypatch.setattr(train, "train_unmanaged", with_workspace)
+    monkeypatch.setattr(tool, "_spec", lambda name: "varlen")  # a zoo network: no optional package
+    monkeypatch.setattr(tool, "METHODS", {"lru": tool.METHODS["lru"]})
+    res = tool.live("varlen", 0.25, 2)
+    peak = tool.managed_peak("varlen", 2)
+    assert res["peak_bytes"] == peak and res["cap_bytes"] == tool.cap_bytes(peak, 0.25) == peak // 4
+    assert res["unmanaged_peak_bytes"] > 32 << 20  # kept beside it, not used
+    lru = res["methods"]["lru"]
+    assert lru["bytes_moved"] > 0 and lru["prefetch_misses"] > 0 and lru["bit_identical"]
+    with pytest.raises(ValueError, match=r"fraction in \(0, 1\]"):
+        tool.cap_bytes(peak, 4)

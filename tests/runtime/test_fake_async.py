@@ -79,3 +79,19 @@ def test_an_unordered_release_is_caught(monkeypatch):
     fake = FakeAsyncCopies(seed=0, p_complete=0.0)
     assert _corrupted("moe", fake)
     assert fake.poisoned_reads > 0
+
+
+@pytest.mark.parametrize("events", SOURCES)
+def test_a_late_fetch_is_a_timed_stall_and_a_landed_one_is_none(events):
+    """Asynchronous copies: a fetch whose copy has not landed when the compute stream needs it is a
+    late fetch, its wait timed by the copy engine's pair of events and summed into stall_seconds at
+    the step's end (on CUDA: events on the compute stream); a copy that landed first costs nothing."""
+    budget = _base("moe")[2]
+    _, _, late = _train("moe", budget, copies=FakeAsyncCopies(seed=0, p_complete=0.0), events=events)
+    assert late["bytes_fetched_on_demand"] > 0 and late["late_fetches"] >= late["prefetch_misses"] > 0
+    assert late["stall_seconds"] > 0
+    assert late["late_fetches"] == sum(s["late_fetches"] for s in late["per_step"] if s["managed"])
+    for s in late["per_step"]:
+        assert (s["stall_seconds"] > 0) == (s["late_fetches"] > 0)
+    _, _, landed = _train("moe", budget, copies=FakeAsyncCopies(seed=2, p_complete=1.0), events=events)
+    assert landed["bytes_fetched_on_demand"] > 0 and landed["late_fetches"] == 0 and landed["stall_seconds"] == 0

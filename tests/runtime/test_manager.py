@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -416,9 +417,11 @@ def test_pilot_worker_in_the_live_runtime():
         _assert_same("moe", losses, state)
         assert stats["evictions"] > 0 and pol.decisions > 0
         if worker is True:
-            assert pol.handoffs > 0 and pol.merged > 0 and pol._pool is not None
+            assert pol.handoffs > 0 and pol.merged > 0
         else:
-            assert pol.handoffs == 0 and pol._pool is None
+            assert pol.handoffs == 0
+        # the worker's thread ended with the run (Policy.close at detach)
+        assert pol._pool is None and not [t for t in threading.enumerate() if t.name.startswith("dynn-pilot")]
 
 
 def test_live_operators_carry_the_autograd_nodes_the_recorder_writes():

@@ -4,16 +4,22 @@ For each network of this folder (each a ``file.py:build`` workload, evaluation o
 (``cpu`` by default, or ``cuda``), under deterministic algorithms (so that on a GPU bit identity is
 judged on the manager alone):
 
-1. **Cap.** PyTorch alone for ``--steps`` steps; the cap is ``--fraction`` of the largest step's peak
-   (bytes, so that every step, the first included, runs under it). PyTorch alone runs again after
-   the methods; the mean of the two runs' median step times (the first step left out) is what each
-   method's median step time is divided by (``step x alone``).
+1. **Cap.** The same steps under the manager with nothing to move (policy ``none``, no budget): the
+   largest step's peak of the managed storages, PyTorch alone's peak counted as the manager counts
+   (:func:`managed_peak`); the cap is ``--fraction`` of it (:func:`cap_bytes`; bytes, so that every
+   step, the first included, runs under it). Not the allocator's peak: on CUDA that also holds what
+   the manager never manages (cuBLAS workspaces, one per handle and stream, megabytes each; the
+   allocator's rounding), at ``tiny`` several times the managed bytes, so that a cap taken from it
+   can leave nothing to move. PyTorch alone runs for ``--steps`` steps before and again after the
+   methods: the reference for bit identity, and the mean of the two runs' median step times (the
+   first step left out) is what each method's median step time is divided by (``step x alone``).
 2. **Live.** The same steps under the memory manager at that cap, per method: ``pilot (shipped)``,
    ``pilot (fallback)`` (per decision point, replay's or lru's predictions while their recent window
    recall beats the model's; the model's side takes replay's where its plan has held exactly), ``pilot (adapted)`` (the fallback and the model refit online on the
    run's own accesses every step, swapped in when it beats the model in use on the latest step),
-   ``replay`` and ``lru``. Per step: prefetch hits, misses, stall seconds, bytes moved; per run the
-   median step time.
+   ``replay`` and ``lru``. Per step: prefetch hits, misses, stall seconds, late fetches (asynchronous
+   copies: the fetches the compute stream waited for; the stall is those waits, timed on the GPU),
+   bytes moved; per run the median step time. The table gives stalls in milliseconds.
 3. **Steps to recover.** For each pilot variant, the least ``s`` such that over steps ``s..end`` its
    prefetch hit rate is at least the better of replay's and lru's (``None``: not within the run);
    and the same also requiring its stall time to be at most the smaller of theirs (on the CPU the
@@ -33,7 +39,8 @@ judged on the manager alone):
 ``candidate (fallback)`` and ``candidate (adapted)``, each run right after its shipped counterpart.
 ``--rounds 2`` runs every method twice per network, the second time in the reverse order, so that
 each method's stall time is paired in time with every other's on a shared machine (counts and
-stalls are summed over the rounds; steps to recover is the worse round's).
+stalls are summed over the rounds; steps to recover is the worse round's). ``--methods`` runs only
+the methods named (steps to recover needs replay or lru among them).
 
 Writes JSON (``--json``) and prints the markdown rows of docs/pilot.md's table. Needs the networks'
 packages (``transformers``, ``torch-geometric``; see docs/pilot.md, "Networks outside the zoo").
@@ -42,6 +49,8 @@ Run from the repository root::
     python tools/third_party/evaluate.py --fraction 0.25 --steps 8 --json out/third_party/eval.json
     python tools/third_party/evaluate.py --candidate mine.npz --rounds 2 --json out/third_party/cand.json
     python tools/third_party/evaluate.py --device cuda --steps 4 --no-trace --json out/third_party/gpu.json
+    python tools/third_party/evaluate.py --networks dynamic_gnn --fraction 0.5 --steps 5 --no-trace \
+        --methods "pilot (fallback)" replay lru --json out/third_party/gnn-half.json
 """
 
 from __future__ import annotations
@@ -90,6 +99,32 @@ def _spec(name: str) -> str:
     return f"{HERE / (name + '.py')}:build"
 
 
+def managed_peak(spec: str, steps: int, device: str = "cpu") -> int:
+    """PyTorch alone's largest step peak as the manager counts device bytes: ``spec`` trained for
+    ``steps`` steps under a manager that moves nothing (policy ``none``, no budget), the largest
+    per-step peak of the storages it manages. The same on every device (on the CPU within a few
+    percent of the bytes allocated, on CUDA without the allocator's own bytes), so a fraction of it
+    means the same there."""
+    from dynn_runtime.runtime.train import UNLIMITED, train_managed
+
+    return train_managed(spec, UNLIMITED, "none", steps=steps, preset="tiny", device=device).max_managed_peak()
+
+
+def cap_bytes(peak: int, fraction: float) -> int:
+    """The evaluation's cap: ``fraction`` (in (0, 1]) of ``peak`` (:func:`managed_peak`), in bytes.
+
+    >>> cap_bytes(4 << 20, 0.25)
+    1048576
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"evaluate: the cap is a fraction in (0, 1] of PyTorch alone's peak, got {fraction}; "
+                         "pass --fraction 0.25 for a quarter.")
+    if peak <= 0:
+        raise ValueError(f"evaluate: PyTorch alone's managed peak is {peak} bytes; the network allocated nothing "
+                         "on the device the manager could count.")
+    return max(1, int(peak * fraction))
+
+
 def _rate(h: int, m: int) -> float | None:
     return h / (h + m) if h + m else None
 
@@ -108,6 +143,8 @@ def steps_to_recover(per_step: dict[str, list[dict[str, Any]]], method: str, sta
         if not h + m:
             break  # nothing was needed back from here on: no evidence either way
         base = [tot(b, s) for b in BASELINES if b in per_step]
+        if not base:
+            return None  # no baseline ran: nothing to recover to
         best_rate = max((_rate(bh, bm) or 0.0) for bh, bm, _ in base)
         best_stall = min(bs for _, _, bs in base)
         if (_rate(h, m) or 0.0) >= best_rate and (not stalls or st <= best_stall):
@@ -124,11 +161,12 @@ def _one_run(name: str, spec: str, cap: int, method: str, policy: str, options: 
     pol = make_policy(policy, **(options or {}))
     r = train_managed(spec, cap, pol, steps=steps, preset="tiny", device=device)
     st = r.stats
-    rows = [{k: s[k] for k in ("prefetch_hits", "prefetch_misses", "stall_seconds", "bytes_offloaded",
+    rows = [{k: s[k] for k in ("prefetch_hits", "prefetch_misses", "stall_seconds", "late_fetches", "bytes_offloaded",
                                "bytes_prefetched", "bytes_fetched_on_demand")} for s in st["per_step"]]
     out = {
         "prefetch_hits": st["prefetch_hits"], "prefetch_misses": st["prefetch_misses"],
         "hit_rate": _rate(st["prefetch_hits"], st["prefetch_misses"]), "stall_seconds": st["stall_seconds"],
+        "late_fetches": st["late_fetches"],
         "bytes_moved": st["bytes_offloaded"] + st["bytes_prefetched"] + st["bytes_fetched_on_demand"],
         "bit_identical": r.digest == ref_digest, "wall_s": time.perf_counter() - t0, "per_step": rows,
         "step_s": r.median_step_seconds(),
@@ -136,8 +174,8 @@ def _one_run(name: str, spec: str, cap: int, method: str, policy: str, options: 
     if policy == "pilot" and pol.judged_recall:  # the fallback's judge: recall of each predictor, live
         out["live_window_recall"] = pol.judged_recall
         out["followed"] = dict(pol.followed)
-    print(f"  {name} {method}: {st['prefetch_hits']} / {st['prefetch_misses']}, "
-          f"stalls {st['stall_seconds']:.3f} s, step {out['step_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+    print(f"  {name} {method}: {st['prefetch_hits']} / {st['prefetch_misses']}, stalls {_stall(out)}, "
+          f"step {out['step_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
     return out
 
 
@@ -146,8 +184,8 @@ def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if len(runs) == 1:
         return runs[0]
     out = dict(runs[0])
-    for k in ("prefetch_hits", "prefetch_misses", "stall_seconds", "bytes_moved", "wall_s"):
-        out[k] = sum(r[k] for r in runs)
+    for k in ("prefetch_hits", "prefetch_misses", "stall_seconds", "late_fetches", "bytes_moved", "wall_s"):
+        out[k] = sum(r.get(k, 0) for r in runs)
     for k in ("step_s", "step_ratio"):  # a time per step: the median over the rounds
         vals = sorted(r[k] for r in runs if r.get(k) is not None)
         out[k] = vals[len(vals) // 2] if vals else None
@@ -158,15 +196,22 @@ def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def live(name: str, fraction: float, steps: int, candidate: str | None = None, rounds: int = 1,
-         device: str = "cpu") -> dict[str, Any]:
+         device: str = "cpu", only: list[str] | None = None) -> dict[str, Any]:
     from dynn_runtime.runtime.train import deterministic, train_unmanaged
 
     spec = _spec(name)
     todo = methods(candidate)
+    if only is not None:
+        unknown = sorted(set(only) - set(todo))
+        if unknown:
+            raise ValueError(f"evaluate: no method {', '.join(map(repr, unknown))}; the methods are "
+                             f"{', '.join(map(repr, todo))}.")
+        todo = {k: v for k, v in todo.items() if k in only}
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in todo}
     with deterministic():  # on any device: the CPU runs the path a GPU does
         ref = train_unmanaged(spec, steps=steps, preset="tiny", device=device)
-        cap = int(max(ref.peak_bytes) * fraction)
+        peak = managed_peak(spec, steps, device)
+        cap = cap_bytes(peak, fraction)
         for k in range(rounds):
             order = list(todo) if k % 2 == 0 else list(reversed(todo))  # pairs every method with every other in time
             for method in order:
@@ -179,7 +224,10 @@ def live(name: str, fraction: float, steps: int, candidate: str | None = None, r
     ref_step_s = sum(alone) / 2
     for run in (r for rs in runs.values() for r in rs):
         run["step_ratio"] = run["step_s"] / ref_step_s if ref_step_s else None
-    out: dict[str, Any] = {"cap_bytes": cap, "peak_bytes": max(ref.peak_bytes), "rounds": rounds, "device": device,
+    # peak_bytes: the cap's basis; unmanaged_peak_bytes: PyTorch alone's own count (CUDA: the allocator's
+    # max_memory_allocated above the process's bytes before the run; the CPU: bytes allocated)
+    out: dict[str, Any] = {"cap_bytes": cap, "peak_bytes": peak, "unmanaged_peak_bytes": max(ref.peak_bytes),
+                           "rounds": rounds, "device": device,
                            "alone_step_s": ref_step_s, "alone_step_s_before_after": alone, "methods": {}}
     for method in todo:
         out["methods"][method] = _combine(runs[method])
@@ -254,6 +302,13 @@ def _sim(r: dict[str, Any] | None) -> str:
     return f"{r['prefetch_hits']} / {r['prefetch_misses']} | {r['stall_seconds'] * 1e3:.3f} ms"
 
 
+def _stall(m: dict[str, Any]) -> str:
+    """Stall time in milliseconds (a GPU's timed waits add up to well under one), and where copies
+    are asynchronous the fetches that were late (``StepStats.late_fetches``)."""
+    late = m.get("late_fetches")
+    return f"{m['stall_seconds'] * 1e3:.3f} ms" + (f" ({late} late)" if late else "")
+
+
 def _ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
@@ -275,7 +330,7 @@ def table(results: dict[str, Any]) -> str:
                                for k in ("steps_to_recover", "steps_to_recover_with_stalls"))
             pilot = method.startswith(("pilot", CANDIDATE))
             lines.append(f"| {name} | {method} | {_pct(wr)} | {m['prefetch_hits']} / {m['prefetch_misses']} | "
-                         f"{_pct(m['hit_rate'])} | {m['stall_seconds']:.3f} s | {m['bytes_moved'] / 2**20:.1f} MiB | "
+                         f"{_pct(m['hit_rate'])} | {_stall(m)} | {m['bytes_moved'] / 2**20:.1f} MiB | "
                          f"{rec_s if pilot else ''} | {_ratio(m.get('step_ratio'))} | "
                          f"{'yes' if m['bit_identical'] else 'NO'} | {_sim(tr.get('simulated', {}).get(method))} |")
     return "\n".join(lines) + "\n"
@@ -299,17 +354,27 @@ def rescore(path: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--networks", nargs="+", default=list(NETWORKS), choices=list(NETWORKS))
-    p.add_argument("--fraction", type=float, default=0.25, help="cap as a fraction of the largest step's peak")
+    p.add_argument("--fraction", type=float, default=0.25,
+                   help="cap as a fraction of the largest step's peak of the managed storages")
     p.add_argument("--steps", type=int, default=8, help="live steps per run")
     p.add_argument("--trace-steps", type=int, default=5, help="iterations of the recorded trace")
     p.add_argument("--json", default="out/third_party/eval.json")
     p.add_argument("--table", metavar="JSON", help="print the table of an earlier results file (nothing runs)")
     p.add_argument("--candidate", metavar="WEIGHTS", help="also evaluate these weights (methods 'candidate ...')")
+    p.add_argument("--methods", nargs="+", metavar="METHOD",
+                   help="run only these methods (names as in the table, e.g. 'pilot (fallback)' replay lru)")
     p.add_argument("--rounds", type=int, default=1, help="runs per method, alternating the order (paired stalls)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the live runs train (default cpu)")
     p.add_argument("--no-trace", dest="trace", action="store_false",
                    help="skip the recorded trace's metrics and the simulation (CPU work; the live runs only)")
     args = p.parse_args(argv)
+    if not 0 < args.fraction <= 1:
+        p.error(f"--fraction {args.fraction}: the cap is a fraction in (0, 1] of PyTorch alone's peak (0.25: a quarter)")
+    if args.methods:
+        unknown = sorted(set(args.methods) - set(methods(args.candidate)))
+        if unknown:
+            p.error(f"--methods: no method {', '.join(map(repr, unknown))}; the methods are "
+                    f"{', '.join(map(repr, methods(args.candidate)))}")
     if args.table:
         print(table(rescore(args.table)["results"]))
         return 0
@@ -326,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"description": NETWORKS[name],
                          "trace": (trace_metrics(name, args.trace_steps, out_dir, args.fraction, args.candidate)
                                    if args.trace else None),
-                         "live": live(name, args.fraction, args.steps, args.candidate, args.rounds, args.device)}
+                         "live": live(name, args.fraction, args.steps, args.candidate, args.rounds, args.device,
+                                      args.methods)}
     data = {"config": vars(args), "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
             "results": results}
     Path(args.json).write_text(json.dumps(data, indent=1) + "\n")

@@ -109,6 +109,13 @@ class OnlineRefit:
         self._candidate = new
         return out
 
+    def close(self) -> None:
+        """A background refit in flight completes (its model stays the candidate) and the thread
+        ends; the next refit starts another."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
     def _validated(self, groups: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> PilotModel | None:
         """The finished candidate if it beats the model in use on ``groups`` (rows neither was fitted on);
         it is then the model in use. A background refit still running stays the candidate."""
