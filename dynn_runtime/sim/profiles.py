@@ -52,9 +52,9 @@ class DeviceProfile:
         return self.peak_flops.get(dtype, self.peak_flops.get("float32", 1e13)) * self.compute_efficiency
 
 
-#: PyTorch alone's host time per traced operator on the lent Hopper machines' hosts: the step time of
-#: each zoo family at ``small`` over its trace's operators (docs/benchmarks.md, session 25), where the
-#: host, not the GPU, sets the pace of eager training
+#: PyTorch alone's host time per traced operator on a Hopper machine's host (a zoo family's step at
+#: ``small`` over its trace's operators, measured in docs/benchmarks.md): where the host, not the
+#: GPU, sets the pace of eager training, the floor is this
 HOPPER_HOST_OP_S = 10e-6
 
 PROFILES: dict[str, DeviceProfile] = {
