@@ -218,23 +218,12 @@ def test_bench_real_trains_a_model_that_does_not_fit_alone(tmp_path, monkeypatch
     assert "PyTorch alone does not fit the device" in md and "| lru | yes |" in md
 
 
-def test_bench_real_keeps_where_a_failure_was_raised(tmp_path, monkeypatch):
+def test_bench_real_keeps_where_a_failure_was_raised(tmp_path, failing_allocations):
     """A run that fails keeps, besides its error, where it was raised: the innermost frames (here
     the manager's first fetch, whose allocation runs out, and again when retried) and the errors it
     was raised from or during, in the JSON row (``where``) and in the report's list of failures."""
-    import torch
 
-    from dynn_runtime.runtime.copies import SyncCopies
-
-    real, left = SyncCopies.allocate, [2]
-
-    def allocate(self, st, nbytes):
-        if left[0] > 0:
-            left[0] -= 1
-            raise torch.OutOfMemoryError(f"CUDA out of memory (injected). Tried to allocate {nbytes} bytes.")
-        return real(self, st, nbytes)
-
-    monkeypatch.setattr(SyncCopies, "allocate", allocate)
+    failing_allocations[0] = 2
     out_json = tmp_path / "real.json"
     rc = main(["bench", "--real", "--device", "cpu", "--families", "moe", "--preset", "tiny", "--steps", "2",
                "--max-scale", "0", "--policies", "lru", "--no-predict", "--out", str(tmp_path), "--json",

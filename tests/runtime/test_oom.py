@@ -11,7 +11,7 @@ result depends on all of its arguments, so a retry that lost one computes other 
 ``oom_random`` operators (and ``dynn_oom_py::oom_random``) draw from their generator first and then
 run out: a retry draws the numbers of PyTorch alone only where the generator's state was restored.
 The manager's own allocations (fetches, prefetches, the end of a step) run out through
-``_failing_allocations``.
+the ``failing_allocations`` fixture (conftest.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from torch import nn
 from dynn_runtime.errors import BudgetError, where_raised
 from dynn_runtime.policies.base import Action
 from dynn_runtime.policies.basic import LRUPolicy
-from dynn_runtime.runtime.copies import SyncCopies
 from dynn_runtime.runtime.events import native_module
 from dynn_runtime.runtime.manager import MemoryManager
 from dynn_runtime.runtime.oom import RANDOM_BY_NAME, cap_shortfall, oom_request
@@ -226,24 +225,9 @@ def test_the_request_is_read_from_the_allocators_message():
     assert oom_request("out of memory") is None
 
 
-def _failing_allocations(monkeypatch) -> list[int]:
-    """The CPU copy engine's allocation for a fetch raises the allocator's OOM while ``left[0] > 0``."""
-    real = SyncCopies.allocate
-    left = [0]
-
-    def allocate(self, st, nbytes):
-        if left[0] > 0:
-            left[0] -= 1
-            raise torch.OutOfMemoryError(f"out of memory (injected). Tried to allocate {nbytes} bytes.")
-        return real(self, st, nbytes)
-
-    monkeypatch.setattr(SyncCopies, "allocate", allocate)
-    return left
-
-
 @pytest.mark.parametrize("events", [e for e in ("python", "native") if e == "python" or _native is not None])
-def test_a_demand_fetch_that_runs_out_is_retried_after_room_is_made(events, monkeypatch):
-    left = _failing_allocations(monkeypatch)
+def test_a_demand_fetch_that_runs_out_is_retried_after_room_is_made(events, failing_allocations):
+    left = failing_allocations
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
     with _mm(events, model, None) as mm:
         with mm.step():
@@ -258,11 +242,11 @@ def test_a_demand_fetch_that_runs_out_is_retried_after_room_is_made(events, monk
 
 
 @pytest.mark.parametrize("events", [e for e in ("python", "native") if e == "python" or _native is not None])
-def test_a_demand_fetch_that_runs_out_twice_is_a_budget_error(events, monkeypatch):
+def test_a_demand_fetch_that_runs_out_twice_is_a_budget_error(events, failing_allocations):
     """On the native source the fetch runs in the fault handler, whose error is kept: the operator
     then raises instead of reading the empty storage (events.cpp, invariant 12), and the step ends
     with the kept error, said as the retry's BudgetError."""
-    left = _failing_allocations(monkeypatch)
+    left = failing_allocations
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
     with _mm(events, model, None) as mm:
         with pytest.raises(BudgetError, match=r"\(fetching a 64.0 KiB \w+ back\) ran out of device memory") as info, mm.step():
@@ -411,8 +395,8 @@ _SOURCES = [e for e in ("python", "native") if e == "python" or _native is not N
 
 
 @pytest.mark.parametrize("events", _SOURCES)
-def test_a_prefetch_that_runs_out_is_dropped_and_its_storage_fetched_on_demand(events, monkeypatch):
-    left = _failing_allocations(monkeypatch)
+def test_a_prefetch_that_runs_out_is_dropped_and_its_storage_fetched_on_demand(events, failing_allocations):
+    left = failing_allocations
     pol = _Prefetcher()
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
     mm = MemoryManager(64 << 20, policy=pol, device="cpu", events=events, decide_every=1).attach(model)
@@ -446,11 +430,11 @@ def test_a_prefetch_that_runs_out_is_dropped_and_its_storage_fetched_on_demand(e
 
 
 @pytest.mark.parametrize("events", _SOURCES)
-def test_a_fetch_back_at_the_end_of_a_step_that_runs_out_leaves_the_storage_on_the_host(events, monkeypatch):
+def test_a_fetch_back_at_the_end_of_a_step_that_runs_out_leaves_the_storage_on_the_host(events, failing_allocations):
     """What the program holds comes back at the step's end; where the allocator runs out for it, also
     once room was made, it stays on the host (its copy valid) and comes back at its next access, and
     the step ends without an error."""
-    left = _failing_allocations(monkeypatch)
+    left = failing_allocations
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
     with _mm(events, model, None) as mm:
         with mm.step():
@@ -472,12 +456,12 @@ def _mlp():
 
 
 @pytest.mark.parametrize("events", _SOURCES)
-def test_a_failed_step_raises_its_own_error_and_leaves_what_is_away_on_the_host(events, monkeypatch):
+def test_a_failed_step_raises_its_own_error_and_leaves_what_is_away_on_the_host(events, monkeypatch, failing_allocations):
     """A step fails with a BudgetError while the program (the failed step's frames) holds activations
     that are away; the allocator would run out bringing them back. The user gets the BudgetError, not
     an out-of-memory error of the step's end; they stay on the host, and training goes on, with a
     larger budget, bit for bit as PyTorch alone."""
-    left = _failing_allocations(monkeypatch)
+    left = failing_allocations
     end = Steps._end_step
 
     def end_step(self, ok):  # the allocator is full from here on: any fetch-back runs out
