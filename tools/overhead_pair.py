@@ -2,7 +2,8 @@
 
 Usage: ``python tools/overhead_pair.py FAMILY[,FAMILY...] [--steps N] [--configs none,lru,lru@0.5]
 [--profile CONFIG] [--rounds R]`` (``small`` presets; a family may be ``examples/my_workload.py:build``;
-a configuration is a policy name, ``pilot-py`` for the pilot with its bulk loop in Python, ``@F`` a budget).
+a configuration is a policy name, ``pilot-py`` for the pilot with its bulk loop in Python, ``lru-py`` for lru
+with its order kept in Python, ``@F`` a budget).
 
 Two copies of the model start from the same weights and train on the same batches: one under a
 manager (policy ``none`` or ``lru`` with a budget far above the peak, or ``lru@F`` at F of the
@@ -79,6 +80,11 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
 
         policy = PilotPolicy()
         policy.native_pack = False
+    elif policy == "lru-py":  # lru with its order kept in Python, told every touch (no observer-kept order)
+        from dynn_runtime.policies.basic import LRUPolicy
+
+        policy = LRUPolicy()
+        policy.native_order = False
     m_model, a_model = copy.deepcopy(initial), copy.deepcopy(initial)
     m_opt, a_opt = make_optimizer(wl, m_model.parameters()), make_optimizer(wl, a_model.parameters())
     mm = dr.MemoryManager(budget, policy=policy, device="cpu", events="native")

@@ -80,6 +80,7 @@
 
 #include "covered.h"
 #include "flat_map.h"
+#include "recency.h"
 
 #include <algorithm>
 #include <atomic>
@@ -112,6 +113,7 @@ struct OpInfo {
   bool retry = false;        // an out-of-memory error may be retried (invariant 11): no writes
   bool random = false;       // draws random numbers: its generator's state is kept for a retry (invariant 11)
   int gen_arg = -1;          // its Generator argument, -1 without one (the default generator then)
+  bool collective = false;   // a c10d:: operator: the manager holds what it reads until the step ends
 };
 
 struct Entry {
@@ -506,6 +508,55 @@ class Observer {
     log_.resize(w);
   }
 
+  // ---- the lru policy's order, kept here (recency.h) ---------------------------------------
+  // fraction: SmallStorages' fraction (0: one tier); None: no order kept.
+  void set_recency(py::object fraction) {
+    recency_live_ = false;
+    if (fraction.is_none()) {
+      recency_.reset();
+    } else {
+      recency_ = std::make_unique<Recency>(fraction.cast<double>());
+    }
+    timeline_.clear();
+    stale_.clear();
+    held_.clear();
+  }
+  // While live, each operator's touches go to the order as it runs, and the compact parse's
+  // records (timeline, stale host copies, collectives, the last operator) are kept.
+  void set_recency_live(bool v) {
+    TORCH_CHECK(!v || recency_, "dynn: set_recency_live(True) needs set_recency(fraction) first");
+    recency_live_ = v;
+  }
+  bool recency_live() const { return recency_live_; }
+  void recency_alloc(int64_t sid, int64_t nbytes) { rec().alloc(sid, nbytes); }
+  void recency_access(int64_t sid) { rec().access(sid); }
+  void recency_free(int64_t sid) { rec().free(sid); }
+  // Up to `max` storages after the cursor (tier, sid, stamp) that are on the device with no copy in
+  // flight, least recently used first; returns them and the moved cursor (tier 2: the walk is done).
+  py::tuple recency_after(int64_t tier, int64_t sid, int64_t stamp, int64_t max) {
+    std::vector<int64_t> out = rec().after(tier, sid, stamp, max, [&](int64_t s) {
+      Entry** e = by_sid_.find(static_cast<uint64_t>(s));
+      return e == nullptr || (*e)->away || (*e)->watch;
+    });
+    return py::make_tuple(py::cast(out), tier, sid, stamp);
+  }
+  // The order (tier -1: both tiers merged by stamp), least recently used first.
+  std::vector<int64_t> recency_order(int64_t tier) { return tier < 0 ? rec().order() : rec().tier_order(static_cast<int>(tier)); }
+  py::tuple recency_footprint() { return py::make_tuple(rec().live(), rec().peak()); }
+  // What the compact parse reads instead of the operator records since the last call: the timeline
+  // (position, used, phase per operator, int64 words), the storages written (their host copies are
+  // stale), the collectives' storages (a count, then that many sids, per collective), and the
+  // last operator (name id, phase, inputs, outputs).
+  py::tuple take_recency() {
+    py::bytes tl(reinterpret_cast<const char*>(timeline_.data()), timeline_.size() * sizeof(int64_t));
+    py::tuple out = py::make_tuple(tl, py::cast(stale_), py::cast(held_), last_name_, last_phase_,
+                                   py::cast(last_ins_), py::cast(last_outs_));
+    timeline_.clear();
+    stale_.clear();
+    held_.clear();
+    return out;
+  }
+
   // The first exception a handler raised since the last call, re-raised here.
   void take_error() {
     if (error_) {
@@ -566,6 +617,7 @@ class Observer {
     log_.push_back(kFree);
     log_.push_back(e->sid);
     if (e->known) known_freed_.push_back(e->sid);
+    if (recency_) recency_->free(e->sid);
     by_sid_.erase(static_cast<uint64_t>(e->sid));
     table_.erase(key(e->impl));
     entries_.release(e);
@@ -603,6 +655,11 @@ class Observer {
     return t.storage().unsafeGetStorageImpl();
   }
 
+  Recency& rec() {
+    TORCH_CHECK(recency_, "dynn: the observer keeps no recency order (set_recency first)");
+    return *recency_;
+  }
+
   Entry& entry(int64_t sid) {
     Entry** e = by_sid_.find(static_cast<uint64_t>(sid));
     TORCH_CHECK(e != nullptr, "dynn: storage ", sid, " is not tracked");
@@ -634,6 +691,7 @@ class Observer {
     exposed_ += exposed(fresh_entry);
     used_ += n;
     log_.insert(log_.end(), {kAlloc, sid, n, fresh ? int64_t(1) : int64_t(0)});
+    if (!fresh && recency_live_) recency_->alloc(sid, n);  // told where the Python parse tells its kAlloc
     return {&fresh_entry, true};
   }
 
@@ -664,6 +722,7 @@ class Observer {
       const std::string& overload = op.schema().overload_name();
       if (!overload.empty()) name += "." + overload;
       inf.id = static_cast<int64_t>(names_.size());
+      inf.collective = name.rfind("c10d::", 0) == 0;
       names_.push_back(std::move(name));
     }
     return ops_.emplace(key, std::move(inf)).first->second;
@@ -985,6 +1044,7 @@ class Observer {
     log_.insert(log_.end(), outs.begin(), outs.end());
     log_.insert(log_.end(), ctx.writes.begin(), ctx.writes.end());
     log_.insert(log_.end(), allocs.begin(), allocs.end());
+    if (recency_live_) told_live(inf, j, phase, ctx);
     bool swept = false;
     if (sweep_every_ > 0 && position_ % sweep_every_ == 0) {
       sweep();
@@ -1014,6 +1074,35 @@ class Observer {
       last_decide_ = position_;
       ++decisions_;
       call(on_decide_, [&] { return py::make_tuple(j); });
+    }
+  }
+
+  // The operator's touches, told to the recency order where the Python parse tells them (its
+  // allocations, then what it read and wrote: inputs in argument order, then outputs that are not
+  // inputs), and what the compact parse needs of it instead of its log record (recency.h).
+  void told_live(const OpInfo& inf, int64_t j, int64_t phase, const Ctx& ctx) {
+    for (int64_t sid : ctx.allocs) {
+      Entry** e = by_sid_.find(static_cast<uint64_t>(sid));
+      recency_->alloc(sid, e == nullptr ? 0 : (*e)->nbytes);
+    }
+    for (int64_t sid : ctx.ins) recency_->access(sid);
+    for (int64_t sid : ctx.outs) {
+      bool in = false;
+      for (int64_t x : ctx.ins) in = in || x == sid;
+      if (!in) recency_->access(sid);
+    }
+    last_ins_.assign(ctx.ins.begin(), ctx.ins.end());
+    last_outs_.assign(ctx.outs.begin(), ctx.outs.end());
+    last_name_ = inf.id;
+    last_phase_ = phase;
+    // after the kernel, as the Python parse reads the record's writes: a fault before it may still
+    // need the host copy of an input the operator writes
+    stale_.insert(stale_.end(), ctx.writes.begin(), ctx.writes.end());
+    timeline_.insert(timeline_.end(), {j, used_, phase});
+    if (inf.collective) {
+      held_.push_back(static_cast<int64_t>(ctx.ins.size() + ctx.outs.size()));
+      held_.insert(held_.end(), ctx.ins.begin(), ctx.ins.end());
+      held_.insert(held_.end(), last_outs_.begin(), last_outs_.end());
     }
   }
 
@@ -1069,6 +1158,15 @@ class Observer {
   std::vector<std::string> names_;
   size_t names_sent_ = 0;
   std::vector<int64_t> log_;
+  std::unique_ptr<Recency> recency_;  // the lru policy's order, where it is kept here
+  bool recency_live_ = false;
+  std::vector<int64_t> timeline_;     // set_recency_live's records (take_recency)
+  std::vector<int64_t> stale_;
+  std::vector<int64_t> held_;
+  std::vector<int64_t> last_ins_;
+  std::vector<int64_t> last_outs_;
+  int64_t last_name_ = -1;
+  int64_t last_phase_ = 0;
 
   int64_t next_sid_ = 1;
   int64_t used_ = 0;
@@ -1302,7 +1400,7 @@ void arm_test_oom(int64_t n) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 5;
+  m.attr("ABI") = 6;
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
   m.attr("LOG_FREE") = dynn::kFree;
@@ -1347,6 +1445,16 @@ PYBIND11_MODULE(_C, m) {
       .def("sweep", &Observer::sweep)
       .def("take_log", &Observer::take_log, py::arg("compact") = false)
       .def("take_error", &Observer::take_error)
+      .def("set_recency", &Observer::set_recency, py::arg("fraction"))
+      .def("set_recency_live", &Observer::set_recency_live)
+      .def_property_readonly("recency_live", &Observer::recency_live)
+      .def("recency_alloc", &Observer::recency_alloc)
+      .def("recency_access", &Observer::recency_access)
+      .def("recency_free", &Observer::recency_free)
+      .def("recency_after", &Observer::recency_after)
+      .def("recency_order", &Observer::recency_order, py::arg("tier") = -1)
+      .def("recency_footprint", &Observer::recency_footprint)
+      .def("take_recency", &Observer::take_recency)
       .def_property_readonly("used", &Observer::used)
       .def_property_readonly("peak", &Observer::peak)
       .def_property_readonly("peak_position", &Observer::peak_position)

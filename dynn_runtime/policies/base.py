@@ -249,6 +249,17 @@ class Policy:
         background refit, a worker) completes and the threads end, so none outlives the run and
         competes with what runs next. A later ``attach`` may start them again."""
 
+    def keep_order_in(self, observer: Any) -> bool:
+        """The live runtime's native event source offers ``observer`` (``dynn_runtime._C.Observer``)
+        to keep this policy's order of storages as the operators run, in C++; a policy that can
+        hand its order over does so and returns True, and from then on the runtime tells it no
+        per-operator touches (the observer applies them) until :meth:`release_order`. Default: False."""
+        return False
+
+    def release_order(self) -> None:
+        """The observer that kept this policy's order goes (detach): the policy keeps its own again,
+        empty (storage ids restart with the next observer)."""
+
     # -- decisions ---------------------------------------------------------------------------
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
         return iter(())

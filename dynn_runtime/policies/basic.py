@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from itertools import accumulate, repeat
 from operator import sub
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from .base import (
     NO_CONTEXT,
@@ -17,8 +17,12 @@ from .base import (
     Policy,
     SmallStorages,
     register,
+    tells_in_bulk,
 )
 from .recency import RecencyOrder
+
+#: lru's notifications: a subclass that keeps them as they are may have its order kept natively
+_ORDER_HOOKS = ("on_alloc", "on_access", "on_free", "on_return", "on_touches", "order")
 
 
 @register
@@ -43,36 +47,82 @@ class LRUPolicy(Policy):
     #: storages under this fraction of the largest footprint go last (:class:`SmallStorages`; 0: off)
     small_fraction: ClassVar[float] = 1e-4
     reads_operators = False  # recency is all it reads
+    #: on the native event source the observer keeps the order (csrc/recency.h); False: this
+    #: policy keeps it in Python there too (the reference the native order is tested against)
+    native_order: ClassVar[bool] = True
 
     def __init__(self) -> None:
         super().__init__()
         self._recency = RecencyOrder()
         self._small = SmallStorages(self.small_fraction)
+        #: the native observer keeping the order instead (:meth:`keep_order_in`), or None
+        self._native: Any = None
 
     def order(self) -> list[int]:
         """The storages told of and not freed, least recently used first (both tiers merged)."""
+        if self._native is not None:
+            return self._native.recency_order()
         return self._recency.order()
 
+    def keep_order_in(self, observer: Any) -> bool:
+        # The observer's order (csrc/recency.h) is this class's: the same tiers, classes and touches.
+        # A subclass that changes a notification keeps its own order in Python.
+        cls = type(self)
+        if not self.native_order or cls.page_bytes is not None or not tells_in_bulk(cls) or any(
+                getattr(cls, m) is not getattr(LRUPolicy, m) for m in _ORDER_HOOKS):
+            return False
+        observer.set_recency(float(self.small_fraction))
+        self._native = observer
+        return True
+
+    def release_order(self) -> None:
+        if self._native is not None:
+            self._native.set_recency(None)
+            self._native = None
+            self._recency = RecencyOrder()
+            self._small = SmallStorages(self.small_fraction)
+
     def begin_iteration(self, index: int, context: IterationContext = NO_CONTEXT) -> None:
-        if self.small_fraction:
+        if self.small_fraction and self._native is None:
             self._small.begin_iteration(context)
 
     def on_alloc(self, sid: int, position: int) -> None:
+        if self._native is not None:
+            self._native.recency_alloc(sid, self.view.nbytes(sid))
+            return
         small = self._small.alloc(sid, self.view.nbytes(sid)) if self.small_fraction else False
         self._recency.touch(sid, small)
 
     def on_access(self, sid: int, position: int) -> None:
+        if self._native is not None:
+            self._native.recency_access(sid)
+            return
         small = self._small.access(sid) if self.small_fraction else False
         self._recency.touch(sid, small)
 
     def on_free(self, sid: int) -> None:
+        if self._native is not None:
+            self._native.recency_free(sid)
+            return
         self._recency.forget(sid)
         self._small.free(sid)
 
     def on_return(self, sid: int) -> None:
-        self._recency.returned(sid)
+        if self._native is None:
+            self._recency.returned(sid)
 
     def on_touches(self, events: Sequence[int]) -> None:
+        if self._native is not None:
+            obs = self._native
+            for i in range(0, len(events), 4):
+                kind, sid = events[i], events[i + 1]
+                if kind == TOUCH_ALLOC:
+                    obs.recency_alloc(sid, events[i + 3])
+                elif kind == TOUCH_FREE:
+                    obs.recency_free(sid)
+                else:
+                    obs.recency_access(sid)
+            return
         # on_alloc / on_access / on_free inlined, in the same order: the same state
         # (SmallStorages' alloc, access and free, RecencyOrder's touch and forget, inlined on local
         # copies of their counters)
@@ -165,7 +215,24 @@ class LRUPolicy(Policy):
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
         if self.view is None:  # not attached yet (the Python source tracks parameters first): told nothing
             return iter(())
+        if self._native is not None:
+            return self._native_walk(exclude)
         return self._recency.walk(self.view.status, exclude)
+
+    def _native_walk(self, exclude: set[int]) -> Iterator[int]:
+        """The observer's order walked as :meth:`RecencyOrder.walk` walks its own: resident storages
+        not in ``exclude``, least recently touched first, the large tier before the small one. The
+        observer passes over those away or with a copy in flight; a status is read when the walk
+        reaches its storage (what the caller evicted meanwhile is seen as away)."""
+        after = self._native.recency_after
+        status = self.view.status
+        tier, sid, stamp, size = 0, 0, -1, 8
+        while tier < 2:
+            batch, tier, sid, stamp = after(tier, sid, stamp, size)
+            size = 64  # the first few usually suffice; a long walk takes more per call
+            for s in batch:
+                if s not in exclude and status(s) == "resident":
+                    yield s
 
 
 @register

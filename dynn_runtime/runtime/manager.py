@@ -236,6 +236,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._last_busy: set[int] = set()
         self._last_outs: Sequence[int] = ()  # the last operator's outputs (made or written)
         self._last_name = ""
+        self._native_order = False  # the observer keeps the policy's order (attach)
         self.st: dict[int, _S] = {}
         self._key_sid: dict[int, int] = {}
         self._next_sid = 1
@@ -381,6 +382,10 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._lists = ListSplitter(self._list_limit)
         self._lists.install()
         self.policy.attach(self)
+        # the observer keeps the policy's order where the policy hands it over (lru): no
+        # per-operator touches reach Python (native_source.py, _native_recency_parse)
+        self._native_order = (self._obs is not None and not self.record_every_op
+                              and self.policy.keep_order_in(self._obs))
         # operators between attach and the first step may need room too: the policy starts with
         # an empty plan (no history) until the first step begins
         self.policy.begin_iteration(-1, NO_CONTEXT)
@@ -460,6 +465,9 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
             s.obs = None
         if self._obs is not None:
             self._used = self._obs.used
+        if self._native_order:
+            self.policy.release_order()
+            self._native_order = False
         self._obs = None
         self._attached = False
         # last: the manager is detached whatever the policy's threads raise on their way out

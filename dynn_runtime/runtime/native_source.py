@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 
 import torch
 
@@ -193,6 +194,9 @@ class NativeSource:
             self._engaged = True
         if self._saved_unlogged:
             self._resolve_saved_unlogged()  # before the births they belong to are read
+        if self._native_order and obs.recency_live:
+            self._native_recency_parse()
+            return
         words, names = obs.take_log(light)
         if names:
             self._names.extend(names)
@@ -352,6 +356,71 @@ class NativeSource:
             t1 = time.perf_counter()
             self.policy.on_touches(events)
             cur.policy_seconds += time.perf_counter() - t1
+
+    def _native_recency_parse(self) -> None:
+        """The in-step parse while the observer keeps the policy's order (``Policy.keep_order_in``:
+        lru; csrc/recency.h): the operators' touches reached the order as they ran, so only the
+        storage table changes are read, from the compacted log (births of the storages that outlive
+        the batch, deaths of those the manager knows), with what the observer kept of the operators
+        instead of their records: the timeline, the storages written (their host copies are
+        stale), the collectives' storages and the last operator. Not kept here, as after a step read
+        compacted: ``history``'s frees of storages born and dead within a batch, positions of
+        births and frees finer than the batch's last operator, and the records' access fields (the
+        view reads the observer's: :meth:`last_access`, :meth:`access_count`)."""
+        obs = self._obs
+        words, names = obs.take_log(True)
+        if names:
+            self._names.extend(names)
+        timeline, stale, held, name_id, phase, ins, outs = obs.take_recency()
+        pos = obs.position
+        if words:
+            st = self.st
+            told: list[int] = []  # the order was told in C++: _forget_native's events go nowhere
+            log = memoryview(words).cast("q")
+            OP, ALLOC, FREE = _C_TAGS
+            i, n = 0, len(log)
+            while i < n:
+                tag = log[i]
+                if tag == ALLOC:
+                    sid, nb, fresh = log[i + 1], log[i + 2], log[i + 3]
+                    i += 4
+                    if sid not in st:
+                        self._new_native(sid, "temp" if fresh else "input", nb, True, pos)
+                    if not fresh:
+                        self._pre.setdefault(pos, []).append(sid)
+                elif tag == FREE:
+                    self._forget_native(log[i + 1], True, told)
+                    i += 2
+                elif tag == OP:  # a full log (tests read it so): the operators are in `timeline` already
+                    i += 9 + log[i + 5] + log[i + 6] + log[i + 7] + log[i + 8]
+                else:
+                    internal_assert(False, f"runtime: corrupt native event log (tag {tag} at word {i})")
+        if timeline:
+            t = memoryview(timeline).cast("q")
+            self._timeline.extend(zip(repeat(self._step_index), t[0::3], t[1::3], map(_PHASES.__getitem__, t[2::3])))
+        if name_id >= 0:
+            self._last_busy = set(ins).union(outs)
+            self._last_outs = outs
+            self._last_name = self._names[name_id]
+            self.phase = _PHASES[phase]
+        self.position = pos
+        if stale:  # before the decision reads them: no eviction keeps a stale host copy
+            self._drop_stale_hosts(stale)
+        k = 0
+        while k < len(held):  # the observer does not see a collective's Work: held until the step ends
+            m = held[k]
+            self._hold_for_collective(set(held[k + 1:k + 1 + m]), None)
+            k += 1 + m
+
+    def last_access(self, sid: int) -> int:
+        if self._native_order:
+            return self._obs.last_access(sid)
+        return self.st[sid].last_access
+
+    def access_count(self, sid: int) -> int:
+        if self._native_order:
+            return self._obs.access_count(sid)
+        return self.st[sid].count
 
     def _native_operators(self, log: list[int]) -> None:
         """The in-step parse for a policy that reads operators and said the batch may be told in

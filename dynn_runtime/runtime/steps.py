@@ -218,6 +218,8 @@ class Steps:
             obs.set_sweep_every(1 if self._measuring else 0)  # the measured peak must be exact
             acts = type(self.policy).after_op is not Policy.after_op
             obs.set_decide_every(self.decide_every if acts and not measuring else 0)
+            if self._native_order:  # the order learns what the policy is told (not a measuring step's)
+                obs.set_recency_live(not self._measure_step and not self._measuring)
         self._t_step = time.perf_counter()
         self._pool_syncs0 = self.pool.syncs
         if self.cap_bytes is not None:
@@ -262,6 +264,8 @@ class Steps:
             with no_mode():
                 obs.sweep()
                 self._native_parse(in_step=True, light=not (self._engaged or self._measuring or self.record_every_op))
+            if self._native_order:
+                obs.set_recency_live(False)
             self._forget_pending()
             if self._measuring:
                 self._fold_live_peak()
