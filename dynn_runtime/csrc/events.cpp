@@ -158,6 +158,7 @@ struct Ctx {
   std::vector<int64_t> fault;
   std::vector<int64_t> outs;
   std::vector<int64_t> allocs;
+  std::vector<int64_t> stale;  // written inputs whose host copy was valid until now (recency_live_ only)
   at::Generator rng;     // a random operator's generator, while a retry may need its state (invariant 11)
   at::Tensor rng_state;  // ... and that state before its kernel ran
   void clear() {
@@ -172,6 +173,7 @@ struct Ctx {
     fault.clear();
     outs.clear();
     allocs.clear();
+    stale.clear();
   }
 };
 
@@ -531,6 +533,18 @@ class Observer {
   void recency_alloc(int64_t sid, int64_t nbytes) { rec().alloc(sid, nbytes); }
   void recency_access(int64_t sid) { rec().access(sid); }
   void recency_free(int64_t sid) { rec().free(sid); }
+  // Policy.on_touches' events (kind, sid, position, nbytes quadruples; kinds 0 access, 1 alloc,
+  // 2 free: policies/base.py's TOUCH_*), applied in order.
+  void recency_touches(const std::vector<int64_t>& events) {
+    Recency& r = rec();
+    TORCH_CHECK(events.size() % 4 == 0, "dynn: recency_touches takes kind, sid, position, nbytes quadruples");
+    for (size_t i = 0; i < events.size(); i += 4) {
+      const int64_t kind = events[i], sid = events[i + 1];
+      if (kind == 1) r.alloc(sid, events[i + 3]);
+      else if (kind == 2) r.free(sid);
+      else r.access(sid);
+    }
+  }
   // Up to `max` storages after the cursor (tier, sid, stamp) that are on the device with no copy in
   // flight, least recently used first; returns them and the moved cursor (tier 2: the walk is done).
   py::tuple recency_after(int64_t tier, int64_t sid, int64_t stamp, int64_t max) {
@@ -544,8 +558,8 @@ class Observer {
   std::vector<int64_t> recency_order(int64_t tier) { return tier < 0 ? rec().order() : rec().tier_order(static_cast<int>(tier)); }
   py::tuple recency_footprint() { return py::make_tuple(rec().live(), rec().peak()); }
   // What the compact parse reads instead of the operator records since the last call: the timeline
-  // (position, used, phase per operator, int64 words), the storages written (their host copies are
-  // stale), the collectives' storages (a count, then that many sids, per collective), and the
+  // (position, used, phase per operator, int64 words), the storages written while they had a valid
+  // host copy (stale now), the collectives' storages (a count, then that many sids, per collective), and the
   // last operator (name id, phase, inputs, outputs).
   py::tuple take_recency() {
     py::bytes tl(reinterpret_cast<const char*>(timeline_.data()), timeline_.size() * sizeof(int64_t));
@@ -981,6 +995,7 @@ class Observer {
     if (e->away || e->watch) add_unique(ctx.fault, e->sid);
     if (written) {
       add_unique(ctx.writes, e->sid);
+      if (e->host_valid && recency_live_) ctx.stale.push_back(e->sid);
       e->host_valid = false;
     }
   }
@@ -1097,7 +1112,7 @@ class Observer {
     last_phase_ = phase;
     // after the kernel, as the Python parse reads the record's writes: a fault before it may still
     // need the host copy of an input the operator writes
-    stale_.insert(stale_.end(), ctx.writes.begin(), ctx.writes.end());
+    stale_.insert(stale_.end(), ctx.stale.begin(), ctx.stale.end());
     timeline_.insert(timeline_.end(), {j, used_, phase});
     if (inf.collective) {
       held_.push_back(static_cast<int64_t>(ctx.ins.size() + ctx.outs.size()));
@@ -1451,6 +1466,7 @@ PYBIND11_MODULE(_C, m) {
       .def("recency_alloc", &Observer::recency_alloc)
       .def("recency_access", &Observer::recency_access)
       .def("recency_free", &Observer::recency_free)
+      .def("recency_touches", &Observer::recency_touches)
       .def("recency_after", &Observer::recency_after)
       .def("recency_order", &Observer::recency_order, py::arg("tier") = -1)
       .def("recency_footprint", &Observer::recency_footprint)

@@ -113,15 +113,7 @@ class LRUPolicy(Policy):
 
     def on_touches(self, events: Sequence[int]) -> None:
         if self._native is not None:
-            obs = self._native
-            for i in range(0, len(events), 4):
-                kind, sid = events[i], events[i + 1]
-                if kind == TOUCH_ALLOC:
-                    obs.recency_alloc(sid, events[i + 3])
-                elif kind == TOUCH_FREE:
-                    obs.recency_free(sid)
-                else:
-                    obs.recency_access(sid)
+            self._native.recency_touches(events)
             return
         # on_alloc / on_access / on_free inlined, in the same order: the same state
         # (SmallStorages' alloc, access and free, RecencyOrder's touch and forget, inlined on local

@@ -7,6 +7,9 @@ State: ``_pinned`` (storage ids the policy may not move), ``steps``, ``_timeline
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterator
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -19,6 +22,52 @@ from .steps import StepStats
 
 RESIDENT = Status.RESIDENT
 
+_PHASE_NAMES = ("forward", "backward", "optimizer")
+_PHASE_CODE = {name: k for k, name in enumerate(_PHASE_NAMES)}
+
+
+class OpTimeline:
+    """The last ``maxlen`` operators' (step, position, managed device bytes, phase), in flat integer
+    arrays: an engaged step adds thousands of entries, and a tuple per entry would be an object per
+    operator for Python's cyclic collector to count and scan. Iterating yields the tuples."""
+
+    __slots__ = ("maxlen", "_step", "_pos", "_used", "_phase")
+
+    def __init__(self, maxlen: int) -> None:
+        self.maxlen = maxlen
+        self._step, self._pos, self._used = array("q"), array("q"), array("q")
+        self._phase = array("b")
+
+    def append(self, entry: tuple[int, int, int, str]) -> None:
+        step, pos, used, phase = entry
+        self._step.append(step)
+        self._pos.append(pos)
+        self._used.append(used)
+        self._phase.append(_PHASE_CODE[phase])
+        self._trim()
+
+    def extend_words(self, step: int, words: Any) -> None:
+        """Entries of step ``step`` from (position, used, phase code) int64 triples (the observer's)."""
+        n = len(words) // 3
+        self._step.extend(repeat(step, n))
+        self._pos.extend(words[0::3])
+        self._used.extend(words[1::3])
+        self._phase.extend(words[2::3])
+        self._trim()
+
+    def _trim(self) -> None:
+        # amortised: trimmed only once a quarter over, back to maxlen
+        if len(self._pos) > self.maxlen + (self.maxlen >> 2):
+            k = len(self._pos) - self.maxlen
+            for a in (self._step, self._pos, self._used, self._phase):
+                del a[:k]
+
+    def __len__(self) -> int:
+        return min(len(self._pos), self.maxlen)
+
+    def __iter__(self) -> Iterator[tuple[int, int, int, str]]:
+        k = max(0, len(self._pos) - self.maxlen)
+        return zip(self._step[k:], self._pos[k:], self._used[k:], map(_PHASE_NAMES.__getitem__, self._phase[k:]))
 
 class Controls:
     """pin / unpin / offload / stats / timeline."""

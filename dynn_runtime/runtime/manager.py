@@ -48,7 +48,6 @@ wait would corrupt (tests/runtime/test_fake_async.py).
 
 from __future__ import annotations
 
-import collections
 import time
 import warnings
 from collections.abc import Sequence
@@ -68,7 +67,7 @@ from ..trace.recorder import AutogradNodes
 from . import devicemem
 from .blocks import _checkpoint_blocks, _is_compiled, checkpoint_modules, repeated_blocks
 from .budget import Budget
-from .controls import Controls
+from .controls import Controls, OpTimeline
 from .copies import CudaCopies, SyncCopies
 from .devicemem import default_budget
 from .events import QUIET, no_mode
@@ -295,7 +294,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._peak_pos = 0
         self.measured_peak: int | None = None
         # (step, position, device bytes, phase), the last TIMELINE_ENTRIES operators
-        self._timeline: collections.deque[tuple[int, int, int, str]] = collections.deque(maxlen=self.TIMELINE_ENTRIES)
+        self._timeline = OpTimeline(self.TIMELINE_ENTRIES)
 
     # ---- attach / detach --------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryManager:

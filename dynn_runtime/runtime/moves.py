@@ -39,7 +39,7 @@ class Moves(Residency):
         """Move a resident storage off the device. False if it cannot leave."""
         if s.status != RESIDENT or not s.movable or s.sid in self._pinned or s.sid in self._held:
             return False
-        st = s.ref()
+        st = s.storage()
         if st is None:
             return False
         obs = self._obs
@@ -124,7 +124,7 @@ class Moves(Residency):
             return
         for s in list(self.fetching.values()):
             if s.fetch_event is not None and s.fetch_event.query():
-                st = s.ref()
+                st = s.storage()
                 if st is not None:
                     self._finish_fetch(s, st)
 
@@ -134,7 +134,7 @@ class Moves(Residency):
         allocation runs out of device memory, room is made and it is tried once more when ``retry``
         (default: in a step; the end of a step passes True); a second failure leaves ``s`` as it was
         (on the host, its copy valid) and raises the allocator's error."""
-        st = s.ref()
+        st = s.storage()
         internal_assert(st is not None, f"runtime: storage {s.sid} is needed but was freed")
         if s.status == RESIDENT:
             return
@@ -207,7 +207,7 @@ class Moves(Residency):
         what it took is given back and ``s`` stays on the host, and no other prefetch starts in this
         step (each would meet the same full allocator, whose out-of-memory path synchronizes the
         device); its access fetches it on demand, with the retry of :meth:`_fetch_now`."""
-        st = s.ref()
+        st = s.storage()
         if st is None or s.status != HOST or not s.host_valid or self._no_prefetch:
             return
         if self.used + s.nbytes > self.budget:
@@ -246,7 +246,7 @@ class Moves(Residency):
         evictable); False if none was in flight."""
         fetch = list(self.fetching.values())
         for s in fetch:
-            st = s.ref()
+            st = s.storage()
             if st is not None:
                 self._finish_fetch(s, st)
         self._reap()

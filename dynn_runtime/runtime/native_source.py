@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable, Sequence
-from itertools import repeat
 
 import torch
 
@@ -195,7 +194,7 @@ class NativeSource:
         if self._saved_unlogged:
             self._resolve_saved_unlogged()  # before the births they belong to are read
         if self._native_order and obs.recency_live:
-            self._native_recency_parse()
+            self._native_recency_parse(light)
             return
         words, names = obs.take_log(light)
         if names:
@@ -357,13 +356,14 @@ class NativeSource:
             self.policy.on_touches(events)
             cur.policy_seconds += time.perf_counter() - t1
 
-    def _native_recency_parse(self) -> None:
+    def _native_recency_parse(self, light: bool) -> None:
         """The in-step parse while the observer keeps the policy's order (``Policy.keep_order_in``:
         lru; csrc/recency.h): the operators' touches reached the order as they ran, so only the
         storage table changes are read, from the compacted log (births of the storages that outlive
         the batch, deaths of those the manager knows), with what the observer kept of the operators
-        instead of their records: the timeline, the storages written (their host copies are
-        stale), the collectives' storages and the last operator. Not kept here, as after a step read
+        instead of their records: the timeline (kept only for a step that needed a decision, as on
+        the other paths: ``light``), the storages written while they had a valid host copy, the
+        collectives' storages and the last operator. Not kept here, as after a step read
         compacted: ``history``'s frees of storages born and dead within a batch, positions of
         births and frees finer than the batch's last operator, and the records' access fields (the
         view reads the observer's: :meth:`last_access`, :meth:`access_count`)."""
@@ -395,9 +395,8 @@ class NativeSource:
                     i += 9 + log[i + 5] + log[i + 6] + log[i + 7] + log[i + 8]
                 else:
                     internal_assert(False, f"runtime: corrupt native event log (tag {tag} at word {i})")
-        if timeline:
-            t = memoryview(timeline).cast("q")
-            self._timeline.extend(zip(repeat(self._step_index), t[0::3], t[1::3], map(_PHASES.__getitem__, t[2::3])))
+        if timeline and not light:
+            self._timeline.extend_words(self._step_index, memoryview(timeline).cast("q"))
         if name_id >= 0:
             self._last_busy = set(ins).union(outs)
             self._last_outs = outs

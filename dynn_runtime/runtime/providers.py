@@ -343,7 +343,7 @@ class ProviderClient:
             need = set(sids)
             for sid in sids:
                 s = self.st.get(sid)
-                if s is None or s.ref() is None or s.status not in (HOST, FETCHING):
+                if s is None or s.storage() is None or s.status not in (HOST, FETCHING):
                     continue
                 self._fetch_now(s, exclude=need, where=where)
                 brought += s.nbytes

@@ -52,7 +52,7 @@ class StateTransfer:
 
     def _restore(self) -> None:
         for s in list(self.st.values()):
-            if s.status in (HOST, DROPPED, FETCHING) and s.ref() is not None:
+            if s.status in (HOST, DROPPED, FETCHING) and s.storage() is not None:
                 self._fetch_now(s, budgeted=False)
         self._sync()
 
@@ -88,7 +88,7 @@ class StateTransfer:
             sid = self._sid(t)
             if sid is not None and self.st[sid].status in (HOST, DROPPED):
                 owners.setdefault(sid, []).append((t, put))
-        away = [s for s in self.st.values() if s.status in (HOST, DROPPED) and s.ref() is not None]
+        away = [s for s in self.st.values() if s.status in (HOST, DROPPED) and s.storage() is not None]
         orphans = [s for s in away if s.sid not in owners]
         if orphans:
             raise BudgetError(
@@ -146,7 +146,7 @@ class StateTransfer:
     def _host_copy(self, t: torch.Tensor, s: _S) -> torch.Tensor:
         """A CPU tensor with ``t``'s values, read from ``s``'s host copy if it is away."""
         if s.status == FETCHING:
-            st = s.ref()
+            st = s.storage()
             if st is not None:
                 self._finish_fetch(s, st)
         if s.status == RESIDENT:

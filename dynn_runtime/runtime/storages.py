@@ -15,7 +15,6 @@ the policy ``reads_labels``).
 
 from __future__ import annotations
 
-import functools
 import time
 import weakref
 from typing import Any
@@ -47,7 +46,7 @@ class _S(Record):
         super().__init__(sid, nbytes, kind)
         self.key = key
         self.pf = False  # prefetched, not used since
-        self.ref = ref  # weakref to the UntypedStorage
+        self.ref = ref  # weakref to the UntypedStorage (Python source); None: the observer's (storage())
         self.host: HostBuffer | None = None
         self.event: Any = None  # completion of the last copy into or out of ``host``
         self.fetch_event: Any = None  # completion of an in-flight H2D copy
@@ -57,6 +56,15 @@ class _S(Record):
         self.born_pos = 0
         self.obs: Any = None  # the native observer, which must see the next access while a copy is in flight
         self.stream = 0  # Python source, CUDA: the stream id of its last access (the native observer keeps its own)
+
+    def storage(self) -> Any:
+        """The UntypedStorage, or None once it died: through the weak reference (Python source) or
+        the observer (native source, where ``ref`` is None: no callable kept per storage)."""
+        ref = self.ref
+        if ref is not None:
+            return ref()
+        obs = self.obs
+        return None if obs is None else obs.storage(self.sid)
 
 
 def _mark_saved(s: _S) -> None:
@@ -171,7 +179,7 @@ class StorageTable:
 
     def _new_native(self, sid: int, kind: str, nbytes: int, movable: bool, born: int) -> _S:
         obs = self._obs
-        s = _S(sid, sid, functools.partial(obs.storage, sid), nbytes, kind, movable=movable, step=self._step_index)
+        s = _S(sid, sid, None, nbytes, kind, movable=movable, step=self._step_index)
         s.obs = obs
         self.set_status(s, RESIDENT)  # the observer counted its bytes already (_account)
         s.born_pos = born
@@ -342,7 +350,7 @@ class StorageTable:
         s = self.st.get(sid)
         if s is None or self.phase != "forward":
             return False
-        st = s.ref()
+        st = s.storage()
         if st is None:
             return False
         # one count for the preserved storage object, one for the detached alias autograd holds

@@ -187,6 +187,10 @@ class _Proxy:
         self._shadow.on_free(sid)
         self._obs.recency_free(sid)
 
+    def recency_touches(self, events):
+        self._shadow.on_touches(events)
+        self._obs.recency_touches(events)
+
 
 class _Checked(LRUPolicy):
     """lru whose every victim search is compared with the shadow's before it is answered."""

@@ -202,7 +202,7 @@ class FakeDeviceCopies(SyncCopies):
         """Account every resident managed storage as an allocator block (as if allocated there)."""
         n = 0
         for s in mm.st.values():
-            st = s.ref()
+            st = s.storage()
             if st is not None and s.status is Status.RESIDENT and st._cdata not in self.block and st.nbytes():
                 saved, self.c.capacity = self.c.capacity, 1 << 40
                 self.block[st._cdata] = self.c.malloc(0, st.nbytes())
