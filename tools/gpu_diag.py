@@ -5,6 +5,7 @@ manager's step time against PyTorch alone measured both before and after it (A-B
     python tools/gpu_diag.py overhead [--families moe varlen evoformer] [--steps 8]
     python tools/gpu_diag.py profile [--families moe] [--fraction 0.5] [--steps 4]
     python tools/gpu_diag.py hardcap [--families moe varlen evoformer] [--fraction 0.25]
+    python tools/gpu_diag.py lru-order [--families moe tree_lstm evoformer] [--fraction 0.5] [--steps 5]
     python tools/gpu_diag.py one FAMILY FRACTION VARIANT      (a child: one managed run, one JSON line)
 
 ``identity`` runs each family at ``--fraction`` of its peak with lru (a logical budget) in one child
@@ -17,6 +18,8 @@ For each it prints the first step whose loss differs and how many state tensors 
 host functions by own time and by cumulative time: where the host goes when storages move.
 ``hardcap`` trains lru under a hard cap at ``--fraction`` and, where it fails, prints the whole
 traceback, the manager's view and the caching allocator's own summary.
+``lru-order`` times lru with its order kept by the native observer against lru keeping it in Python
+(``native_order=False``), each after a run of PyTorch alone, at ``--fraction`` and with nothing moved.
 """
 
 from __future__ import annotations
@@ -69,6 +72,42 @@ def identity(families: list[str], fraction: float, steps: int, timeout: float) -
             row["seconds"] = round(time.perf_counter() - t0, 1)
             print(json.dumps(row), flush=True)
             rows.append(row)
+    return rows
+
+
+def lru_order(families: list[str], fraction: float, steps: int) -> list[dict]:
+    """lru with its order kept by the observer against lru keeping it in Python (``native_order``),
+    each between runs of PyTorch alone (A-B-A-B-A), at ``fraction`` of the peak and with nothing moved."""
+    import torch
+
+    from dynn_runtime.runtime.train import deterministic, train_managed, train_unmanaged
+
+    os.environ["DYNN_EVENTS"] = "native"
+    rows = []
+    with deterministic():
+        for fam in families:
+            train_unmanaged(fam, steps=2, preset="small", device=DEVICE)  # warm-up: handles, kernels, the allocator
+            for budget in (fraction, 64 << 30):
+                times: dict[str, list[float]] = {}
+                moves = {}
+                for label in ("alone", "native", "alone", "python", "alone"):
+                    if label == "alone":
+                        r = train_unmanaged(fam, steps=steps, preset="small", device=DEVICE)
+                    else:
+                        r = train_managed(fam, budget, "lru", steps=steps, preset="small", device=DEVICE,
+                                          policy_options={"native_order": label == "native"})
+                        moves[label] = sum(s.get("evictions", 0) for s in (r.stats or {}).get("per_step", [])[1:])
+                    if DEVICE == "cuda":
+                        torch.cuda.synchronize()
+                    times.setdefault(label, []).append(r.median_step_seconds())
+                alone = sorted(times["alone"])[1]
+                row = dict(family=fam, budget=budget if budget != 64 << 30 else "above the peak", steps=steps,
+                           alone_ms=[round(x * 1e3, 2) for x in times["alone"]],
+                           native_ms=round(times["native"][0] * 1e3, 2), python_ms=round(times["python"][0] * 1e3, 2),
+                           native_ratio=round(times["native"][0] / alone, 3),
+                           python_ratio=round(times["python"][0] / alone, 3), evictions=moves)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     return rows
 
 
@@ -209,7 +248,7 @@ def hardcap(families: list[str], fraction: float, steps: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=["identity", "overhead", "profile", "hardcap", "one"])
+    ap.add_argument("mode", choices=["identity", "overhead", "profile", "hardcap", "lru-order", "one"])
     ap.add_argument("rest", nargs="*")
     ap.add_argument("--families", nargs="+", default=None)
     ap.add_argument("--fraction", type=float, default=0.25)
@@ -223,6 +262,8 @@ def main() -> int:
         identity(a.families or ["varlen", "evoformer"], a.fraction, a.steps or 3, a.timeout)
     elif a.mode == "profile":
         profile(a.families or ["moe"], a.fraction, a.steps or 4)
+    elif a.mode == "lru-order":
+        lru_order(a.families or ["moe", "tree_lstm", "evoformer"], a.fraction, a.steps or 5)
     elif a.mode == "hardcap":
         hardcap(a.families or ["moe", "varlen", "evoformer"], a.fraction, a.steps or 3)
     else:

@@ -51,8 +51,10 @@ class LRUPolicy(Policy):
     #: policy keeps it in Python there too (the reference the native order is tested against)
     native_order: ClassVar[bool] = True
 
-    def __init__(self) -> None:
+    def __init__(self, native_order: bool | None = None) -> None:
         super().__init__()
+        if native_order is not None:  # the option (policy_options={"native_order": False}) over the class's
+            self.native_order = bool(native_order)
         self._recency = RecencyOrder()
         self._small = SmallStorages(self.small_fraction)
         #: the native observer keeping the order instead (:meth:`keep_order_in`), or None
