@@ -101,6 +101,13 @@ class RecallJudge:
             self.totals[m][0] += hits
             self.totals[m][1] += rel
 
+    def forget(self) -> None:
+        """Drop the recent records (the run's totals stay): what was judged says nothing about what
+        comes next (an iteration with no previous one, where replay has no plan and the model no
+        alignment, against one that has both)."""
+        for recent in self._recent.values():
+            recent.clear()
+
     def recall(self, method: str) -> float | None:
         """``method``'s window recall over the last ``horizon`` judged decision points (None: none yet)."""
         recent = self._recent[method]

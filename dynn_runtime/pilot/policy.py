@@ -309,6 +309,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                 self._model = new
         if self._judge is not None:
             self._judge.close()  # the iteration's accesses are all its open windows will hold
+            if len(history) == 1:  # the first iteration ended: judged without a previous iteration
+                self._judge.forget()
             self._shadow.begin_iteration(index, context)
             self._exact.begin_iteration(self._shadow.timeline)
             self._last_access.clear()
@@ -358,7 +360,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             self._shadow.on_alloc(sid, position)
             self._last_access[sid] = position
             self._exact.alloc(sid, position)
-            if self._exact.exact(sid):
+            if self.following == "pilot" and self._exact.exact(sid):
                 v = self._shadow.predict(sid)
         state = self._state
         s, kind, saved = state.alloc(sid, position)
@@ -995,10 +997,10 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             s = slot.get(sid)
             if s is None:
                 continue  # freed since its access
-            if self._exact is not None and self._exact.exact(sid):
-                v = self._shadow.predict(sid)
-            elif follow != "pilot":
+            if follow != "pilot":
                 v = self._fallback_prediction(follow, sid, position)
+            elif self._exact is not None and self._exact.exact(sid):
+                v = self._shadow.predict(sid)
             else:
                 v = rep.get(sid)
             if v is None:
@@ -1182,21 +1184,14 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             vals = [self._fallback_prediction(m, sid, position) for sid in ids]
             scores[m] = np.array([math.inf if v is None else float(v) for v in vals], dtype=np.float64)
         exact = self._exact
-        on = None
         if exact.in_sync:  # the model side: replay's prediction where its plan has held exactly
             on = np.fromiter(map(exact.exact, ids), dtype=bool, count=len(ids))
             if on.any():
                 scores["pilot"] = pilot = np.where(on, scores["replay"], pilot)
-            else:
-                on = None
         judge.decision(position, sids, scores)
         self.following = follow = judge.choice()
         self.followed[follow] = self.followed.get(follow, 0) + 1
-        if follow == "pilot":
-            return pilot
-        # an exact plan is the true next use as far as anything run says: it outranks any estimate,
-        # lru's included (the judge still scores each predictor on its own)
-        return scores[follow] if on is None else np.where(on, scores["replay"], scores[follow])
+        return scores[follow] if follow != "pilot" else pilot
 
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
         if self._job is not None:

@@ -305,3 +305,30 @@ def test_the_fallback_stays_in_step_through_the_optimizer_after_its_state_was_ma
     assert r.stats["bytes_offloaded"] > 0
     made, after = steps[-2:]  # steps 1 and 2 (the first step, which made the state, is not told per operator)
     assert made and all(made) and after and all(after)
+
+
+def test_the_judge_forgets_the_first_iteration(tmp_path):
+    """What the judge saw in the first iteration (replay without a plan, the model without an
+    alignment) is not carried into the next one; later iterations' records are."""
+    from dynn_runtime.runtime.train import train_managed
+
+    judge = RecallJudge(methods=("pilot", "lru"), window=4, horizon=2)
+    judge.decision(0, np.arange(2), {"pilot": np.array([9, 1.0]), "lru": np.array([1, 9.0])})
+    judge.access(0, 1)
+    judge.close()
+    assert judge.choice() == "lru"
+    judge.forget()
+    assert judge.recall("lru") is None and judge.choice() == "pilot" and judge.totals["lru"] == [1, 1]
+
+    (tmp_path / "static.py").write_text(FOREACH)
+    fb = make_policy("pilot", backend="numpy", fallback=True)
+    seen: list[tuple[int, bool]] = []  # per iteration start: history length, recent records kept
+    begin = fb.begin_iteration
+
+    def spy(index, context):
+        begin(index, context)
+        seen.append((len(context.history), fb._judge.recall("pilot") is not None))
+
+    fb.begin_iteration = spy
+    train_managed(f"{tmp_path / 'static.py'}:build", 0.75, fb, steps=4)
+    assert (1, False) in seen and (2, True) in seen
