@@ -227,7 +227,7 @@ class ReplayPolicy(NextUsePolicy):
         if not context.history:
             return
         prev = context.history[-1]
-        self.timeline = ops = self._timeline(prev)
+        self.timeline = ops = self._timeline(prev, context.iteration is not None)
         for j, op in enumerate(ops):
             for sid in set(op.inputs) | set(op.outputs) | set(op.writes):
                 self._prev_acc.setdefault(sid, []).append(j)
@@ -238,12 +238,14 @@ class ReplayPolicy(NextUsePolicy):
                 self._prev_slot[(j, k)] = sid
         self._n_prev = len(ops)
 
-    def _timeline(self, prev: Iteration) -> list[Op]:
+    def _timeline(self, prev: Iteration, known_ahead: bool) -> list[Op]:
         """``prev``'s operators less those that made persistent state this iteration starts with (see
         the class): an operator whose every allocation and write is a persistent storage alive now
         that first appeared at that operator (allocated there, or first seen just before it: state
         made outside the dispatcher, such as an optimizer's step counter, whose first operator
-        marks it)."""
+        marks it). Alive now: not freed in ``prev`` and, live, not absent; where the iteration is
+        ``known_ahead`` (a simulator replaying a trace, which tells the storages alive at the start
+        only once the iteration runs), the trace's frees are all there is."""
         first: dict[int, int] = {}
         for j, sids in prev.pre_allocs.items():
             if j > 0:  # at 0: what existed before the iteration (a trace's parameters)
@@ -258,7 +260,7 @@ class ReplayPolicy(NextUsePolicy):
         def made_state(j: int, op: Op) -> bool:
             made = set(op.allocs) | set(op.writes)
             return bool(made) and all(
-                first.get(sid) == j and sid not in freed and view.status(sid) != "absent"
+                first.get(sid) == j and sid not in freed and (known_ahead or view.status(sid) != "absent")
                 and view.kind(sid) in PERSISTENT for sid in made)
 
         return [op for j, op in enumerate(prev.ops) if not made_state(j, op)]

@@ -86,3 +86,21 @@ def test_an_allocation_where_the_previous_operator_wrote_in_place_follows_what_i
     pol.on_alloc(41, 1)   # out of place: a new storage where 30 was written
     view.position = 1
     assert pol.plan(41) == pol.plan(40) == [0, 1, 3] and pol.predict(41) == 3
+
+
+def test_a_simulator_that_tells_the_storages_alive_at_the_start_later_gets_the_same_timeline():
+    """The simulator replays a trace: it knows the iteration ahead and tells the storages alive at its
+    start only once it runs, so liveness comes from the trace's frees."""
+
+    class Untold(_View):
+        def status(self, sid: int) -> str:
+            return "absent"
+
+    view = Untold({1: "param", 10: "opt_state", 11: "opt_state", 20: "activation", 21: "activation"})
+    pol = ReplayPolicy()
+    pol.small_fraction = 0
+    pol.view = view
+    pol.begin_iteration(1, IterationContext(history=(_first_step(),), iteration=Iteration(index=1)))
+    assert [op.name for op in pol.timeline] == ["aten::mm", "aten::sum", "aten::add_", "aten::lerp_", "aten::add_"]
+    pol.begin_iteration(1, IterationContext(history=(_first_step(),)))  # live: absent means freed
+    assert len(pol.timeline) == 7
