@@ -332,3 +332,34 @@ def test_the_judge_forgets_the_first_iteration(tmp_path):
     fb.begin_iteration = spy
     train_managed(f"{tmp_path / 'static.py'}:build", 0.75, fb, steps=4)
     assert (1, False) in seen and (2, True) in seen
+
+
+def test_the_refit_runs_on_one_blas_thread_and_the_caller_keeps_its_own(monkeypatch):
+    """The online refit's small products run on one OpenBLAS thread (more only take the training
+    thread's cores); the thread's own count is back after it. Skipped where numpy's BLAS is not an
+    OpenBLAS with per-thread counts."""
+    from dynn_runtime.pilot import blas
+    from dynn_runtime.pilot.training import online
+
+    set_local = blas._set_local()
+    if set_local is None:
+        pytest.skip("numpy's BLAS has no openblas_set_num_threads_local")
+
+    def count() -> int:
+        n = set_local(1)
+        set_local(n)
+        return n
+
+    seen = []
+
+    def fake_fit(X, C, y, init, epochs):
+        seen.append(count())
+        return init, []
+
+    monkeypatch.setattr(online, "fit", fake_fit)
+    original = set_local(2)
+    try:
+        online._refit("model", None, None, None, 1)
+        assert seen == [1] and count() == 2
+    finally:
+        set_local(original)
