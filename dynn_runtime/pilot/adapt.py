@@ -149,9 +149,10 @@ def op_key(name: str, module: str) -> tuple[str, str]:
 
 class ExactReplay:
     """Where ``replay``'s positional plan (:class:`~dynn_runtime.policies.nextuse.ReplayPolicy`) is
-    exact so far in the iteration: while every operator has been the previous iteration's at the
-    same position in replay's timeline (name and module, :func:`op_key`), a storage born at its counterpart's position whose every access
-    here fell on one of its counterpart's positions is *on plan*, and replay's next use for it is,
+    exact so far in the iteration: while every operator has been the one at the same position of
+    replay's timeline (the previous iteration's operators as planned; name and module,
+    :func:`op_key`), a storage born at its counterpart's position whose every access here fell on
+    one of its counterpart's positions is *on plan*, and replay's next use for it is,
     as far as anything run says, the true one. A storage alive at the iteration's start (a
     parameter, optimizer state), matched by identity, is on plan until an access falls elsewhere, but
     only for a next use within ``near`` operators and before the position where the last iteration

@@ -196,8 +196,8 @@ class ReplayPolicy(NextUsePolicy):
 
     A storage of this iteration is matched to the previous iteration's storage allocated by the
     operator at the same position (and output slot; where that operator allocated nothing, the
-    storage it wrote in place); parameters, optimizer state and other
-    persistent storages match themselves. Its predicted next use is the first access of its match
+    storage it returned, an in-place operator's); parameters, optimizer state and other persistent
+    storages match themselves. Its predicted next use is the first access of its match
     after the current position. Where the iterations diverge (different operators, shapes or
     lengths), the plan is simply wrong, which is what dynamic networks do to trace-and-replay.
 
@@ -231,9 +231,9 @@ class ReplayPolicy(NextUsePolicy):
         for j, op in enumerate(ops):
             for sid in set(op.inputs) | set(op.outputs) | set(op.writes):
                 self._prev_acc.setdefault(sid, []).append(j)
-            # an operator that allocated nothing wrote its outputs in place: an allocation at its
-            # position here (the out-of-place variant, which autograd may pick instead from one step
-            # to the next) takes the storage it wrote as its match
+            # an operator that allocated nothing returned storages it was given (written in place, or
+            # viewed): an allocation at its position here (the out-of-place variant, which autograd
+            # may pick instead from one step to the next) takes that storage as its match
             for k, sid in enumerate(op.allocs or op.outputs):
                 self._prev_slot[(j, k)] = sid
         self._n_prev = len(ops)
