@@ -22,12 +22,13 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["RecallJudge", "ExactReplay", "FALLBACKS"]
+__all__ = ["RecallJudge", "ExactReplay", "FALLBACKS", "op_key"]
 
 #: the predictors the pilot may fall back to, in order of preference on a tie
 FALLBACKS = ("replay", "lru")
@@ -100,6 +101,13 @@ class RecallJudge:
             self.totals[m][0] += hits
             self.totals[m][1] += rel
 
+    def forget(self) -> None:
+        """Drop the recent records (the run's totals stay): what was judged says nothing about what
+        comes next (an iteration with no previous one, where replay has no plan and the model no
+        alignment, against one that has both)."""
+        for recent in self._recent.values():
+            recent.clear()
+
     def recall(self, method: str) -> float | None:
         """``method``'s window recall over the last ``horizon`` judged decision points (None: none yet)."""
         recent = self._recent[method]
@@ -121,11 +129,30 @@ class RecallJudge:
         return best
 
 
+def op_key(name: str, module: str) -> tuple[str, str]:
+    """An operator as :class:`ExactReplay` compares sequences: its module and its name with the
+    in-place and out-of-place variants made one (``aten::add_.Tensor`` and ``aten::add.Tensor``).
+    Autograd picks between them per step as references allow (a gradient accumulated in place where
+    nothing else holds it); either runs at the same position, and what each allocates is checked
+    per storage.
+
+    >>> op_key("aten::add_.Tensor", "fc") == op_key("aten::add.Tensor", "fc")
+    True
+    >>> op_key("aten::__and__.Tensor", "")
+    ('aten::__and__.Tensor', '')
+    """
+    base, dot, overload = name.partition(".")
+    if base.endswith("_") and not base.endswith("__"):
+        base = base[:-1]
+    return base + dot + overload, module
+
+
 class ExactReplay:
     """Where ``replay``'s positional plan (:class:`~dynn_runtime.policies.nextuse.ReplayPolicy`) is
-    exact so far in the iteration: while every operator has been the previous iteration's at the
-    same position (name and module), a storage born at its counterpart's position whose every access
-    here fell on one of its counterpart's positions is *on plan*, and replay's next use for it is,
+    exact so far in the iteration: while every operator has been the one at the same position of
+    replay's timeline (the previous iteration's operators as planned; name and module,
+    :func:`op_key`), a storage born at its counterpart's position whose every access here fell on
+    one of its counterpart's positions is *on plan*, and replay's next use for it is,
     as far as anything run says, the true one. A storage alive at the iteration's start (a
     parameter, optimizer state), matched by identity, is on plan until an access falls elsewhere, but
     only for a next use within ``near`` operators and before the position where the last iteration
@@ -150,9 +177,11 @@ class ExactReplay:
         #: every operator so far was the previous iteration's at its position
         self.in_sync = False
 
-    def begin_iteration(self, history: Any) -> None:
+    def begin_iteration(self, timeline: Sequence[Any]) -> None:
+        """A new iteration, expected to run ``timeline`` (replay's: the previous iteration's operators
+        as planned; empty where there is none)."""
         self._reach = math.inf if not self._compared or self._lost_at is None else self._lost_at
-        self._keys = [(op.name, op.module) for op in history[-1].ops] if history else []
+        self._keys = [op_key(op.name, op.module) for op in timeline]
         self.in_sync = self._compared = bool(self._keys)
         self._lost_at = None
         self._on.clear()
@@ -182,7 +211,7 @@ class ExactReplay:
         self._position = position
         if self.in_sync:
             keys = self._keys
-            self.in_sync = position < len(keys) and keys[position] == (op.name, op.module)
+            self.in_sync = position < len(keys) and keys[position] == op_key(op.name, op.module)
             if not self.in_sync:
                 self._lost_at = position
 

@@ -309,8 +309,10 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                 self._model = new
         if self._judge is not None:
             self._judge.close()  # the iteration's accesses are all its open windows will hold
+            if len(history) == 1:  # the first iteration ended: judged without a previous iteration
+                self._judge.forget()
             self._shadow.begin_iteration(index, context)
-            self._exact.begin_iteration(history)
+            self._exact.begin_iteration(self._shadow.timeline)
             self._last_access.clear()
         state = self._state
         state.begin_iteration(index, history)

@@ -18,9 +18,12 @@ import bisect
 import heapq
 from collections.abc import Iterator
 
+from ..trace.format import Iteration, Op
 from .base import NO_CONTEXT, Action, IterationContext, Policy, SmallStorages, register
 
 _INF = float("inf")
+#: kinds of storage that outlive an iteration by design (made once, then kept)
+PERSISTENT = frozenset({"param", "buffer", "opt_state"})
 
 
 class NextUsePolicy(Policy):
@@ -192,10 +195,18 @@ class ReplayPolicy(NextUsePolicy):
     """AppObMem-style: the previous iteration's access pattern, position for position, is the plan.
 
     A storage of this iteration is matched to the previous iteration's storage allocated by the
-    operator at the same position (and output slot); parameters, optimizer state and other
-    persistent storages match themselves. Its predicted next use is the first access of its match
+    operator at the same position (and output slot; where that operator allocated nothing, the
+    storage it returned, an in-place operator's); parameters, optimizer state and other persistent
+    storages match themselves. Its predicted next use is the first access of its match
     after the current position. Where the iterations diverge (different operators, shapes or
     lengths), the plan is simply wrong, which is what dynamic networks do to trace-and-replay.
+
+    Positions are those of the previous iteration's *timeline* (:attr:`timeline`): its operators
+    less the ones that created persistent state this iteration starts with (an optimizer's state
+    made in its first step, a lazily built parameter), which do not run again once that state
+    exists; every later operator of that iteration moves up by the creations before it. Without
+    that, the step after the state was made is planned with every optimizer access late by the
+    creations (all of them, before a multi-tensor optimizer's first operator).
     """
 
     name = "replay"
@@ -211,15 +222,48 @@ class ReplayPolicy(NextUsePolicy):
         self._prev_slot: dict[tuple[int, int], int] = {}
         self._slots: dict[int, int] = {}
         self._n_prev = 0
+        #: the previous iteration's operators as this iteration is expected to run them (plan positions)
+        self.timeline: list[Op] = []
         if not context.history:
             return
         prev = context.history[-1]
-        for j, op in enumerate(prev.ops):
+        self.timeline = ops = self._timeline(prev, context.iteration is not None)
+        for j, op in enumerate(ops):
             for sid in set(op.inputs) | set(op.outputs) | set(op.writes):
                 self._prev_acc.setdefault(sid, []).append(j)
-            for k, sid in enumerate(op.allocs):
+            # an operator that allocated nothing returned storages it was given (written in place, or
+            # viewed): an allocation at its position here (the out-of-place variant, which autograd
+            # may pick instead from one step to the next) takes that storage as its match
+            for k, sid in enumerate(op.allocs or op.outputs):
                 self._prev_slot[(j, k)] = sid
-        self._n_prev = len(prev.ops)
+        self._n_prev = len(ops)
+
+    def _timeline(self, prev: Iteration, known_ahead: bool) -> list[Op]:
+        """``prev``'s operators less those that made persistent state this iteration starts with (see
+        the class): an operator whose every allocation and write is a persistent storage alive now
+        that first appeared at that operator (allocated there, or first seen just before it: state
+        made outside the dispatcher, such as an optimizer's step counter, whose first operator
+        marks it). Alive now: not freed in ``prev`` and, live, not absent; where the iteration is
+        ``known_ahead`` (a simulator replaying a trace, which tells the storages alive at the start
+        only once the iteration runs), the trace's frees are all there is."""
+        first: dict[int, int] = {}
+        for j, sids in prev.pre_allocs.items():
+            if j > 0:  # at 0: what existed before the iteration (a trace's parameters)
+                for sid in sids:
+                    first.setdefault(sid, j)
+        for j, op in enumerate(prev.ops):
+            for sid in op.allocs:
+                first.setdefault(sid, j)
+        freed = {sid for sids in prev.frees.values() for sid in sids}
+        view = self.view
+
+        def made_state(j: int, op: Op) -> bool:
+            made = set(op.allocs) | set(op.writes)
+            return bool(made) and all(
+                first.get(sid) == j and sid not in freed and (known_ahead or view.status(sid) != "absent")
+                and view.kind(sid) in PERSISTENT for sid in made)
+
+        return [op for j, op in enumerate(prev.ops) if not made_state(j, op)]
 
     def on_alloc(self, sid: int, position: int) -> None:
         if position >= 0 and sid not in self._prev_acc:
@@ -244,6 +288,6 @@ class ReplayPolicy(NextUsePolicy):
         k = bisect.bisect_right(acc, pos)
         if k < len(acc):
             return acc[k]
-        if self.view.kind(sid) in ("param", "buffer", "opt_state") and acc:
+        if self.view.kind(sid) in PERSISTENT and acc:
             return self._n_prev + acc[0]
         return None

@@ -142,7 +142,7 @@ def test_exact_replay_holds_while_the_plan_has_held_to_the_operator():
 
     ops = [SimpleNamespace(name=f"op{j}", module="m") for j in range(6)]
     ex = ExactReplay(_Plan({1: [0, 2, 5], 2: [1, 4], 3: [3]}))
-    ex.begin_iteration([SimpleNamespace(ops=ops)])
+    ex.begin_iteration(ops)
     ex.alloc(2, 1)  # born where its match was
     ex.alloc(4, 2)  # replay has no match for it
     for sid, j in ((1, 0), (1, 2), (2, 4), (3, 4)):  # storage 3 is accessed one operator off its plan
@@ -218,7 +218,7 @@ def test_exact_replay_trusts_what_was_alive_at_the_start_for_the_operators_just_
 
     ops = [SimpleNamespace(name=f"op{j}", module="m") for j in range(12)]
     ex = ExactReplay(_Plan({5: [3, 9], 6: [11], 7: [2, 4], 8: [6], 9: [5]}), near=4)
-    ex.begin_iteration([SimpleNamespace(ops=ops)])  # the previous iteration had nothing to compare with
+    ex.begin_iteration(ops)  # the previous iteration had nothing to compare with
     for sid in (5, 6, 7, 8):
         ex.alloc(sid, -1)
     ex.op(0, ops[0])
@@ -230,7 +230,7 @@ def test_exact_replay_trusts_what_was_alive_at_the_start_for_the_operators_just_
     assert [ex.exact(s) for s in (5, 7, 8)] == [True, False, True]  # 5's next is 9, 8's is 6; 7 is off plan
     ex.op(6, SimpleNamespace(name="other", module="m"))  # this iteration falls out of step at 6
     assert not ex.exact(8)
-    ex.begin_iteration([SimpleNamespace(ops=ops)])  # the next one: in step, but trusted only below 6
+    ex.begin_iteration(ops)  # the next one: in step, but trusted only below 6
     for sid in (8, 9):
         ex.alloc(sid, -1)
     for j in range(4):
@@ -249,3 +249,117 @@ def test_a_background_refit_ends_with_the_run():
     r = train_managed("moe", 0.5, pol, steps=3)
     assert r.stats["bytes_offloaded"] > 0 and pol._refit.refits >= 1
     assert not [t for t in threading.enumerate() if t.name.startswith("dynn-pilot")]
+
+
+def test_exact_replay_takes_in_place_and_out_of_place_variants_as_the_same_operator():
+    from types import SimpleNamespace
+
+    from dynn_runtime.pilot.adapt import ExactReplay, op_key
+
+    assert op_key("aten::add_.Tensor", "fc") == op_key("aten::add.Tensor", "fc")
+    assert op_key("aten::__and__.Tensor", "") != op_key("aten::__and_.Tensor", "")
+    prev = [SimpleNamespace(name=n, module="m") for n in ("aten::mm", "aten::add_.Tensor", "aten::t")]
+    ex = ExactReplay(_Plan({}))
+    ex.begin_iteration(prev)
+    for j, name in enumerate(("aten::mm", "aten::add.Tensor", "aten::t")):
+        ex.op(j, SimpleNamespace(name=name, module="m"))
+    assert ex.in_sync
+    ex.op(3, SimpleNamespace(name="aten::mm", module="other"))
+    assert not ex.in_sync
+
+
+# a batch large enough that the optimizer's lists fit the runtime's limit for one list operator
+# whole (half the budget; lists.py), as in step 0: the same operators every step
+FOREACH = STATIC.replace("randn(8, 16", "randn(512, 16") + '''
+
+def build_foreach(preset):
+    wl = Static(preset)
+    wl.optimizer = lambda params: torch.optim.Adam(params, lr=1e-3, foreach=True)
+    return wl
+'''
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop-adam", "multi-tensor-adam"])
+def test_the_fallback_stays_in_step_through_the_optimizer_after_its_state_was_made(tmp_path, foreach):
+    """The step after the optimizer made its state runs the same operators less the state's
+    creations: replay's timeline leaves those out, so the fallback's plan stays exact through that
+    step's optimizer (a multi-tensor optimizer's first operator reads every state at once)."""
+    from dynn_runtime.runtime.train import train_managed
+
+    (tmp_path / "static.py").write_text(FOREACH)
+    fb = make_policy("pilot", backend="numpy", fallback=True)
+    steps: list[list[bool]] = []  # per iteration, whether the plan was in step after each operator
+    begin, op = fb.begin_iteration, fb.on_op
+
+    def spy_begin(index, context):
+        begin(index, context)
+        steps.append([])
+
+    def spy_op(position, o):
+        op(position, o)
+        steps[-1].append(fb._exact.in_sync)
+
+    fb.begin_iteration, fb.on_op = spy_begin, spy_op
+    spec = f"{tmp_path / 'static.py'}:{'build_foreach' if foreach else 'build'}"
+    r = train_managed(spec, 0.75, fb, steps=3)
+    assert r.stats["bytes_offloaded"] > 0
+    made, after = steps[-2:]  # steps 1 and 2 (the first step, which made the state, is not told per operator)
+    assert made and all(made) and after and all(after)
+
+
+def test_the_judge_forgets_the_first_iteration(tmp_path):
+    """What the judge saw in the first iteration (replay without a plan, the model without an
+    alignment) is not carried into the next one; later iterations' records are."""
+    from dynn_runtime.runtime.train import train_managed
+
+    judge = RecallJudge(methods=("pilot", "lru"), window=4, horizon=2)
+    judge.decision(0, np.arange(2), {"pilot": np.array([9, 1.0]), "lru": np.array([1, 9.0])})
+    judge.access(0, 1)
+    judge.close()
+    assert judge.choice() == "lru"
+    judge.forget()
+    assert judge.recall("lru") is None and judge.choice() == "pilot" and judge.totals["lru"] == [1, 1]
+
+    (tmp_path / "static.py").write_text(FOREACH)
+    fb = make_policy("pilot", backend="numpy", fallback=True)
+    seen: list[tuple[int, bool]] = []  # per iteration start: history length, recent records kept
+    begin = fb.begin_iteration
+
+    def spy(index, context):
+        begin(index, context)
+        seen.append((len(context.history), fb._judge.recall("pilot") is not None))
+
+    fb.begin_iteration = spy
+    train_managed(f"{tmp_path / 'static.py'}:build", 0.75, fb, steps=4)
+    assert (1, False) in seen and (2, True) in seen
+
+
+def test_the_refit_runs_on_one_blas_thread_and_the_caller_keeps_its_own(monkeypatch):
+    """The online refit's small products run on one OpenBLAS thread (more only take the training
+    thread's cores); the thread's own count is back after it. Skipped where numpy's BLAS is not an
+    OpenBLAS with per-thread counts."""
+    from dynn_runtime.pilot import blas
+    from dynn_runtime.pilot.training import online
+
+    set_local = blas._set_local()
+    if set_local is None:
+        pytest.skip("numpy's BLAS has no openblas_set_num_threads_local")
+
+    def count() -> int:
+        n = set_local(1)
+        set_local(n)
+        return n
+
+    seen = []
+
+    def fake_fit(X, C, y, init, epochs):
+        seen.append(count())
+        return init, []
+
+    monkeypatch.setattr(online, "fit", fake_fit)
+    original = set_local(2)
+    try:
+        online._refit("model", None, None, None, 1)
+        assert seen == [1] and count() == 2
+    finally:
+        set_local(original)

@@ -121,7 +121,7 @@ def test_the_cap_is_a_fraction_of_the_managed_peak_whatever_else_the_device_coun
         return r
 
     monkeypatch.setattr(train, "train_unmanaged", with_workspace)
-    monkeypatch.setattr(tool, "_spec", lambda name: "varlen")  # a zoo network: no optional package
+    monkeypatch.setattr(tool, "_spec", lambda name, optimizer="default": "varlen")  # a zoo network: no package
     monkeypatch.setattr(tool, "METHODS", {"lru": tool.METHODS["lru"]})
     res = tool.live("varlen", 0.25, 2)
     peak = tool.managed_peak("varlen", 2)
@@ -131,3 +131,21 @@ def test_the_cap_is_a_fraction_of_the_managed_peak_whatever_else_the_device_coun
     assert lru["bytes_moved"] > 0 and lru["prefetch_misses"] > 0 and lru["bit_identical"]
     with pytest.raises(ValueError, match=r"fraction in \(0, 1\]"):
         tool.cap_bytes(peak, 4)
+
+
+@pytest.mark.parametrize("name", sorted(NETWORKS))
+def test_the_multi_tensor_variant_trains_with_the_optimizer_torch_picks_on_cuda(name):
+    """``--optimizer foreach`` runs each network with multi-tensor Adam (torch's CUDA default) on any
+    device; ``default`` leaves torch's choice (on the CPU, one parameter at a time)."""
+    pytest.importorskip(NETWORKS[name])
+    import torch
+
+    from dynn_runtime.workload import load_workload, make_optimizer
+
+    tool = _tool()
+    optimizers = {}
+    for which in tool.OPTIMIZERS:
+        wl = load_workload(tool._spec(name, which), preset="tiny")
+        optimizers[which] = make_optimizer(wl, wl.model.parameters())
+    assert all(type(o) is torch.optim.Adam and o.defaults["lr"] == 1e-3 for o in optimizers.values())
+    assert optimizers["foreach"].defaults["foreach"] is True and not optimizers["default"].defaults["foreach"]

@@ -35,6 +35,10 @@ judged on the manager alone):
    ``--no-trace`` leaves 4 and 5 out (they run on the CPU whatever ``--device`` is: a GPU lease
    spends its minutes on 1-3).
 
+``--optimizer foreach`` trains every network with multi-tensor Adam (``multi_tensor.py``), the
+optimizer torch picks by default for CUDA parameters, so that the CPU runs the optimizer a GPU run
+does; ``default`` (the default) leaves torch's choice for the device.
+
 ``--candidate W.npz`` evaluates other weights beside the shipped ones: the methods ``candidate``,
 ``candidate (fallback)`` and ``candidate (adapted)``, each run right after its shipped counterpart.
 ``--rounds 2`` runs every method twice per network, the second time in the reverse order, so that
@@ -95,7 +99,14 @@ def methods(candidate: str | None = None) -> dict[str, tuple[str, dict[str, Any]
     return out
 
 
-def _spec(name: str) -> str:
+#: --optimizer: the workloads' own (Adam as torch picks it for the device: one parameter at a time on the
+#: CPU, multi-tensor on CUDA), or multi-tensor Adam on every device (multi_tensor.py)
+OPTIMIZERS = ("default", "foreach")
+
+
+def _spec(name: str, optimizer: str = "default") -> str:
+    if optimizer == "foreach":
+        return f"{HERE / 'multi_tensor.py'}:{name}"
     return f"{HERE / (name + '.py')}:build"
 
 
@@ -196,10 +207,10 @@ def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def live(name: str, fraction: float, steps: int, candidate: str | None = None, rounds: int = 1,
-         device: str = "cpu", only: list[str] | None = None) -> dict[str, Any]:
+         device: str = "cpu", only: list[str] | None = None, optimizer: str = "default") -> dict[str, Any]:
     from dynn_runtime.runtime.train import deterministic, train_unmanaged
 
-    spec = _spec(name)
+    spec = _spec(name, optimizer)
     todo = methods(candidate)
     if only is not None:
         unknown = sorted(set(only) - set(todo))
@@ -227,7 +238,7 @@ def live(name: str, fraction: float, steps: int, candidate: str | None = None, r
     # peak_bytes: the cap's basis; unmanaged_peak_bytes: PyTorch alone's own count (CUDA: the allocator's
     # max_memory_allocated above the process's bytes before the run; the CPU: bytes allocated)
     out: dict[str, Any] = {"cap_bytes": cap, "peak_bytes": peak, "unmanaged_peak_bytes": max(ref.peak_bytes),
-                           "rounds": rounds, "device": device,
+                           "rounds": rounds, "device": device, "optimizer": optimizer,
                            "alone_step_s": ref_step_s, "alone_step_s_before_after": alone, "methods": {}}
     for method in todo:
         out["methods"][method] = _combine(runs[method])
@@ -264,13 +275,14 @@ def _recall_and_adapted(trace: Any, model: Any) -> dict[str, Any]:
 
 
 def trace_metrics(name: str, trace_steps: int, out_dir: Path, fraction: float,
-                  candidate: str | None = None) -> dict[str, Any]:
+                  candidate: str | None = None, optimizer: str = "default") -> dict[str, Any]:
     from dynn_runtime.pilot.config import cached_model, default_weights_path
     from dynn_runtime.trace import read_trace, record
 
-    path = out_dir / f"{name}-tiny-seed0-steps{trace_steps}.jsonl.gz"
+    tag = "" if optimizer == "default" else f"-{optimizer}"
+    path = out_dir / f"{name}{tag}-tiny-seed0-steps{trace_steps}.jsonl.gz"
     if not path.exists():
-        record(_spec(name), path, steps=trace_steps, preset="tiny", seed=0)
+        record(_spec(name, optimizer), path, steps=trace_steps, preset="tiny", seed=0)
     trace = read_trace(path)
     out = {"trace": str(path), **_recall_and_adapted(trace, cached_model(default_weights_path()))}
     if candidate is not None:
@@ -365,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="run only these methods (names as in the table, e.g. 'pilot (fallback)' replay lru)")
     p.add_argument("--rounds", type=int, default=1, help="runs per method, alternating the order (paired stalls)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the live runs train (default cpu)")
+    p.add_argument("--optimizer", default="default", choices=OPTIMIZERS,
+                   help="default: Adam as torch picks it for the device (one parameter at a time on the CPU, "
+                        "multi-tensor on CUDA); foreach: multi-tensor Adam on every device (the GPU's on the CPU)")
     p.add_argument("--no-trace", dest="trace", action="store_false",
                    help="skip the recorded trace's metrics and the simulation (CPU work; the live runs only)")
     args = p.parse_args(argv)
@@ -389,10 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.networks:
         print(f"{name}: {NETWORKS[name]}", file=sys.stderr, flush=True)
         results[name] = {"description": NETWORKS[name],
-                         "trace": (trace_metrics(name, args.trace_steps, out_dir, args.fraction, args.candidate)
-                                   if args.trace else None),
+                         "trace": (trace_metrics(name, args.trace_steps, out_dir, args.fraction, args.candidate,
+                                                 args.optimizer) if args.trace else None),
                          "live": live(name, args.fraction, args.steps, args.candidate, args.rounds, args.device,
-                                      args.methods)}
+                                      args.methods, args.optimizer)}
     data = {"config": vars(args), "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
             "results": results}
     Path(args.json).write_text(json.dumps(data, indent=1) + "\n")

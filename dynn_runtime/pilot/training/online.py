@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ..blas import one_blas_thread
 from ..features import COARSE_OF_FINE, fine_bucket
 from ..model import PilotModel, fit
 from ..replay import plan_scores
@@ -136,7 +137,8 @@ class OnlineRefit:
 
 
 def _refit(model: PilotModel, X: np.ndarray, C: np.ndarray, y: np.ndarray, epochs: int) -> PilotModel:
-    return fit(X, C, y, init=model, epochs=epochs)[0]
+    with one_blas_thread():  # small products: BLAS threads would take the training thread's cores
+        return fit(X, C, y, init=model, epochs=epochs)[0]
 
 
 def _validation(model: PilotModel, groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]
