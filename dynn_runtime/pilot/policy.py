@@ -313,6 +313,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             self._exact.begin_iteration(history)
             self._last_access.clear()
         state = self._state
+        state.native_index = self.native_pack
         state.begin_iteration(index, history)
         state.pred[:] = np.nan  # nothing predicted yet this iteration
         self._pending = []

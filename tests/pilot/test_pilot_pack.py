@@ -152,3 +152,38 @@ def test_pack_refuses_arguments_of_the_wrong_types():
     bad[0] = []  # the slot map is not a dict
     with pytest.raises(TypeError, match="pilot pack"):
         pack([], [], tuple(bad), {}, (), (), [], (), (), ())
+
+
+def test_index_ops_builds_what_the_python_index_builds():
+    """The previous iteration's index (``pack.c``'s ``index_ops`` against ``ReplayState._index_ops_py``):
+    on random operators (repeated names, modules and phases, storages read, written and allocated
+    by several operators, large storage ids whose set order is not their numeric order) and extra
+    accesses (new storages and ones the operators touched, out of order), the same dictionaries in
+    the same insertion orders and the same flat lists; a bad extra access is refused."""
+    from dynn_runtime.pilot.replay import ReplayState
+    from dynn_runtime.trace.format import Op
+
+    index = native.indexer()
+    rng = random.Random(3)
+
+    def pick(sids: list[int], k: int) -> tuple[int, ...]:
+        return tuple(rng.choice(sids) for _ in range(rng.randrange(k)))
+
+    for trial in range(20):
+        sids = [rng.randrange(1 << 40) for _ in range(60)] + list(range(40))
+        ops = []
+        for _ in range(rng.randrange(0, 300)):
+            ops.append(Op(rng.choice(("aten::mm", "aten::add.Tensor", "aten::relu")), (),
+                          rng.choice(("forward", "backward", "optimizer")), rng.choice(("", "a", "a.b")),
+                          pick(sids, 4), pick(sids, 3), pick(sids, 2), pick(sids, 3), 0.0, 0, 0))
+        extra = [(rng.choice(sids + [1 << 50, 7 << 45]), rng.randrange(400)) for _ in range(rng.randrange(12))]
+        want = ReplayState._index_ops_py(ops, extra)
+        got = index(ops, extra)
+        assert got == want, f"trial {trial}"
+        for a, b in zip(got[:4], want[:4]):  # insertion orders too
+            assert list(a) == list(b), f"trial {trial}"
+        assert [type(x) for x in got[4]] == [type(x) for x in want[4]]
+    with pytest.raises(TypeError, match="pilot index_ops"):
+        index([], [(1, 2, 3)])
+    with pytest.raises(TypeError, match="pilot index_ops"):
+        index(5, [])

@@ -14,6 +14,8 @@
  * module, not part of the ctypes kernel: it reads dicts and sets, which the kernel never sees. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
 
 /* the context tuple PilotPolicy._pack_context builds (its order) */
 enum { C_SLOT, C_FREE, C_GROW, C_NBYTES, C_KIND, C_SAVED, C_KIND_IDX, C_TEMP, C_SMALL, C_FRACTION, C_CLS_OF,
@@ -693,6 +695,211 @@ static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   return Py_BuildValue("(niOil)", i, decide, position, tick, widest);
 }
 
+/* ---- the previous iteration's index (ReplayState._index_ops_py) --------------------------------- */
+
+typedef struct {
+  int64_t *v;
+  Py_ssize_t n, cap;
+} ivec;
+
+static int ivec_push(ivec *a, int64_t x, int64_t y) {
+  if (a->n + 2 > a->cap) {
+    Py_ssize_t cap = a->cap ? 2 * a->cap : 1024;
+    int64_t *v = PyMem_Realloc(a->v, (size_t)cap * sizeof(int64_t));
+    if (v == NULL) {
+      PyErr_NoMemory();
+      return -1;
+    }
+    a->v = v;
+    a->cap = cap;
+  }
+  a->v[a->n++] = x;
+  a->v[a->n++] = y;
+  return 0;
+}
+
+static int cmp_i64(const void *a, const void *b) {
+  int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* sid's counterpart index in idx (a new one, in first-access order, where it has none); -1: error */
+static Py_ssize_t index_of(PyObject *idx, PyObject *sid) {
+  PyObject *i = PyDict_GetItemWithError(idx, sid);
+  if (i != NULL) return PyLong_AsSsize_t(i);
+  if (PyErr_Occurred()) return -1;
+  Py_ssize_t n = PyDict_GET_SIZE(idx);
+  PyObject *o = PyLong_FromSsize_t(n);
+  if (o == NULL) return -1;
+  int rc = PyDict_SetItem(idx, sid, o);
+  Py_DECREF(o);
+  return rc < 0 ? -1 : n;
+}
+
+/* index_ops(ops, extra) -> (prev_ops, prev_allocs, seen, prev_idx, flat, start): ReplayState._index_ops_py's
+ * dicts in its insertion orders (each operator's storages in the order of the set {*inputs, *outputs,
+ * *writes}, built as that display builds it), and each counterpart's positions as one flat list cut by
+ * start, each segment sorted (in operator order already, but for the extra accesses). */
+static PyObject *index_ops(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "pilot index_ops: expected 2 arguments");
+    return NULL;
+  }
+  PyObject *ops = PySequence_Fast(args[0], "pilot index_ops: the operators are not a sequence");
+  if (ops == NULL) return NULL;
+  PyObject *extra = PySequence_Fast(args[1], "pilot index_ops: the extra accesses are not a sequence");
+  PyObject *prev_ops = PyDict_New(), *prev_allocs = PyDict_New(), *seen = PyDict_New(), *idx = PyDict_New();
+  PyObject *flat = NULL, *start = NULL, *result = NULL;
+  ivec pairs = {NULL, 0, 0};
+  Py_ssize_t *cnt = NULL;
+  char *unsorted = NULL;
+  if (extra == NULL || prev_ops == NULL || prev_allocs == NULL || seen == NULL || idx == NULL) goto done;
+  Py_ssize_t n_ops = PySequence_Fast_GET_SIZE(ops);
+  for (Py_ssize_t j = 0; j < n_ops; j++) {
+    PyObject *op = PySequence_Fast_GET_ITEM(ops, j);
+    PyObject *name = PyObject_GetAttr(op, a_name), *module = NULL, *phase = NULL, *k = NULL, *k4 = NULL, *jo = NULL,
+             *cobj = NULL, *allocs = NULL, *set = NULL;
+    int bad = 1;
+    if (name == NULL || (module = PyObject_GetAttr(op, a_module)) == NULL ||
+        (phase = PyObject_GetAttr(op, a_phase)) == NULL || (k = PyTuple_Pack(3, name, module, phase)) == NULL)
+      goto op_done;
+    PyObject *c = PyDict_GetItemWithError(seen, k);
+    if (c == NULL && PyErr_Occurred()) goto op_done;
+    long cv = c == NULL ? 0 : PyLong_AsLong(c);
+    if (cv == -1 && PyErr_Occurred()) goto op_done;
+    PyObject *c1 = PyLong_FromLong(cv + 1);
+    if (c1 == NULL) goto op_done;
+    int rc = PyDict_SetItem(seen, k, c1);
+    Py_DECREF(c1);
+    if (rc < 0 || (cobj = PyLong_FromLong(cv)) == NULL || (k4 = PyTuple_Pack(4, name, module, phase, cobj)) == NULL ||
+        (jo = PyLong_FromSsize_t(j)) == NULL || PyDict_SetItem(prev_ops, k4, jo) < 0)
+      goto op_done;
+    if ((allocs = PyObject_GetAttr(op, a_allocs)) == NULL) goto op_done;
+    int any = PyObject_IsTrue(allocs);
+    if (any < 0 || (any && PyDict_SetItem(prev_allocs, jo, allocs) < 0)) goto op_done;
+    /* {*op.inputs, *op.outputs, *op.writes} */
+    PyObject *ins = PyObject_GetAttr(op, a_inputs);
+    if (ins == NULL) goto op_done;
+    set = PySet_New(ins);
+    Py_DECREF(ins);
+    if (set == NULL) goto op_done;
+    PyObject *const more[2] = {a_outputs, a_writes};
+    for (int m = 0; m < 2; m++) {
+      PyObject *seq = PyObject_GetAttr(op, more[m]);
+      if (seq == NULL) goto op_done;
+      PyObject *it = PyObject_GetIter(seq);
+      Py_DECREF(seq);
+      if (it == NULL) goto op_done;
+      PyObject *x;
+      while ((x = PyIter_Next(it)) != NULL) {
+        rc = PySet_Add(set, x);
+        Py_DECREF(x);
+        if (rc < 0) break;
+      }
+      Py_DECREF(it);
+      if (PyErr_Occurred()) goto op_done;
+    }
+    PyObject *it = PyObject_GetIter(set), *sid;
+    if (it == NULL) goto op_done;
+    while ((sid = PyIter_Next(it)) != NULL) {
+      Py_ssize_t i = index_of(idx, sid);
+      Py_DECREF(sid);
+      if ((i == -1 && PyErr_Occurred()) || ivec_push(&pairs, i, j) < 0) break;
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) goto op_done;
+    bad = 0;
+  op_done:
+    Py_XDECREF(name);
+    Py_XDECREF(module);
+    Py_XDECREF(phase);
+    Py_XDECREF(k);
+    Py_XDECREF(k4);
+    Py_XDECREF(jo);
+    Py_XDECREF(cobj);
+    Py_XDECREF(allocs);
+    Py_XDECREF(set);
+    if (bad) goto done;
+  }
+  Py_ssize_t n_main = pairs.n, n_extra = PySequence_Fast_GET_SIZE(extra);
+  for (Py_ssize_t e = 0; e < n_extra; e++) {
+    PyObject *pair = PySequence_Fast_GET_ITEM(extra, e);
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+      PyErr_SetString(PyExc_TypeError, "pilot index_ops: an extra access is not a (storage, position) tuple");
+      goto done;
+    }
+    Py_ssize_t i = index_of(idx, PyTuple_GET_ITEM(pair, 0));
+    if (i == -1 && PyErr_Occurred()) goto done;
+    long long j = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 1));
+    if ((j == -1 && PyErr_Occurred()) || ivec_push(&pairs, i, j) < 0) goto done;
+  }
+  /* a stable counting sort of the (index, position) pairs by index: each segment in the pairs' order */
+  Py_ssize_t n = PyDict_GET_SIZE(idx), total = pairs.n / 2;
+  cnt = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
+  unsorted = PyMem_Calloc((size_t)n + 1, 1);
+  int64_t *pos_of = PyMem_Malloc(((size_t)total + 1) * sizeof(int64_t));
+  if (cnt == NULL || unsorted == NULL || pos_of == NULL) {
+    PyMem_Free(pos_of);
+    PyErr_NoMemory();
+    goto done;
+  }
+  for (Py_ssize_t p = 0; p < pairs.n; p += 2) cnt[pairs.v[p] + 1]++;
+  for (Py_ssize_t i = 0; i < n; i++) cnt[i + 1] += cnt[i];
+  start = PyList_New(n + 1);
+  if (start == NULL) {
+    PyMem_Free(pos_of);
+    goto done;
+  }
+  for (Py_ssize_t i = 0; i <= n; i++) {
+    PyObject *o = PyLong_FromSsize_t(cnt[i]);
+    if (o == NULL) {
+      PyMem_Free(pos_of);
+      goto done;
+    }
+    PyList_SET_ITEM(start, i, o);
+  }
+  for (Py_ssize_t p = 0; p < pairs.n; p += 2) {
+    int64_t i = pairs.v[p];
+    if (p >= n_main) unsorted[i] = 1; /* Python sorts the lists of the storages with extra accesses */
+    pos_of[cnt[i]++] = pairs.v[p + 1];
+  }
+  /* cnt[i] is now the end of segment i, the start of segment i + 1 */
+  for (Py_ssize_t i = 0; i < n; i++) {
+    if (!unsorted[i]) continue;
+    Py_ssize_t lo = i ? cnt[i - 1] : 0;
+    qsort(pos_of + lo, (size_t)(cnt[i] - lo), sizeof(int64_t), cmp_i64);
+  }
+  flat = PyList_New(total);
+  if (flat == NULL) {
+    PyMem_Free(pos_of);
+    goto done;
+  }
+  for (Py_ssize_t p = 0; p < total; p++) {
+    PyObject *o = PyLong_FromLongLong(pos_of[p]);
+    if (o == NULL) {
+      PyMem_Free(pos_of);
+      goto done;
+    }
+    PyList_SET_ITEM(flat, p, o);
+  }
+  PyMem_Free(pos_of);
+  result = PyTuple_Pack(6, prev_ops, prev_allocs, seen, idx, flat, start);
+done:
+  Py_DECREF(ops);
+  Py_XDECREF(extra);
+  Py_XDECREF(prev_ops);
+  Py_XDECREF(prev_allocs);
+  Py_XDECREF(seen);
+  Py_XDECREF(idx);
+  Py_XDECREF(flat);
+  Py_XDECREF(start);
+  PyMem_Free(pairs.v);
+  PyMem_Free(cnt);
+  PyMem_Free(unsorted);
+  return result;
+}
+
 static PyMethodDef methods[] = {
     {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL,
      "pack(run, told, ctx, prev_idx, allocs, prev_allocs, accessed, inputs, outputs, writes) -> "
@@ -700,6 +907,8 @@ static PyMethodDef methods[] = {
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
      "walk(events, i, ctx, wctx, prev_idx, run, marks, freed, widest) -> (i, decide, position, tick, widest): "
      "the common events of PilotPolicy._operators_native's loop in C"},
+    {"index_ops", (PyCFunction)(void (*)(void))index_ops, METH_FASTCALL,
+     "index_ops(ops, extra) -> (prev_ops, prev_allocs, seen, prev_idx, flat, start): ReplayState._index_ops_py in C"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pack", "The pilot's per-operator packing in C.", -1,
@@ -735,7 +944,7 @@ PyMODINIT_FUNC PyInit__pack(void) {
   for (size_t j = 0; j < sizeof(names) / sizeof(names[0]); j++)
     if ((*names[j].p = PyUnicode_InternFromString(names[j].s)) == NULL) return NULL;
   PyObject *m = PyModule_Create(&module);
-  if (m != NULL && PyModule_AddIntConstant(m, "VERSION", 3) /* kernel.PACK_VERSION */ < 0) {
+  if (m != NULL && PyModule_AddIntConstant(m, "VERSION", 4) /* kernel.PACK_VERSION */ < 0) {
     Py_DECREF(m);
     return NULL;
   }
