@@ -1,7 +1,9 @@
-"""The C packing of a run's operator records (``pilot/kernel/pack.c``'s ``pack``) against the Python
-packing it replaces (``PilotPolicy._pack_run_op``): on the same random operators, the same words,
-the same told pairs and touched storages, and the same slot map, free list and small-storage state
-afterwards. (The walk over whole batches is checked live in test_pilot_operator.py.)"""
+"""The C packing of a run's operator records (``pilot/kernel/pack.c``'s ``pack`` into its ``Run``)
+against the Python packing it replaces (``PilotPolicy._pack_run_op`` into a ``_Run``): on the same
+random operators, the same words, the same marks (told pairs, touched storages and their slots),
+and the same slot map, free list and small-storage state afterwards; and the previous iteration's
+index (``index_ops``) against ``ReplayState._index_ops_py``. (The walk over whole batches is
+checked live in test_pilot_operator.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 
 from dynn_runtime.pilot import kernel as native
 from dynn_runtime.pilot.features import _KIND_IDX
-from dynn_runtime.pilot.policy import _TEMP, PilotPolicy
+from dynn_runtime.pilot.policy import _TEMP, PilotPolicy, _Run
 from dynn_runtime.policies.base import SmallStorages
 from dynn_runtime.residency import Record, Residency
 
@@ -102,7 +104,12 @@ def test_pack_writes_what_the_python_packing_writes(fraction, view_cls):
     prev_idx = {sid: rng.randrange(50) for sid in range(0, 400, 3)}
     next_sid, live = 0, []
     grew = 0
+    py_run, c_run = _Run(), native.pack_module().Run()
     for op in range(300):
+        if op % 37 == 0:  # a new run now and then (the kernel took the last)
+            py_run.clear()
+            c_run.clear()
+            assert len(c_run) == 0 and c_run.n_marks() == 0
         allocs = []
         for _ in range(rng.choice((0, 0, 1, 2, 3))):
             if live and rng.random() < 0.1:
@@ -117,13 +124,19 @@ def test_pack_writes_what_the_python_packing_writes(fraction, view_cls):
         inputs = tuple(accessed[:2])
         outputs = tuple(allocs)
         writes = tuple(accessed[1:3])
+        if op % 5 == 0:
+            py_run += (2, op, 1)  # a death's record between operators
+            c_run += (2, op, 1)
         outs = []
-        for ctx, fn in ((py_ctx, py._pack_run_op), (c_ctx, pack)):
-            run, told = [1, op], []
-            got = fn(run, told, ctx, prev_idx, tuple(allocs), prev_allocs, accessed, inputs, outputs, writes)
-            outs.append((run, told, got))
+        for ctx, fn, run in ((py_ctx, py._pack_run_op, py_run), (c_ctx, pack, c_run)):
+            outs.append(fn(run, ctx, prev_idx, 7 * op, op % 3, 1 << 40 | op, 1 << 41 | op, tuple(allocs), prev_allocs,
+                           accessed, inputs, outputs, writes))
         assert outs[0] == outs[1], f"operator {op}"
-        assert [type(x) for x in outs[0][0]] == [type(x) for x in outs[1][0]], f"operator {op}: word types"
+        assert [int(x) for x in py_run] == c_run.words() == [c_run[i] for i in range(len(c_run))], f"operator {op}"
+        n = py_run.n_marks()
+        assert c_run.n_marks() == n and [py_run.mark(k) for k in range(n)] == [c_run.mark(k) for k in range(n)]
+        end = py_run.mark(n - 1)[0]
+        assert py_run.find(end, 0) == c_run.find(end, 0) == n - 1
         assert py._state._slot == c._state._slot and py._state._free == c._state._free, f"operator {op}"
         assert py._state._cap == c._state._cap
         for name in ("_bytes", "_small", "_live", "_peak"):
@@ -144,14 +157,42 @@ def test_pack_refuses_arguments_of_the_wrong_types():
     pack = native.packer()
     pol = _policy(_View(random.Random(0)), 0.0)
     ctx = _context(pol)
+    run = native.pack_module().Run()
     with pytest.raises(TypeError, match="pilot pack"):
-        pack([], [], ctx[:-1], {}, (), (), [], (), (), ())
+        pack([], ctx, {}, 0, 0, 0, 0, (), (), [], (), (), ())  # a list, not a Run
     with pytest.raises(TypeError, match="pilot pack"):
-        pack([], [], ctx, {}, 5, (), [], (), (), ())
+        pack(run, ctx[:-1], {}, 0, 0, 0, 0, (), (), [], (), (), ())
+    with pytest.raises(TypeError, match="pilot pack"):
+        pack(run, ctx, {}, 0, 0, 0, 0, 5, (), [], (), (), ())
     bad = list(ctx)
     bad[0] = []  # the slot map is not a dict
     with pytest.raises(TypeError, match="pilot pack"):
-        pack([], [], tuple(bad), {}, (), (), [], (), (), ())
+        pack(run, tuple(bad), {}, 0, 0, 0, 0, (), (), [], (), (), ())
+    assert len(run) == 0 and run.n_marks() == 0  # nothing half-written stays
+
+
+def test_the_c_run_keeps_words_and_marks_as_the_python_run():
+    """``pack.c``'s ``Run``: words appended, overwritten and read back as a list's, int64 (bools as
+    0 and 1), its words' address stable until it grows; bad indices and values are refused."""
+    run = native.pack_module().Run()
+    run += (1, -2, True, False, (1 << 63) - 1)
+    run += [7]
+    run[1] = -(1 << 63)
+    assert run.words() == [1, -(1 << 63), 1, 0, (1 << 63) - 1, 7] and len(run) == 6 and run[5] == 7
+    addr = run.addr
+    assert addr and run.addr == addr
+    with pytest.raises(IndexError, match="pilot Run"):
+        run[6] = 0
+    with pytest.raises(IndexError, match="pilot Run"):
+        run.mark(0)
+    with pytest.raises(IndexError, match="pilot Run"):
+        run.find(3, 0)
+    with pytest.raises(OverflowError):
+        run += (1 << 64,)
+    with pytest.raises(TypeError):
+        run += ("x",)
+    with pytest.raises(TypeError, match="pilot Run"):
+        native.pack_module().Run(3)
 
 
 def test_index_ops_builds_what_the_python_index_builds():

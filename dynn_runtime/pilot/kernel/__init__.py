@@ -42,7 +42,7 @@ from .tables import BatchTable, FusedTable, ModelTable, NativeHeap, PolicyTable,
 
 __all__ = ["available", "reason", "kernel", "resolve", "reset", "cache_dir", "source_hash", "SOURCES", "NativeKernel",
            "PolicyTable", "StateTable", "ModelTable", "NativeHeap", "FusedTable", "BatchTable", "BACKENDS", "packer",
-           "walker", "indexer", "PACK_VERSION"]
+           "walker", "indexer", "pack_module", "PACK_VERSION"]
 
 BACKENDS = ("native", "numpy")
 _DIR = Path(__file__).parent
@@ -235,7 +235,7 @@ def kernel() -> NativeKernel | None:
 
 #: the interface of ``pack.c`` this package calls (its module's ``VERSION``); a build of another
 #: version (an editable checkout not rebuilt since the source changed) is not used
-PACK_VERSION = 4
+PACK_VERSION = 5
 _packer: list = []
 
 
@@ -253,6 +253,12 @@ def _pack_module() -> Any:
             logger.debug("pilot: packing in Python (no _pack module of version %d)", PACK_VERSION)
         _packer.append(mod)
     return _packer[0]
+
+
+def pack_module() -> Any:
+    """The C module ``_pack`` (``pack.c``: ``Run``, ``pack``, ``walk``, ``index_ops``) of this
+    package's :data:`PACK_VERSION`, or None."""
+    return _pack_module()
 
 
 def packer() -> Any:

@@ -99,22 +99,251 @@ static PyObject *storage_class(PyObject *ctx, PyObject *kind, PyObject *saved) {
   return PyErr_Occurred() ? NULL : PyLong_FromLong(4);
 }
 
-static int append_new(PyObject *list, PyObject *v) { /* steals v */
-  if (v == NULL) return -1;
-  int rc = PyList_Append(list, v);
-  Py_DECREF(v);
-  return rc;
+/* ---- the run: its record words and its operators' marks, in flat int64 arrays --------------------- */
+
+/* A run of records for dynn_pilot_operators as the kernel reads it (int64 words, handed over by
+ * address: no Python integer per word, no copy) and, per operator record, its mark: where the
+ * record ends, its position and phase row, its told storages as (sid, slot) pairs and what it
+ * touches as (sid, slot) pairs, kept flat (no Python object per operator). PilotPolicy._Run (a list
+ * and a list of mark tuples) is the Python reference of the same interface. */
+typedef struct {
+  PyObject_HEAD
+  int64_t *w;   /* the words */
+  Py_ssize_t n, cap;
+  int64_t *m;   /* per mark: end, position, phase row, first told pair, first touched pair */
+  Py_ssize_t nm, mcap;
+  int64_t *t;   /* told (sid, slot) pairs */
+  Py_ssize_t nt, tcap;
+  int64_t *a;   /* touched (sid, slot) pairs */
+  Py_ssize_t na, acap;
+} Run;
+
+static PyTypeObject RunType;
+
+static int grow_to(int64_t **v, Py_ssize_t *cap, Py_ssize_t need) {
+  if (need <= *cap) return 0;
+  Py_ssize_t c = *cap ? *cap : 256;
+  while (c < need) c *= 2;
+  int64_t *x = PyMem_Realloc(*v, (size_t)c * sizeof(int64_t));
+  if (x == NULL) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  *v = x;
+  *cap = c;
+  return 0;
 }
 
-/* pack(run, told, ctx, prev_idx, allocs, prev_allocs, accessed, inputs, outputs, writes)
- *   -> (acc, acc_slots, top) */
-static PyObject *pack_op(PyObject *const *args) {
-  PyObject *run = args[0], *told = args[1], *ctx = args[2], *prev_idx = args[3];
-  if (!PyList_Check(run) || !PyList_Check(told) || !PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) != C_N ||
-      !PyDict_Check(prev_idx)) {
+static inline int put(Run *r, int64_t x) {
+  if (r->n == r->cap && grow_to(&r->w, &r->cap, r->n + 1) < 0) return -1;
+  r->w[r->n++] = x;
+  return 0;
+}
+
+/* a word from a Python integer (a bool is 0 or 1, as ctypes would store it) */
+static int put_obj(Run *r, PyObject *o) {
+  long long x = PyLong_AsLongLong(o);
+  if (x == -1 && PyErr_Occurred()) return -1;
+  return put(r, (int64_t)x);
+}
+
+static int put_pair(int64_t **v, Py_ssize_t *n, Py_ssize_t *cap, int64_t x, int64_t y) {
+  if (*n + 2 > *cap && grow_to(v, cap, *n + 2) < 0) return -1;
+  (*v)[(*n)++] = x;
+  (*v)[(*n)++] = y;
+  return 0;
+}
+
+static int put_mark(Run *r, int64_t position, int64_t ph, Py_ssize_t told_lo, Py_ssize_t acc_lo) {
+  if (r->nm + 5 > r->mcap && grow_to(&r->m, &r->mcap, r->nm + 5) < 0) return -1;
+  int64_t *m = r->m + r->nm;
+  m[0] = r->n;
+  m[1] = position;
+  m[2] = ph;
+  m[3] = told_lo;
+  m[4] = acc_lo;
+  r->nm += 5;
+  return 0;
+}
+
+static PyObject *Run_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  if (PyTuple_GET_SIZE(args) || (kw != NULL && PyDict_GET_SIZE(kw))) {
+    PyErr_SetString(PyExc_TypeError, "pilot Run: takes no arguments");
+    return NULL;
+  }
+  return type->tp_alloc(type, 0); /* zeroed: empty arrays */
+}
+
+static void Run_dealloc(Run *r) {
+  PyMem_Free(r->w);
+  PyMem_Free(r->m);
+  PyMem_Free(r->t);
+  PyMem_Free(r->a);
+  Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static Py_ssize_t Run_len(Run *r) { return r->n; }
+
+static PyObject *Run_item(Run *r, Py_ssize_t i) {
+  if (i < 0 || i >= r->n) {
+    PyErr_SetString(PyExc_IndexError, "pilot Run: word index out of range");
+    return NULL;
+  }
+  return PyLong_FromLongLong(r->w[i]);
+}
+
+static int Run_ass_item(Run *r, Py_ssize_t i, PyObject *v) {
+  if (v == NULL) {
+    PyErr_SetString(PyExc_TypeError, "pilot Run: words cannot be deleted (clear() empties the run)");
+    return -1;
+  }
+  if (i < 0 || i >= r->n) {
+    PyErr_SetString(PyExc_IndexError, "pilot Run: word index out of range");
+    return -1;
+  }
+  long long x = PyLong_AsLongLong(v);
+  if (x == -1 && PyErr_Occurred()) return -1;
+  r->w[i] = (int64_t)x;
+  return 0;
+}
+
+/* run += words (a tuple or list of integers) */
+static PyObject *Run_iadd(Run *r, PyObject *other) {
+  PyObject *seq = PySequence_Fast(other, "pilot Run: += takes a sequence of integers");
+  if (seq == NULL) return NULL;
+  Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+  if (grow_to(&r->w, &r->cap, r->n + k) < 0) {
+    Py_DECREF(seq);
+    return NULL;
+  }
+  for (Py_ssize_t i = 0; i < k; i++) {
+    if (put_obj(r, PySequence_Fast_GET_ITEM(seq, i)) < 0) {
+      Py_DECREF(seq);
+      return NULL;
+    }
+  }
+  Py_DECREF(seq);
+  return Py_NewRef((PyObject *)r);
+}
+
+static PyObject *Run_clear(Run *r, PyObject *unused) {
+  (void)unused;
+  r->n = r->nm = r->nt = r->na = 0;
+  return Py_NewRef(Py_None);
+}
+
+static PyObject *Run_addr(Run *r, void *unused) {
+  (void)unused;
+  return PyLong_FromVoidPtr(r->w);
+}
+
+static PyObject *Run_n_marks(Run *r, PyObject *unused) {
+  (void)unused;
+  return PyLong_FromSsize_t(r->nm / 5);
+}
+
+/* find(end, k): the first mark from k on whose record ends at word end */
+static PyObject *Run_find(Run *r, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "pilot Run.find: expected (end, k)");
+    return NULL;
+  }
+  long long end = PyLong_AsLongLong(args[0]);
+  Py_ssize_t k = PyLong_AsSsize_t(args[1]);
+  if (PyErr_Occurred()) return NULL;
+  for (; k >= 0 && 5 * k < r->nm; k++)
+    if (r->m[5 * k] == end) return PyLong_FromSsize_t(k);
+  PyErr_SetString(PyExc_IndexError, "pilot Run.find: no operator record ends there");
+  return NULL;
+}
+
+static PyObject *pairs_list(const int64_t *v, Py_ssize_t lo, Py_ssize_t hi, int which) {
+  /* which -1: both, flat; 0: the first of each pair; 1: the second */
+  Py_ssize_t n = which < 0 ? hi - lo : (hi - lo) / 2;
+  PyObject *out = PyList_New(n);
+  if (out == NULL) return NULL;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *o = PyLong_FromLongLong(which < 0 ? v[lo + i] : v[lo + 2 * i + which]);
+    if (o == NULL) {
+      Py_DECREF(out);
+      return NULL;
+    }
+    PyList_SET_ITEM(out, i, o);
+  }
+  return out;
+}
+
+/* mark(k) -> (end, position, told, acc, acc_slots, phase row): PilotPolicy._Run's mark tuple */
+static PyObject *Run_mark(Run *r, PyObject *arg) {
+  Py_ssize_t k = PyLong_AsSsize_t(arg);
+  if (k == -1 && PyErr_Occurred()) return NULL;
+  Py_ssize_t nk = r->nm / 5;
+  if (k < 0) k += nk;
+  if (k < 0 || k >= nk) {
+    PyErr_SetString(PyExc_IndexError, "pilot Run.mark: no such operator");
+    return NULL;
+  }
+  const int64_t *m = r->m + 5 * k;
+  Py_ssize_t t_hi = k + 1 < nk ? m[5 + 3] : r->nt, a_hi = k + 1 < nk ? m[5 + 4] : r->na;
+  PyObject *told = pairs_list(r->t, m[3], t_hi, -1);
+  PyObject *acc = told ? pairs_list(r->a, m[4], a_hi, 0) : NULL;
+  PyObject *slots = acc ? pairs_list(r->a, m[4], a_hi, 1) : NULL;
+  if (slots == NULL) {
+    Py_XDECREF(told);
+    Py_XDECREF(acc);
+    return NULL;
+  }
+  return Py_BuildValue("(LLNNNL)", (long long)m[0], (long long)m[1], told, acc, slots, (long long)m[2]);
+}
+
+static PyObject *Run_words(Run *r, PyObject *unused) {
+  (void)unused;
+  return pairs_list(r->w, 0, r->n, -1);
+}
+
+static PySequenceMethods Run_as_sequence = {
+    .sq_length = (lenfunc)Run_len,
+    .sq_item = (ssizeargfunc)Run_item,
+    .sq_ass_item = (ssizeobjargproc)Run_ass_item,
+    .sq_inplace_concat = (binaryfunc)Run_iadd,
+};
+
+static PyMethodDef Run_methods[] = {
+    {"clear", (PyCFunction)Run_clear, METH_NOARGS, "empty the words and the marks"},
+    {"n_marks", (PyCFunction)Run_n_marks, METH_NOARGS, "the number of operator records marked"},
+    {"find", (PyCFunction)(void (*)(void))Run_find, METH_FASTCALL, "find(end, k): the first mark from k ending at end"},
+    {"mark", (PyCFunction)Run_mark, METH_O, "mark(k) -> (end, position, told, acc, acc_slots, phase row)"},
+    {"words", (PyCFunction)Run_words, METH_NOARGS, "the words as a list"},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef Run_getset[] = {
+    {"addr", (getter)Run_addr, NULL, "the words' address (valid until the run grows)", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject RunType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dynn_runtime.pilot.kernel._pack.Run",
+    .tp_basicsize = sizeof(Run),
+    .tp_dealloc = (destructor)Run_dealloc,
+    .tp_as_sequence = &Run_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A run of kernel records and their operators' marks in flat int64 arrays.",
+    .tp_methods = Run_methods,
+    .tp_getset = Run_getset,
+    .tp_new = Run_new,
+};
+
+/* pack(run, ctx, prev_idx, position, ph, iv, ivk, allocs, prev_allocs, accessed, inputs, outputs, writes)
+ *   -> (widest, top): one operator's record (its header, PilotPolicy._pack_allocs' words, the accesses
+ * told, what it touches) and its mark appended to run; widest: the most of its allocations, accesses
+ * told and storages touched; top: the largest slot it allocated (-1: none). */
+static PyObject *pack_op(Run *run, PyObject *const *args, long *widest, long *top_out) {
+  PyObject *ctx = args[0], *prev_idx = args[1];
+  if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) != C_N || !PyDict_Check(prev_idx)) {
     PyErr_SetString(PyExc_TypeError, "pilot pack: arguments of the wrong types");
     return NULL;
   }
+  long long position = PyLong_AsLongLong(args[2]), ph = PyLong_AsLongLong(args[3]);
+  if (PyErr_Occurred()) return NULL;
   PyObject *slot = PyTuple_GET_ITEM(ctx, C_SLOT), *free_list = PyTuple_GET_ITEM(ctx, C_FREE),
            *grow = PyTuple_GET_ITEM(ctx, C_GROW), *nbytes_of = PyTuple_GET_ITEM(ctx, C_NBYTES),
            *kind_of = PyTuple_GET_ITEM(ctx, C_KIND), *saved_of = PyTuple_GET_ITEM(ctx, C_SAVED),
@@ -135,18 +364,24 @@ static PyObject *pack_op(PyObject *const *args) {
   }
   PyObject *smalls = PyObject_GetAttr(small, s_small);
   if (smalls == NULL) return NULL;
-  PyObject *acc = NULL, *acc_slots = NULL, *set = NULL, *sizes = NULL, *thr = NULL, *result = NULL;
-  PyObject *allocs = PySequence_Fast(args[4], "pilot pack: the allocations are not a sequence");
-  PyObject *prev_allocs = allocs ? PySequence_Fast(args[5], "pilot pack: the previous allocations are not a sequence")
+  PyObject *sizes = NULL, *thr = NULL, *set = NULL, *it = NULL, *result = NULL;
+  PyObject *allocs = PySequence_Fast(args[6], "pilot pack: the allocations are not a sequence");
+  PyObject *prev_allocs = allocs ? PySequence_Fast(args[7], "pilot pack: the previous allocations are not a sequence")
                                  : NULL;
-  PyObject *accessed = prev_allocs ? PySequence_Fast(args[6], "pilot pack: the accesses are not a sequence") : NULL;
+  PyObject *accessed = prev_allocs ? PySequence_Fast(args[8], "pilot pack: the accesses are not a sequence") : NULL;
   if (accessed == NULL) goto done;
   if (!PySet_Check(smalls)) {
     PyErr_SetString(PyExc_TypeError, "pilot pack: the small-storage classes are not a set");
     goto done;
   }
+  Py_ssize_t n_alloc = PySequence_Fast_GET_SIZE(allocs), n_prev = PySequence_Fast_GET_SIZE(prev_allocs),
+             n_acc = PySequence_Fast_GET_SIZE(accessed);
+  Py_ssize_t t_lo = run->nt, a_lo = run->na, h = run->n;
+  /* the header (its count of touched storages is known once they are packed) */
+  if (put(run, 1) < 0 || put(run, position) < 0 || put(run, ph) < 0 || put(run, ph) < 0 || put_obj(run, args[4]) < 0 ||
+      put_obj(run, args[5]) < 0 || put(run, n_alloc) < 0 || put(run, n_acc) < 0 || put(run, 0) < 0 || put(run, ph) < 0)
+    goto done;
   /* the allocations: eight words each (PilotPolicy._pack_allocs) */
-  Py_ssize_t n_alloc = PySequence_Fast_GET_SIZE(allocs), n_prev = PySequence_Fast_GET_SIZE(prev_allocs);
   long top = -1;
   for (Py_ssize_t i = 0; i < n_alloc; i++) {
     PyObject *sid = PySequence_Fast_GET_ITEM(allocs, i);
@@ -175,7 +410,7 @@ static PyObject *pack_op(PyObject *const *args) {
     if (sv == -1 && PyErr_Occurred()) goto done;
     if (sv > top) top = sv;
     /* the words in the Python tuple's order; the slot first, before the view's calls */
-    if (PyList_Append(run, s) < 0 || PyList_Append(run, sid) < 0) goto done;
+    if (put(run, sv) < 0 || put_obj(run, sid) < 0) goto done;
     PyObject *nb = view_read(table, a_nbytes, nbytes_of, sid);
     if (nb == NULL) goto done;
     PyObject *kind = view_read(table, a_kind, kind_of, sid);
@@ -183,31 +418,34 @@ static PyObject *pack_op(PyObject *const *args) {
     PyObject *k = PyDict_GetItemWithError(kind_idx, kind);
     Py_DECREF(kind);
     if (k == NULL && PyErr_Occurred()) { Py_DECREF(nb); goto done; }
-    if (PyList_Append(run, k != NULL ? k : temp) < 0) { Py_DECREF(nb); goto done; }
+    if (put_obj(run, k != NULL ? k : temp) < 0) { Py_DECREF(nb); goto done; }
     PyObject *saved = view_read(table, a_saved, saved_of, sid);
     if (saved == NULL) { Py_DECREF(nb); goto done; }
     int sb = PyObject_IsTrue(saved);
     Py_DECREF(saved);
-    if (sb < 0 || PyList_Append(run, sb ? one : zero) < 0 || PyList_Append(run, nb) < 0) { Py_DECREF(nb); goto done; }
+    if (sb < 0 || put(run, sb) < 0 || put_obj(run, nb) < 0) { Py_DECREF(nb); goto done; }
     PyObject *p = PyDict_GetItemWithError(prev_idx, sid);
     if (p == NULL && PyErr_Occurred()) { Py_DECREF(nb); goto done; }
-    if (PyList_Append(run, p != NULL ? p : minus_one) < 0) { Py_DECREF(nb); goto done; }
+    if (p != NULL ? put_obj(run, p) < 0 : put(run, -1) < 0) { Py_DECREF(nb); goto done; }
     if (i < n_prev) {
       p = PyDict_GetItemWithError(prev_idx, PySequence_Fast_GET_ITEM(prev_allocs, i));
       if (p == NULL && PyErr_Occurred()) { Py_DECREF(nb); goto done; }
-      if (PyList_Append(run, p != NULL ? p : minus_one) < 0) { Py_DECREF(nb); goto done; }
-    } else if (PyList_Append(run, minus_two) < 0) {
+      if (p != NULL ? put_obj(run, p) < 0 : put(run, -1) < 0) { Py_DECREF(nb); goto done; }
+    } else if (put(run, -2) < 0) {
       Py_DECREF(nb);
       goto done;
     }
     if (fraction) {
       PyObject *r = plain_small ? small_alloc(small, sid, nb) : PyObject_CallMethodObjArgs(small, s_alloc, sid, nb, NULL);
       Py_DECREF(nb);
-      if (append_new(run, r) < 0) goto done;
+      if (r == NULL) goto done;
+      int bad = put_obj(run, r) < 0;
+      Py_DECREF(r);
+      if (bad) goto done;
     } else {
       Py_DECREF(nb);
       int c = PySet_Contains(smalls, sid);
-      if (c < 0 || PyList_Append(run, c ? Py_True : Py_False) < 0) goto done;
+      if (c < 0 || put(run, c) < 0) goto done;
     }
   }
   /* the accesses told: four words each (slot, sid, small, storage class), and their (sid, slot) pairs */
@@ -227,34 +465,33 @@ static PyObject *pack_op(PyObject *const *args) {
     Py_DECREF(peak);
     if (thr == NULL) goto done;
   }
-  Py_ssize_t n_acc = PySequence_Fast_GET_SIZE(accessed);
   for (Py_ssize_t i = 0; i < n_acc; i++) {
     PyObject *sid = PySequence_Fast_GET_ITEM(accessed, i);
     PyObject *s = PyDict_GetItemWithError(slot, sid);
     if (s == NULL && PyErr_Occurred()) goto done;
-    PyObject *sk;
+    int sk;
     if (fraction) { /* SmallStorages.access */
       PyObject *b = PyDict_GetItemWithError(sizes, sid);
       if (b == NULL && PyErr_Occurred()) goto done;
       int lt = PyObject_RichCompareBool(b != NULL ? b : zero, thr, Py_LT);
       if (lt < 0) goto done;
       if (lt ? PySet_Add(smalls, sid) < 0 : PySet_Discard(smalls, sid) < 0) goto done;
-      sk = lt ? one : zero;
+      sk = lt;
     } else {
-      int c = PySet_Contains(smalls, sid);
-      if (c < 0) goto done;
-      sk = c ? Py_True : Py_False;
+      sk = PySet_Contains(smalls, sid);
+      if (sk < 0) goto done;
     }
+    long long sidv = PyLong_AsLongLong(sid);
+    if (sidv == -1 && PyErr_Occurred()) goto done;
     if (s == NULL) {
-      if (PyList_Append(run, minus_one) < 0 || PyList_Append(run, sid) < 0 || PyList_Append(run, zero) < 0 ||
-          PyList_Append(run, zero) < 0)
-        goto done;
+      if (put(run, -1) < 0 || put(run, sidv) < 0 || put(run, 0) < 0 || put(run, 0) < 0) goto done;
       continue;
     }
-    Py_INCREF(s); /* the view's calls below may run code that changes the slot map */
+    long long sv = PyLong_AsLongLong(s); /* before the view's calls, which may change the slot map */
+    if (sv == -1 && PyErr_Occurred()) goto done;
     PyObject *c = PyDict_GetItemWithError(cls_of, sid);
     if (c == NULL) {
-      if (PyErr_Occurred()) { Py_DECREF(s); goto done; }
+      if (PyErr_Occurred()) goto done;
       if (table == Py_None) {
         c = PyObject_CallOneArg(classify, sid);
       } else {
@@ -264,45 +501,47 @@ static PyObject *pack_op(PyObject *const *args) {
         Py_XDECREF(kind);
         Py_XDECREF(saved);
       }
-      if (c == NULL || PyDict_SetItem(cls_of, sid, c) < 0) { Py_XDECREF(c); Py_DECREF(s); goto done; }
+      if (c == NULL || PyDict_SetItem(cls_of, sid, c) < 0) { Py_XDECREF(c); goto done; }
       Py_DECREF(c); /* cls_of holds it */
     }
-    int rc = PyList_Append(run, s) < 0 || PyList_Append(run, sid) < 0 || PyList_Append(run, sk) < 0 ||
-             PyList_Append(run, c) < 0 || PyList_Append(told, sid) < 0 || PyList_Append(told, s) < 0;
-    Py_DECREF(s);
-    if (rc) goto done;
+    if (put(run, sv) < 0 || put(run, sidv) < 0 || put(run, sk) < 0 || put_obj(run, c) < 0 ||
+        put_pair(&run->t, &run->nt, &run->tcap, sidv, sv) < 0)
+      goto done;
   }
   /* what the operator touches, in the order of the set {*inputs, *outputs, *writes}, and their slots */
-  set = PySet_New(args[7]);
+  set = PySet_New(args[9]);
   if (set == NULL) goto done;
-  for (int a = 8; a < 10; a++) {
-    PyObject *it = PyObject_GetIter(args[a]);
-    if (it == NULL) goto done;
+  for (int a = 10; a < 12; a++) {
+    PyObject *iter = PyObject_GetIter(args[a]);
+    if (iter == NULL) goto done;
     PyObject *x;
-    while ((x = PyIter_Next(it)) != NULL) {
+    while ((x = PyIter_Next(iter)) != NULL) {
       int rc = PySet_Add(set, x);
       Py_DECREF(x);
-      if (rc < 0) { Py_DECREF(it); goto done; }
+      if (rc < 0) { Py_DECREF(iter); goto done; }
     }
-    Py_DECREF(it);
+    Py_DECREF(iter);
     if (PyErr_Occurred()) goto done;
   }
-  acc = PySequence_List(set);
-  if (acc == NULL) goto done;
-  Py_ssize_t n_set = PyList_GET_SIZE(acc);
-  acc_slots = PyList_New(n_set);
-  if (acc_slots == NULL) goto done;
-  for (Py_ssize_t i = 0; i < n_set; i++) {
-    PyObject *s = PyDict_GetItemWithError(slot, PyList_GET_ITEM(acc, i));
-    if (s == NULL) {
-      if (PyErr_Occurred()) goto done;
-      s = minus_one;
-    }
-    Py_INCREF(s);
-    PyList_SET_ITEM(acc_slots, i, s);
-    if (PyList_Append(run, s) < 0) goto done;
+  it = PyObject_GetIter(set);
+  if (it == NULL) goto done;
+  PyObject *sid;
+  while ((sid = PyIter_Next(it)) != NULL) {
+    PyObject *s = PyDict_GetItemWithError(slot, sid);
+    long long sidv = PyLong_AsLongLong(sid), sv = s != NULL ? PyLong_AsLongLong(s) : -1;
+    Py_DECREF(sid);
+    if (PyErr_Occurred() || put(run, sv) < 0 || put_pair(&run->a, &run->na, &run->acap, sidv, sv) < 0) goto done;
   }
-  result = Py_BuildValue("(OOl)", acc, acc_slots, top);
+  if (PyErr_Occurred()) goto done;
+  Py_ssize_t n_set = (run->na - a_lo) / 2;
+  run->w[h + 8] = n_set;
+  if (put_mark(run, position, ph, t_lo, a_lo) < 0) goto done;
+  long n = (long)n_alloc;
+  if ((long)n_acc > n) n = (long)n_acc;
+  if ((long)n_set > n) n = (long)n_set;
+  *widest = n;
+  *top_out = top;
+  result = Py_NewRef(Py_None);
 done:
   Py_DECREF(smalls);
   Py_XDECREF(allocs);
@@ -311,18 +550,33 @@ done:
   Py_XDECREF(sizes);
   Py_XDECREF(thr);
   Py_XDECREF(set);
-  Py_XDECREF(acc);
-  Py_XDECREF(acc_slots);
+  Py_XDECREF(it);
   return result;
 }
 
 static PyObject *pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   (void)self;
-  if (nargs != 10) {
-    PyErr_SetString(PyExc_TypeError, "pilot pack: expected 10 arguments");
+  if (nargs != 13) {
+    PyErr_SetString(PyExc_TypeError, "pilot pack: expected 13 arguments");
     return NULL;
   }
-  return pack_op(args);
+  if (!PyObject_TypeCheck(args[0], &RunType)) {
+    PyErr_SetString(PyExc_TypeError, "pilot pack: the run is not a pack.Run");
+    return NULL;
+  }
+  Run *run = (Run *)args[0];
+  Py_ssize_t n0 = run->n, nm0 = run->nm, nt0 = run->nt, na0 = run->na;
+  long widest = 0, top = -1;
+  PyObject *r = pack_op(run, args + 1, &widest, &top);
+  if (r == NULL) { /* nothing half-written stays in the run */
+    run->n = n0;
+    run->nm = nm0;
+    run->nt = nt0;
+    run->na = na0;
+    return NULL;
+  }
+  Py_DECREF(r);
+  return Py_BuildValue("(ll)", widest, top);
 }
 
 /* ---- the walk over a batch's events (PilotPolicy._operators_native's loop) ------------------------ */
@@ -364,7 +618,7 @@ static int set_long(PyObject *obj, PyObject *name, long x) {
 /* One operator of the state's phase past the iteration's first, handled as the Python loop handles it.
  * Returns 1: done, 0: left to Python (nothing was changed), -1: error. *tick and *decide: the decision
  * point's inputs (FeatureState._tick, and whether _after_update must run now). */
-static int walk_op(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *prev_idx, PyObject *run, PyObject *marks,
+static int walk_op(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *prev_idx, Run *run,
                    long *widest, int *tick, int *decide) {
   PyObject *policy = w[W_POLICY], *state = w[W_STATE];
   PyObject *pos_obj = PyTuple_GET_ITEM(ev, 1), *op = PyTuple_GET_ITEM(ev, 2), *accessed = PyTuple_GET_ITEM(ev, 3);
@@ -494,28 +748,15 @@ static int walk_op(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *pr
     Py_DECREF(pa);
   }
   if (prev_allocs == NULL) goto done;
-  /* the record: header, allocations, accesses, what it touches (PilotPolicy._pack_run_op) */
-  Py_ssize_t h = PyList_GET_SIZE(run);
-  Py_ssize_t n_told = PyObject_Length(accessed);
-  if (n_told < 0) goto done;
-  long head[10] = {1, position, ph, ph, 0, 0, (long)na, (long)n_told, 0, ph};
-  for (int j = 0; j < 10; j++) {
-    PyObject *x = j == 4 ? (Py_INCREF(iv_addr), iv_addr) : j == 5 ? (Py_INCREF(ivk_addr), ivk_addr) : PyLong_FromLong(head[j]);
-    if (append_new(run, x) < 0) goto done;
-  }
-  told = PyList_New(0);
-  inputs = told ? PyObject_GetAttr(op, a_inputs) : NULL;
+  /* the record and its mark (PilotPolicy._pack_run_op) */
+  inputs = PyObject_GetAttr(op, a_inputs);
   outputs = inputs ? PyObject_GetAttr(op, a_outputs) : NULL;
   writes = outputs ? PyObject_GetAttr(op, a_writes) : NULL;
   if (writes == NULL) goto done;
-  PyObject *pargs[10] = {run, told, ctx, prev_idx, allocs, prev_allocs, accessed, inputs, outputs, writes};
-  packed = pack_op(pargs);
+  PyObject *pargs[12] = {ctx, prev_idx, pos_obj, ph_obj, iv_addr, ivk_addr, allocs, prev_allocs, accessed, inputs, outputs, writes};
+  long n = 0, top = -1;
+  packed = pack_op(run, pargs, &n, &top);
   if (packed == NULL) goto done;
-  PyObject *acc = PyTuple_GET_ITEM(packed, 0), *acc_slots = PyTuple_GET_ITEM(packed, 1);
-  long top = PyLong_AsLong(PyTuple_GET_ITEM(packed, 2));
-  Py_ssize_t n_acc = PyList_GET_SIZE(acc);
-  PyObject *nacc = PyLong_FromSsize_t(n_acc);
-  if (nacc == NULL || PyList_SetItem(run, h + 8, nacc) < 0) goto done;
   skip = PyObject_GetAttr(policy, a_skip);
   if (skip == NULL) goto done;
   Py_ssize_t n_skip = PyObject_Length(skip);
@@ -525,13 +766,7 @@ static int walk_op(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *pr
     if (r == NULL) goto done;
     Py_DECREF(r);
   }
-  long n = (long)na;
-  if ((long)n_told > n) n = (long)n_told;
-  if ((long)n_acc > n) n = (long)n_acc;
   if (n > *widest) *widest = n;
-  PyObject *nrun = PyLong_FromSsize_t(PyList_GET_SIZE(run));
-  PyObject *mark = nrun ? Py_BuildValue("(NOOOOO)", nrun, pos_obj, told, acc, acc_slots, ph_obj) : NULL;
-  if (append_new(marks, mark) < 0) goto done;
   /* FeatureState.enter in the same phase past the first operator, and _tick */
   if (PyObject_SetAttr(state, a_position, pos_obj) < 0) goto done;
   if (ph == 0) {
@@ -598,11 +833,11 @@ done:
 
 /* A death, inlined as the Python loop inlines it (FeatureState.free into the run, SmallStorages.free).
  * Returns 1: done, 0: left to Python (a storage of the previous iteration while a run is open), -1: error. */
-static int walk_free(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *prev_idx, PyObject *run, PyObject *freed) {
+static int walk_free(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *prev_idx, Run *run, PyObject *freed) {
   PyObject *sid = PyTuple_GET_ITEM(ev, 1);
   int in_prev = PyDict_Contains(prev_idx, sid);
   if (in_prev < 0) return -1;
-  if (in_prev && PyList_GET_SIZE(run)) return 0;
+  if (in_prev && run->n) return 0;
   PyObject *slot = PyTuple_GET_ITEM(ctx, C_SLOT), *free_list = PyTuple_GET_ITEM(ctx, C_FREE),
            *small = PyTuple_GET_ITEM(ctx, C_SMALL);
   PyObject *s = PyDict_GetItemWithError(slot, sid);
@@ -613,8 +848,8 @@ static int walk_free(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *
     long st_phase = attr_long(w[W_STATE], a_phase);
     if (st_phase == -1 && PyErr_Occurred()) { Py_DECREF(s); return -1; }
     /* the record: (_BATCH_FREE, slot, whether it reports its log_bytes) */
-    int bad = PyList_Append(run, two) < 0 || PyList_Append(run, s) < 0 || PyList_Append(run, st_phase == 0 ? one : zero) < 0 ||
-          (st_phase == 0 && PyList_Append(freed, sid) < 0) || PyList_Append(free_list, s) < 0;
+    int bad = put(run, 2) < 0 || put_obj(run, s) < 0 || put(run, st_phase == 0) < 0 ||
+              (st_phase == 0 && PyList_Append(freed, sid) < 0) || PyList_Append(free_list, s) < 0;
     Py_DECREF(s);
     if (bad) return -1;
   }
@@ -641,29 +876,29 @@ static int walk_free(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *
   return bad ? -1 : 1;
 }
 
-/* walk(events, i, ctx, wctx, prev_idx, run, marks, freed, widest) -> (i, decide, position, tick, widest)
+/* walk(events, i, ctx, wctx, prev_idx, run, freed, widest) -> (i, decide, position, tick, widest)
  * From event i, the events the Python loop handles the common way; stops before the first it leaves to
  * Python (decide False) or after an operator whose decision point is due (decide True: the run goes to
  * the kernel and _after_update(position, tick) runs next), or at the end. */
 static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   (void)self;
-  if (nargs != 9) {
-    PyErr_SetString(PyExc_TypeError, "pilot walk: expected 9 arguments");
+  if (nargs != 8) {
+    PyErr_SetString(PyExc_TypeError, "pilot walk: expected 8 arguments");
     return NULL;
   }
-  PyObject *events = args[0], *ctx = args[2], *wctx = args[3], *prev_idx = args[4], *run = args[5], *marks = args[6],
-           *freed = args[7];
+  PyObject *events = args[0], *ctx = args[2], *wctx = args[3], *prev_idx = args[4], *freed = args[6];
   Py_ssize_t i = PyLong_AsSsize_t(args[1]);
-  long widest = PyLong_AsLong(args[8]);
+  long widest = PyLong_AsLong(args[7]);
   if (PyErr_Occurred()) return NULL;
   if (!PyList_Check(events) || !PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) != C_N || !PyTuple_Check(wctx) ||
-      PyTuple_GET_SIZE(wctx) != W_N || !PyDict_Check(prev_idx) || !PyList_Check(run) || !PyList_Check(marks) ||
+      PyTuple_GET_SIZE(wctx) != W_N || !PyDict_Check(prev_idx) || !PyObject_TypeCheck(args[5], &RunType) ||
       !PyList_Check(freed) || !PyDict_Check(PyTuple_GET_ITEM(wctx, W_IV_CACHE)) ||
       !PyDict_Check(PyTuple_GET_ITEM(wctx, W_PHASES))) {
     PyErr_SetString(PyExc_TypeError, "pilot walk: arguments of the wrong types");
     return NULL;
   }
   PyObject *const *w = &PyTuple_GET_ITEM(wctx, 0);
+  Run *run = (Run *)args[5];
   Py_ssize_t n = PyList_GET_SIZE(events);
   int decide = 0, tick = 0;
   PyObject *position = Py_None;
@@ -676,7 +911,7 @@ static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (eq) {
       if (PyTuple_GET_SIZE(ev) != 4) break;
       Py_INCREF(ev); /* the walk's calls into Python must not free it */
-      rc = walk_op(ev, w, ctx, prev_idx, run, marks, &widest, &tick, &decide);
+      rc = walk_op(ev, w, ctx, prev_idx, run, &widest, &tick, &decide);
       if (rc > 0) position = PyTuple_GET_ITEM(ev, 1);
       Py_DECREF(ev);
     } else {
@@ -902,10 +1137,10 @@ done:
 
 static PyMethodDef methods[] = {
     {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL,
-     "pack(run, told, ctx, prev_idx, allocs, prev_allocs, accessed, inputs, outputs, writes) -> "
-     "(acc, acc_slots, top): PilotPolicy._pack_run_op in C"},
+     "pack(run, ctx, prev_idx, position, ph, iv, ivk, allocs, prev_allocs, accessed, inputs, outputs, writes) -> "
+     "(widest, top): PilotPolicy._pack_run_op in C, into a Run"},
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
-     "walk(events, i, ctx, wctx, prev_idx, run, marks, freed, widest) -> (i, decide, position, tick, widest): "
+     "walk(events, i, ctx, wctx, prev_idx, run, freed, widest) -> (i, decide, position, tick, widest): "
      "the common events of PilotPolicy._operators_native's loop in C"},
     {"index_ops", (PyCFunction)(void (*)(void))index_ops, METH_FASTCALL,
      "index_ops(ops, extra) -> (prev_ops, prev_allocs, seen, prev_idx, flat, start): ReplayState._index_ops_py in C"},
@@ -943,8 +1178,10 @@ PyMODINIT_FUNC PyInit__pack(void) {
       {&a_outputs, "outputs"}, {&a_writes, "writes"}, {&a_live, "_live"}};
   for (size_t j = 0; j < sizeof(names) / sizeof(names[0]); j++)
     if ((*names[j].p = PyUnicode_InternFromString(names[j].s)) == NULL) return NULL;
+  if (PyType_Ready(&RunType) < 0) return NULL;
   PyObject *m = PyModule_Create(&module);
-  if (m != NULL && PyModule_AddIntConstant(m, "VERSION", 4) /* kernel.PACK_VERSION */ < 0) {
+  if (m != NULL && (PyModule_AddIntConstant(m, "VERSION", 5) /* kernel.PACK_VERSION */ < 0 ||
+                    PyModule_AddObjectRef(m, "Run", (PyObject *)&RunType) < 0)) {
     Py_DECREF(m);
     return NULL;
   }
