@@ -313,14 +313,15 @@ def plan_scores(X: np.ndarray, score: np.ndarray) -> np.ndarray:
 Block = tuple[frozenset[int], list[Any]]
 
 
-def _opt_blocks(it: Any) -> tuple[int, list[Any], list[Block], list[Any], set[int], list[Block]] | None:
+def _opt_blocks(it: Any) -> tuple[int, list[Any], list[Block], list[Any], set[int], list[Block], set[int]] | None:
     """An iteration's optimizer phase cut into blocks, each ending at an operator that touches a
     parameter (a storage the iteration did not allocate, accessed before the optimizer and in it);
     the block's key is the set of parameters that operator touches. Blocks that created state that
     outlives the iteration (an optimizer's first update of a parameter) are kept apart.
 
     Returns (first optimizer position, the leading operators that touch no storage, the blocks, the
-    operators after the last block, storages born in backward, the state-creating blocks), or None
+    operators after the last block, storages born in backward, the state-creating blocks, the
+    storages the operators before the optimizer touch), or None
     when the iteration has no optimizer phase or operators after it touch storages (operators that
     touch none, a profiler mark of ``zero_grad`` say, may follow it: they stay after it)."""
     ops = it.ops
@@ -355,7 +356,7 @@ def _opt_blocks(it: Any) -> tuple[int, list[Any], list[Block], list[Any], set[in
             init = any(sid not in freed for o in cur for sid in o.allocs)
             (inits if init else blocks).append((frozenset(key), cur))
             cur = []
-    return start, lead, blocks, cur + ops[end:], born_bwd, inits
+    return start, lead, blocks, cur + ops[end:], born_bwd, inits, before
 
 
 class OptimizerMemory:
@@ -393,7 +394,7 @@ class OptimizerMemory:
         if cut is None:
             self.ok = False
             return
-        start, _, blocks, _, born_bwd, inits = cut
+        start, _, blocks, _, born_bwd, inits, before = cut
         keys: list[frozenset[int]] = []
         for k, _ in blocks:
             if not keys or keys[-1] != k:
@@ -401,7 +402,6 @@ class OptimizerMemory:
         if len(set(keys)) != len(keys):
             self.ok = False  # a parameter updated in two places: not one order
             return
-        before = {sid for op in it.ops[:start] for sid in (*op.inputs, *op.outputs, *op.writes)}
         # the rule: of the parameters known, those used before the optimizer are the ones updated
         known = set(self.order)
         self.ok = {k for k in known if k & before} == known.intersection(keys)
@@ -510,7 +510,7 @@ class OptimizerMemory:
         cut = self.cut
         if cut is None:
             return None
-        start, lead, blocks, tail, born_prev, inits = cut
+        start, lead, blocks, tail, born_prev, inits, _ = cut
         mine: dict[frozenset[int], list[Any]] = {}
         for k, ops in blocks:
             mine.setdefault(k, []).extend(ops)
