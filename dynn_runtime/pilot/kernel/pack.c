@@ -14,8 +14,11 @@
  * module, not part of the ctypes kernel: it reads dicts and sets, which the kernel never sees. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "pilot_kernel.h" /* BATCH_OP, BATCH_FREE, BATCH_LINK */
 
 /* the context tuple PilotPolicy._pack_context builds (its order) */
 enum { C_SLOT, C_FREE, C_GROW, C_NBYTES, C_KIND, C_SAVED, C_KIND_IDX, C_TEMP, C_SMALL, C_FRACTION, C_CLS_OF,
@@ -378,7 +381,7 @@ static PyObject *pack_op(Run *run, PyObject *const *args, long *widest, long *to
              n_acc = PySequence_Fast_GET_SIZE(accessed);
   Py_ssize_t t_lo = run->nt, a_lo = run->na, h = run->n;
   /* the header (its count of touched storages is known once they are packed) */
-  if (put(run, 1) < 0 || put(run, position) < 0 || put(run, ph) < 0 || put(run, ph) < 0 || put_obj(run, args[4]) < 0 ||
+  if (put(run, BATCH_OP) < 0 || put(run, position) < 0 || put(run, ph) < 0 || put(run, ph) < 0 || put_obj(run, args[4]) < 0 ||
       put_obj(run, args[5]) < 0 || put(run, n_alloc) < 0 || put(run, n_acc) < 0 || put(run, 0) < 0 || put(run, ph) < 0)
     goto done;
   /* the allocations: eight words each (PilotPolicy._pack_allocs) */
@@ -587,7 +590,8 @@ enum { W_POLICY, W_STATE, W_SL, W_GROUP, W_IV_CACHE, W_PHASES, W_OPERATOR, W_FRE
 static PyObject *a_phase, *a_pending, *a_fwd_log, *a_fwd_node, *a_node, *a_mirror, *a_decays, *a_hist_decays,
     *a_idiom, *a_bulk_phase, *a_ops, *a_allocs, *a_name, *a_module, *a_op_seen, *a_prev_ops, *a_prev_allocs,
     *a_anchor, *a_skip, *a_grow_due, *a_position, *a_hist_allocs, *a_last_decision, *a_job, *a_force_decision,
-    *a_policy_phase, *a_inputs, *a_outputs, *a_writes, *a_live;
+    *a_policy_phase, *a_inputs, *a_outputs, *a_writes, *a_live, *a_relink, *a_mir_first, *a_mir_index, *a_log_bytes,
+    *a_fwd_freed, *heappush;
 
 /* a truth value of obj.attr (-1: error) */
 static int attr_true(PyObject *obj, PyObject *name) {
@@ -615,6 +619,118 @@ static int set_long(PyObject *obj, PyObject *name, long x) {
   return rc;
 }
 
+/* MirrorState._nearest_input(own, inputs): the mirror segment of the input of the nearest size at
+ * least own (the first on ties), or -1; sizes as log_bytes (the state's row, or the log_bytes forward
+ * reported when it freed the input). Every value compared is a float32's, so comparing as doubles
+ * orders them as numpy does. *tgt: the segment index object (borrowed from the mirror's index). */
+static int nearest_input(PyObject *state, PyObject *slot, double own, PyObject *inputs, PyObject **tgt) {
+  PyObject *mi = PyObject_GetAttr(state, a_mir_index), *lb = NULL, *freed = NULL, *seq = NULL;
+  int rc = -1;
+  *tgt = NULL;
+  if (mi == NULL || (lb = PyObject_GetAttr(state, a_log_bytes)) == NULL ||
+      (freed = PyObject_GetAttr(state, a_fwd_freed)) == NULL ||
+      (seq = PySequence_Fast(inputs, "pilot walk: a forward node's inputs are not a sequence")) == NULL)
+    goto done;
+  if (!PyDict_Check(mi) || !PyDict_Check(freed)) {
+    PyErr_SetString(PyExc_TypeError, "pilot walk: the mirror's index or forward's freed sizes are not dicts");
+    goto done;
+  }
+  double best_lb = INFINITY;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+    PyObject *f = PySequence_Fast_GET_ITEM(seq, i);
+    PyObject *t = PyDict_GetItemWithError(mi, f);
+    if (t == NULL) {
+      if (PyErr_Occurred()) goto done;
+      continue;
+    }
+    PyObject *fs = PyDict_GetItemWithError(slot, f);
+    if (fs == NULL && PyErr_Occurred()) goto done;
+    double v;
+    if (fs != NULL) {
+      PyObject *x = PyObject_GetItem(lb, fs);
+      if (x == NULL) goto done;
+      v = PyFloat_AsDouble(x);
+      Py_DECREF(x);
+    } else {
+      PyObject *x = PyDict_GetItemWithError(freed, f);
+      if (x == NULL) {
+        if (PyErr_Occurred()) goto done;
+        continue;
+      }
+      v = PyFloat_AsDouble(x);
+    }
+    if (v == -1.0 && PyErr_Occurred()) goto done;
+    if (own <= v && v < best_lb) {
+      *tgt = t;
+      best_lb = v;
+    }
+  }
+  rc = 0;
+done:
+  Py_XDECREF(mi);
+  Py_XDECREF(lb);
+  Py_XDECREF(freed);
+  Py_XDECREF(seq);
+  return rc;
+}
+
+/* MirrorState._link as the Python loop does it for a run: per allocation with a slot, its target from
+ * its size (the row's log_bytes as the kernel will write it, float32(log2(size) / 30)), a link record
+ * the kernel writes after the row, and the relink heap's entry (-first access of the target, slot,
+ * sid, target). */
+static int link_allocs(Run *run, PyObject *state, PyObject *ctx, PyObject *allocs, PyObject *inputs) {
+  PyObject *slot = PyTuple_GET_ITEM(ctx, C_SLOT), *nbytes_of = PyTuple_GET_ITEM(ctx, C_NBYTES),
+           *table = PyTuple_GET_ITEM(ctx, C_TABLE);
+  PyObject *seq = PySequence_Fast(allocs, "pilot walk: the allocations are not a sequence");
+  PyObject *relink = seq ? PyObject_GetAttr(state, a_relink) : NULL;
+  PyObject *first = relink ? PyObject_GetAttr(state, a_mir_first) : NULL;
+  int rc = -1;
+  if (first == NULL) goto done;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+    PyObject *sid = PySequence_Fast_GET_ITEM(seq, i);
+    PyObject *s = PyDict_GetItemWithError(slot, sid);
+    if (s == NULL) {
+      if (PyErr_Occurred()) goto done;
+      continue;
+    }
+    Py_INCREF(s);
+    PyObject *nb = view_read(table, a_nbytes, nbytes_of, sid);
+    long long nbv = nb ? PyLong_AsLongLong(nb) : -1;
+    Py_XDECREF(nb);
+    if (nbv == -1 && PyErr_Occurred()) { Py_DECREF(s); goto done; }
+    double own = (double)(float)(log2((double)(nbv > 1 ? nbv : 1)) / 30.0);
+    PyObject *tgt;
+    if (nearest_input(state, slot, own, inputs, &tgt) < 0) { Py_DECREF(s); goto done; }
+    long long tv = -1;
+    if (tgt != NULL) {
+      tv = PyLong_AsLongLong(tgt);
+      if (tv == -1 && PyErr_Occurred()) { Py_DECREF(s); goto done; }
+    }
+    if (put(run, BATCH_LINK) < 0 || put_obj(run, s) < 0 || put(run, tv) < 0) { Py_DECREF(s); goto done; }
+    if (tgt != NULL) {
+      Py_INCREF(tgt);
+      PyObject *f0 = PyObject_GetItem(first, tgt), *fi = f0 ? PyNumber_Long(f0) : NULL;
+      PyObject *neg = fi ? PyNumber_Negative(fi) : NULL;
+      PyObject *entry = neg ? PyTuple_Pack(4, neg, s, sid, tgt) : NULL;
+      PyObject *r = entry ? PyObject_CallFunctionObjArgs(heappush, relink, entry, NULL) : NULL;
+      Py_XDECREF(f0);
+      Py_XDECREF(fi);
+      Py_XDECREF(neg);
+      Py_XDECREF(entry);
+      Py_DECREF(tgt);
+      if (r == NULL) { Py_DECREF(s); goto done; }
+      Py_DECREF(r);
+    }
+    Py_DECREF(s);
+  }
+  rc = 0;
+done:
+  Py_XDECREF(seq);
+  Py_XDECREF(relink);
+  Py_XDECREF(first);
+  return rc;
+}
+
 /* One operator of the state's phase past the iteration's first, handled as the Python loop handles it.
  * Returns 1: done, 0: left to Python (nothing was changed), -1: error. *tick and *decide: the decision
  * point's inputs (FeatureState._tick, and whether _after_update must run now). */
@@ -626,8 +742,8 @@ static int walk_op(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *pr
   if (position == -1 && PyErr_Occurred()) return -1;
   int rc = -1, left = 0;
   PyObject *phase = NULL, *hit = NULL, *decays = NULL, *hist = NULL, *key = NULL, *allocs = NULL, *name = NULL,
-           *module = NULL, *seen = NULL, *prev_ops = NULL, *prev_allocs = NULL, *packed = NULL, *told = NULL,
-           *inputs = NULL, *outputs = NULL, *writes = NULL, *skip = NULL;
+           *module = NULL, *seen = NULL, *prev_ops = NULL, *prev_allocs = NULL, *packed = NULL,
+           *inputs = NULL, *outputs = NULL, *writes = NULL, *skip = NULL, *move_to = NULL;
   phase = PyObject_GetAttr(op, a_phase);
   if (phase == NULL) goto done;
   PyObject *ph_obj = PyDict_GetItemWithError(w[W_PHASES], phase);
@@ -649,7 +765,7 @@ static int walk_op(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *pr
   if (allocs == NULL) goto done;
   Py_ssize_t na = PyObject_Length(allocs);
   if (na < 0) goto done;
-  if (ph == 1) { /* FeatureState.enter in backward: a move of the mirror, or its links, stay in Python */
+  if (ph == 1) { /* FeatureState.enter in backward: the mirror moves to the operator's node, links its allocations */
     PyObject *node = PyObject_GetAttr(op, a_node);
     if (node == NULL) {
       if (!PyErr_ExceptionMatches(PyExc_AttributeError)) goto done;
@@ -670,16 +786,37 @@ static int walk_op(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *pr
     Py_DECREF(node);
     if (hit == NULL) goto done;
     if (hit != Py_None) {
-      if (na) { left = 1; goto done; }
+      if (!PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) != 2) {
+        PyErr_SetString(PyExc_TypeError, "pilot walk: a forward node is not a (position, inputs) tuple");
+        goto done;
+      }
       PyObject *mirror = PyObject_GetAttr(state, a_mirror);
       if (mirror == NULL) goto done;
-      PyObject *target = PySequence_GetItem(hit, 0);
-      if (target == NULL) { Py_DECREF(mirror); goto done; }
+      PyObject *target = PyTuple_GET_ITEM(hit, 0);
       int moves = PyObject_RichCompareBool(target, mirror, Py_NE);
-      Py_DECREF(target);
       Py_DECREF(mirror);
       if (moves < 0) goto done;
-      if (moves) { left = 1; goto done; }
+      if (moves) {
+        /* MirrorState._pass_through has a gradient to pass on (it reads the arrays the run has not
+         * written yet): Python's; otherwise the move is only the mirror's new node */
+        PyObject *relink = PyObject_GetAttr(state, a_relink);
+        if (relink == NULL) goto done;
+        int due = 0;
+        if (!PyList_Check(relink)) {
+          PyErr_SetString(PyExc_TypeError, "pilot walk: the mirror's relink heap is not a list");
+          due = -1;
+        } else if (PyList_GET_SIZE(relink)) {
+          PyObject *top = PySequence_GetItem(PyList_GET_ITEM(relink, 0), 0);
+          PyObject *neg = top ? PyNumber_Negative(top) : NULL;
+          Py_XDECREF(top);
+          due = neg ? PyObject_RichCompareBool(neg, target, Py_GE) : -1;
+          Py_XDECREF(neg);
+        }
+        Py_DECREF(relink);
+        if (due < 0) goto done;
+        if (due) { left = 1; goto done; }
+        move_to = Py_NewRef(target);
+      }
     }
   }
   /* FeatureState.native_iv, its cache hit only */
@@ -701,6 +838,7 @@ static int walk_op(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *pr
   PyObject *iv_addr = PyTuple_GET_ITEM(PyTuple_GET_ITEM(iv, 0), 1), *ivk_addr = PyTuple_GET_ITEM(PyTuple_GET_ITEM(iv, 1), 1);
   /* from here on the operator is this walk's: the Python loop's writes, in its order */
   if (PyObject_SetAttr(policy, a_bulk_phase, phase) < 0) goto done;
+  if (move_to != NULL && PyObject_SetAttr(state, a_mirror, move_to) < 0) goto done;
   long ops = attr_long(policy, a_ops);
   if ((ops == -1 && PyErr_Occurred()) || set_long(policy, a_ops, ops + 1) < 0) goto done;
   /* FeatureState._align */
@@ -767,6 +905,8 @@ static int walk_op(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *pr
     Py_DECREF(r);
   }
   if (n > *widest) *widest = n;
+  if (hit != NULL && hit != Py_None && na && link_allocs(run, state, ctx, allocs, PyTuple_GET_ITEM(hit, 1)) < 0)
+    goto done;
   /* FeatureState.enter in the same phase past the first operator, and _tick */
   if (PyObject_SetAttr(state, a_position, pos_obj) < 0) goto done;
   if (ph == 0) {
@@ -822,11 +962,11 @@ done:
   Py_XDECREF(prev_ops);
   Py_XDECREF(prev_allocs);
   Py_XDECREF(packed);
-  Py_XDECREF(told);
   Py_XDECREF(inputs);
   Py_XDECREF(outputs);
   Py_XDECREF(writes);
   Py_XDECREF(skip);
+  Py_XDECREF(move_to);
   if (rc < 0 && left && !PyErr_Occurred()) rc = 0;
   return rc;
 }
@@ -848,7 +988,7 @@ static int walk_free(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *
     long st_phase = attr_long(w[W_STATE], a_phase);
     if (st_phase == -1 && PyErr_Occurred()) { Py_DECREF(s); return -1; }
     /* the record: (_BATCH_FREE, slot, whether it reports its log_bytes) */
-    int bad = put(run, 2) < 0 || put_obj(run, s) < 0 || put(run, st_phase == 0) < 0 ||
+    int bad = put(run, BATCH_FREE) < 0 || put_obj(run, s) < 0 || put(run, st_phase == 0) < 0 ||
               (st_phase == 0 && PyList_Append(freed, sid) < 0) || PyList_Append(free_list, s) < 0;
     Py_DECREF(s);
     if (bad) return -1;
@@ -1175,12 +1315,19 @@ PyMODINIT_FUNC PyInit__pack(void) {
       {&a_anchor, "_anchor"}, {&a_skip, "_skip"}, {&a_grow_due, "_grow_due"}, {&a_position, "position"},
       {&a_hist_allocs, "_hist_allocs"}, {&a_last_decision, "_last_decision"}, {&a_job, "_job"},
       {&a_force_decision, "_force_decision"}, {&a_policy_phase, "_phase"}, {&a_inputs, "inputs"},
-      {&a_outputs, "outputs"}, {&a_writes, "writes"}, {&a_live, "_live"}};
+      {&a_outputs, "outputs"}, {&a_writes, "writes"}, {&a_live, "_live"}, {&a_relink, "_relink"},
+      {&a_mir_first, "_mir_first"}, {&a_mir_index, "_mir_index"}, {&a_log_bytes, "log_bytes"},
+      {&a_fwd_freed, "_fwd_freed"}};
   for (size_t j = 0; j < sizeof(names) / sizeof(names[0]); j++)
     if ((*names[j].p = PyUnicode_InternFromString(names[j].s)) == NULL) return NULL;
   if (PyType_Ready(&RunType) < 0) return NULL;
+  PyObject *heapq = PyImport_ImportModule("heapq");
+  if (heapq == NULL) return NULL;
+  heappush = PyObject_GetAttrString(heapq, "heappush");
+  Py_DECREF(heapq);
+  if (heappush == NULL) return NULL;
   PyObject *m = PyModule_Create(&module);
-  if (m != NULL && (PyModule_AddIntConstant(m, "VERSION", 5) /* kernel.PACK_VERSION */ < 0 ||
+  if (m != NULL && (PyModule_AddIntConstant(m, "VERSION", 6) /* kernel.PACK_VERSION */ < 0 ||
                     PyModule_AddObjectRef(m, "Run", (PyObject *)&RunType) < 0)) {
     Py_DECREF(m);
     return NULL;
