@@ -51,9 +51,7 @@ class ReplayState:
     #: this iteration's optimizer was planned (:meth:`_realign_optimizer` replaced the previous
     #: iteration's in the index): in the optimizer phase, replayed next uses are the true ones
     planned = False
-    #: the previous iteration indexed by the C module ``kernel/pack.c`` where it is built (True), or
-    #: by :meth:`_index_ops_py` (False: the reference; the pilot sets it from its ``native_pack``)
-    native_index = True
+    native_index: bool  # FeatureState's
 
     def in_plan(self) -> bool:
         """In the optimizer phase of an iteration whose optimizer was planned."""

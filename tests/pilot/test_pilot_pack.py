@@ -228,3 +228,28 @@ def test_index_ops_builds_what_the_python_index_builds():
         index([], [(1, 2, 3)])
     with pytest.raises(TypeError, match="pilot index_ops"):
         index(5, [])
+
+
+def test_access_positions_flattens_what_the_python_mirror_flattens():
+    """The mirror's flattened forward accesses (``pack.c``'s ``access_positions`` against
+    ``MirrorState._access_positions`` in Python): the same storages in the same order, the same
+    positions; a bad log entry is refused."""
+    from dynn_runtime.pilot.features import FeatureState
+    from dynn_runtime.trace.format import Op
+
+    rng = random.Random(5)
+    sids = [rng.randrange(1 << 40) for _ in range(50)] + list(range(30))
+    log = []
+    for p in range(400):
+        pick = [tuple(rng.choice(sids) for _ in range(rng.randrange(k))) for k in (4, 3, 2)]
+        log.append((3 * p, Op("aten::mm", (), "forward", "", *pick, (), 0.0, 0, 0)))
+    state = FeatureState.__new__(FeatureState)
+    got = {}
+    for native_index in (True, False):
+        state.native_index = native_index
+        got[native_index] = state._access_positions(log)
+    assert len(got[True][0]) > 400
+    for a, b in zip(got[True], got[False]):
+        assert a.dtype == b.dtype and a.tolist() == b.tolist()
+    with pytest.raises(TypeError, match="pilot access_positions"):
+        native.pack_module().access_positions([(1, 2, 3)])

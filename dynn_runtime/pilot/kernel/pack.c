@@ -1275,6 +1275,74 @@ done:
   return result;
 }
 
+/* access_positions(log) -> (sids, positions): for the forward log's (position, operator) entries, every
+ * storage each operator touches in the order of the set {*inputs, *outputs, *writes} (built as that
+ * display builds it) and the operator's position beside it, as two buffers of int64 (MirrorState.
+ * _build_mirror's flattened lists) */
+static PyObject *access_positions(PyObject *self, PyObject *log) {
+  (void)self;
+  PyObject *seq = PySequence_Fast(log, "pilot access_positions: the log is not a sequence");
+  if (seq == NULL) return NULL;
+  ivec pairs = {NULL, 0, 0};
+  PyObject *result = NULL, *sids = NULL, *pos = NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  for (Py_ssize_t j = 0; j < n; j++) {
+    PyObject *entry = PySequence_Fast_GET_ITEM(seq, j);
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) {
+      PyErr_SetString(PyExc_TypeError, "pilot access_positions: a log entry is not a (position, operator) tuple");
+      goto done;
+    }
+    long long p = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 0));
+    if (p == -1 && PyErr_Occurred()) goto done;
+    PyObject *op = PyTuple_GET_ITEM(entry, 1);
+    PyObject *ins = PyObject_GetAttr(op, a_inputs);
+    if (ins == NULL) goto done;
+    PyObject *set = PySet_New(ins);
+    Py_DECREF(ins);
+    if (set == NULL) goto done;
+    PyObject *const more[2] = {a_outputs, a_writes};
+    for (int m = 0; m < 2 && !PyErr_Occurred(); m++) {
+      PyObject *xs = PyObject_GetAttr(op, more[m]), *x;
+      PyObject *it = xs ? PyObject_GetIter(xs) : NULL;
+      Py_XDECREF(xs);
+      if (it == NULL) break;
+      while ((x = PyIter_Next(it)) != NULL) {
+        int rc = PySet_Add(set, x);
+        Py_DECREF(x);
+        if (rc < 0) break;
+      }
+      Py_DECREF(it);
+    }
+    PyObject *it = PyErr_Occurred() ? NULL : PyObject_GetIter(set), *sid;
+    if (it != NULL) {
+      while ((sid = PyIter_Next(it)) != NULL) {
+        long long v = PyLong_AsLongLong(sid);
+        Py_DECREF(sid);
+        if ((v == -1 && PyErr_Occurred()) || ivec_push(&pairs, v, p) < 0) break;
+      }
+      Py_DECREF(it);
+    }
+    Py_DECREF(set);
+    if (PyErr_Occurred()) goto done;
+  }
+  Py_ssize_t k = pairs.n / 2;
+  sids = PyBytes_FromStringAndSize(NULL, k * (Py_ssize_t)sizeof(int64_t));
+  pos = sids ? PyBytes_FromStringAndSize(NULL, k * (Py_ssize_t)sizeof(int64_t)) : NULL;
+  if (pos == NULL) goto done;
+  int64_t *a = (int64_t *)PyBytes_AS_STRING(sids), *b = (int64_t *)PyBytes_AS_STRING(pos);
+  for (Py_ssize_t i = 0; i < k; i++) {
+    a[i] = pairs.v[2 * i];
+    b[i] = pairs.v[2 * i + 1];
+  }
+  result = PyTuple_Pack(2, sids, pos);
+done:
+  Py_DECREF(seq);
+  Py_XDECREF(sids);
+  Py_XDECREF(pos);
+  PyMem_Free(pairs.v);
+  return result;
+}
+
 static PyMethodDef methods[] = {
     {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL,
      "pack(run, ctx, prev_idx, position, ph, iv, ivk, allocs, prev_allocs, accessed, inputs, outputs, writes) -> "
@@ -1282,6 +1350,8 @@ static PyMethodDef methods[] = {
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
      "walk(events, i, ctx, wctx, prev_idx, run, freed, widest) -> (i, decide, position, tick, widest): "
      "the common events of PilotPolicy._operators_native's loop in C"},
+    {"access_positions", (PyCFunction)access_positions, METH_O,
+     "access_positions(log) -> (sids, positions): MirrorState._build_mirror's flattened accesses as int64 bytes"},
     {"index_ops", (PyCFunction)(void (*)(void))index_ops, METH_FASTCALL,
      "index_ops(ops, extra) -> (prev_ops, prev_allocs, seen, prev_idx, flat, start): ReplayState._index_ops_py in C"},
     {NULL, NULL, 0, NULL}};
@@ -1327,7 +1397,7 @@ PyMODINIT_FUNC PyInit__pack(void) {
   Py_DECREF(heapq);
   if (heappush == NULL) return NULL;
   PyObject *m = PyModule_Create(&module);
-  if (m != NULL && (PyModule_AddIntConstant(m, "VERSION", 6) /* kernel.PACK_VERSION */ < 0 ||
+  if (m != NULL && (PyModule_AddIntConstant(m, "VERSION", 7) /* kernel.PACK_VERSION */ < 0 ||
                     PyModule_AddObjectRef(m, "Run", (PyObject *)&RunType) < 0)) {
     Py_DECREF(m);
     return NULL;
