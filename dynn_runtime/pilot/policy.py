@@ -725,20 +725,31 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             t = kern.table(state)
         ft.point(t, self._away, self._skip, self._heap, state._cap)
         f, b = ft.f, bt.b
+        call = None
         if type(run) is _Run:
             bt.words[:n_words] = run
             b.words = bt.words_addr
+            b.n_words = n_words
+            b.at = 0
+            b.n_freed = 0
+            f.announced, f.frontier, f.stack_counter = state._announced, state._frontier, state._stack_counter
         else:
-            b.words = run.addr  # the C packing's int64 words, not copied
-        b.n_words = n_words
-        b.at = 0
-        b.n_freed = 0
-        f.announced, f.frontier, f.stack_counter = state._announced, state._frontier, state._stack_counter
+            # the C packing's Run: kernel/pack.c's operators points the call at its int64 words (not
+            # copied), sets and takes back the kernel's scalars and calls the kernel, as the lines above
+            # and below do around the ctypes call
+            from .kernel import pack_module
+
+            call, fn = pack_module().operators, kern.operators_addr
         stopped = -1
         k = 0  # run.mark(k): the first operator not yet matched to a stop
+        first = True
         while True:
-            rc = kern.operators(t.addr, bt.addr)
-            state._frontier, state._stack_counter, state._announced = f.frontier, f.stack_counter, f.announced
+            if call is not None:
+                rc = call(fn, t.addr, bt.addr, run, state, first)
+                first = False
+            else:
+                rc = kern.operators(t.addr, bt.addr)
+                state._frontier, state._stack_counter, state._announced = f.frontier, f.stack_counter, f.announced
             if rc == 0:
                 break
             if rc != 1:

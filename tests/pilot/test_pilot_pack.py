@@ -193,6 +193,10 @@ def test_the_c_run_keeps_words_and_marks_as_the_python_run():
         run += ("x",)
     with pytest.raises(TypeError, match="pilot Run"):
         native.pack_module().Run(3)
+    with pytest.raises(ValueError, match="pilot operators"):  # no kernel call through a null address
+        native.pack_module().operators(0, 0, 0, run, object(), True)
+    with pytest.raises(TypeError, match="pilot operators"):
+        native.pack_module().operators(0, 0, 0, [], object(), True)
 
 
 def test_index_ops_builds_what_the_python_index_builds():
@@ -226,6 +230,7 @@ def test_index_ops_builds_what_the_python_index_builds():
         assert [type(x) for x in got[4]] == [type(x) for x in want[4]]
     with pytest.raises(TypeError, match="pilot index_ops"):
         index([], [(1, 2, 3)])
+    assert index([], [[5, 2]]) == ReplayState._index_ops_py([], [[5, 2]])  # any pair, as Python unpacks it
     with pytest.raises(TypeError, match="pilot index_ops"):
         index(5, [])
 

@@ -17,6 +17,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "pilot_kernel.h" /* BATCH_OP, BATCH_FREE, BATCH_LINK */
 
@@ -1199,15 +1200,18 @@ static PyObject *index_ops(PyObject *self, PyObject *const *args, Py_ssize_t nar
   }
   Py_ssize_t n_main = pairs.n, n_extra = PySequence_Fast_GET_SIZE(extra);
   for (Py_ssize_t e = 0; e < n_extra; e++) {
-    PyObject *pair = PySequence_Fast_GET_ITEM(extra, e);
-    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
-      PyErr_SetString(PyExc_TypeError, "pilot index_ops: an extra access is not a (storage, position) tuple");
+    PyObject *pair = PySequence_Fast(PySequence_Fast_GET_ITEM(extra, e), "pilot index_ops: an extra access is not a "
+                                     "(storage, position) pair");
+    if (pair == NULL) goto done;
+    if (PySequence_Fast_GET_SIZE(pair) != 2) {
+      Py_DECREF(pair);
+      PyErr_SetString(PyExc_TypeError, "pilot index_ops: an extra access is not a (storage, position) pair");
       goto done;
     }
-    Py_ssize_t i = index_of(idx, PyTuple_GET_ITEM(pair, 0));
-    if (i == -1 && PyErr_Occurred()) goto done;
-    long long j = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 1));
-    if ((j == -1 && PyErr_Occurred()) || ivec_push(&pairs, i, j) < 0) goto done;
+    Py_ssize_t i = index_of(idx, PySequence_Fast_GET_ITEM(pair, 0));
+    long long j = i == -1 && PyErr_Occurred() ? -1 : PyLong_AsLongLong(PySequence_Fast_GET_ITEM(pair, 1));
+    Py_DECREF(pair);
+    if (PyErr_Occurred() || ivec_push(&pairs, i, j) < 0) goto done;
   }
   /* a stable counting sort of the (index, position) pairs by index: each segment in the pairs' order */
   Py_ssize_t n = PyDict_GET_SIZE(idx), total = pairs.n / 2;
@@ -1343,6 +1347,55 @@ done:
   return result;
 }
 
+/* ---- the run's kernel call -------------------------------------------------------------------- */
+
+typedef int64_t (*operators_fn)(const void *state, dynn_batch *batch);
+
+static PyObject *a_announced, *a_frontier, *a_stack_counter;
+
+/* operators(fn, state_table, batch, run, state, first) -> rc: one dynn_pilot_operators call (fn: its
+ * address) over run's words, where they are. first: the call's structure is pointed at the run from
+ * its first word, no death reported yet, and the kernel's scalars taken from the feature state
+ * (_announced, _frontier, _stack_counter); after every call the state takes them back, as
+ * PilotPolicy._run_native does around its ctypes call. */
+static PyObject *operators(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 6 || !PyObject_TypeCheck(args[3], &RunType)) {
+    PyErr_SetString(PyExc_TypeError, "pilot operators: expected (fn, state_table, batch, run, state, first)");
+    return NULL;
+  }
+  void *fp = PyLong_AsVoidPtr(args[0]), *t = PyLong_AsVoidPtr(args[1]);
+  dynn_batch *b = (dynn_batch *)PyLong_AsVoidPtr(args[2]);
+  if (PyErr_Occurred()) return NULL;
+  if (fp == NULL || t == NULL || b == NULL || b->fused == NULL) {
+    PyErr_SetString(PyExc_ValueError, "pilot operators: a null kernel, table or batch address");
+    return NULL;
+  }
+  Run *run = (Run *)args[3];
+  PyObject *state = args[4];
+  int first = PyObject_IsTrue(args[5]);
+  if (first < 0) return NULL;
+  dynn_fused *f = (dynn_fused *)b->fused;
+  if (first) {
+    long a = attr_long(state, a_announced), fr = attr_long(state, a_frontier), sc = attr_long(state, a_stack_counter);
+    if (PyErr_Occurred()) return NULL;
+    b->words = run->w;
+    b->n_words = run->n;
+    b->at = 0;
+    b->n_freed = 0;
+    f->announced = a;
+    f->frontier = fr;
+    f->stack_counter = sc;
+  }
+  operators_fn fn;
+  memcpy(&fn, &fp, sizeof(fn)); /* a data address to a function pointer, as ctypes does */
+  int64_t rc = fn(t, b);
+  if (set_long(state, a_frontier, (long)f->frontier) < 0 || set_long(state, a_stack_counter, (long)f->stack_counter) < 0 ||
+      set_long(state, a_announced, (long)f->announced) < 0)
+    return NULL;
+  return PyLong_FromLongLong(rc);
+}
+
 static PyMethodDef methods[] = {
     {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL,
      "pack(run, ctx, prev_idx, position, ph, iv, ivk, allocs, prev_allocs, accessed, inputs, outputs, writes) -> "
@@ -1352,6 +1405,8 @@ static PyMethodDef methods[] = {
      "the common events of PilotPolicy._operators_native's loop in C"},
     {"access_positions", (PyCFunction)access_positions, METH_O,
      "access_positions(log) -> (sids, positions): MirrorState._build_mirror's flattened accesses as int64 bytes"},
+    {"operators", (PyCFunction)(void (*)(void))operators, METH_FASTCALL,
+     "operators(fn, state_table, batch, run, state, first) -> rc: dynn_pilot_operators over a Run's words"},
     {"index_ops", (PyCFunction)(void (*)(void))index_ops, METH_FASTCALL,
      "index_ops(ops, extra) -> (prev_ops, prev_allocs, seen, prev_idx, flat, start): ReplayState._index_ops_py in C"},
     {NULL, NULL, 0, NULL}};
@@ -1387,7 +1442,8 @@ PyMODINIT_FUNC PyInit__pack(void) {
       {&a_force_decision, "_force_decision"}, {&a_policy_phase, "_phase"}, {&a_inputs, "inputs"},
       {&a_outputs, "outputs"}, {&a_writes, "writes"}, {&a_live, "_live"}, {&a_relink, "_relink"},
       {&a_mir_first, "_mir_first"}, {&a_mir_index, "_mir_index"}, {&a_log_bytes, "log_bytes"},
-      {&a_fwd_freed, "_fwd_freed"}};
+      {&a_fwd_freed, "_fwd_freed"}, {&a_announced, "_announced"}, {&a_frontier, "_frontier"},
+      {&a_stack_counter, "_stack_counter"}};
   for (size_t j = 0; j < sizeof(names) / sizeof(names[0]); j++)
     if ((*names[j].p = PyUnicode_InternFromString(names[j].s)) == NULL) return NULL;
   if (PyType_Ready(&RunType) < 0) return NULL;
@@ -1397,7 +1453,7 @@ PyMODINIT_FUNC PyInit__pack(void) {
   Py_DECREF(heapq);
   if (heappush == NULL) return NULL;
   PyObject *m = PyModule_Create(&module);
-  if (m != NULL && (PyModule_AddIntConstant(m, "VERSION", 7) /* kernel.PACK_VERSION */ < 0 ||
+  if (m != NULL && (PyModule_AddIntConstant(m, "VERSION", 8) /* kernel.PACK_VERSION */ < 0 ||
                     PyModule_AddObjectRef(m, "Run", (PyObject *)&RunType) < 0)) {
     Py_DECREF(m);
     return NULL;
