@@ -189,10 +189,11 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
     #: one call each (True), or each operator in its own kernel call (False: an experiment's setting,
     #: tools/pilot_host_cost.py --paired-kernel)
     batch_kernel: bool = True
-    #: on the native kernel, a batch's common events walked and the runs' records packed by the C
-    #: module ``kernel/pack.c`` where it is built (True), or by the Python loop of
-    #: :meth:`_operators_native` and :meth:`_pack_run_op` (False: an experiment's setting,
-    #: tools/pilot_host_cost.py --paired-pack); the same writes either way
+    #: on the native kernel, a batch's common events walked, the runs' records packed into int64
+    #: arrays and sent to the kernel, and the state's per-iteration index built by the C module
+    #: ``kernel/pack.c`` where it is built (True), or by the Python loop of
+    #: :meth:`_operators_native`, :meth:`_pack_run_op` and ``FeatureState``'s Python (False: an
+    #: experiment's setting, tools/pilot_host_cost.py --paired-pack); the same writes either way
     native_pack: bool = True
 
     def __init__(self, config: PilotPolicyConfig | None = None, /, **options: Any) -> None:
@@ -562,7 +563,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         could see (a storage of the previous iteration), and a decision point or a poll of the
         worker after an operator (then :meth:`_after_update`). Where ``kernel/pack.c`` is built
         (``native_pack``), its ``walk`` does this loop's work for the operators that need none of
-        these and for the deaths, and the loop takes only the others."""
+        these but a move of the mirror with no gradient to pass on (its links included) and for
+        the deaths, and the loop takes only the others."""
         state = self._state
         small = self._small
         slot = state._slot

@@ -1,14 +1,19 @@
-/* The pilot's bulk loop over a batch's events in C, over the policy's own Python objects: ``pack``
- * packs one operator's record for a run of dynn_pilot_operators (kernel ABI: the words of a
- * _BATCH_OP record after its header), ``walk`` takes the batch's common events as the loop of
- * PilotPolicy._operators_native takes them.
+/* The pilot's bulk loop over a batch's events in C, over the policy's own Python objects: ``Run`` holds
+ * a run of dynn_pilot_operators records (kernel ABI: int64 words, read by the kernel where they are)
+ * and each operator record's mark in flat int64 arrays; ``pack`` packs one operator's record and mark
+ * into it; ``walk`` takes the batch's common events as the loop of PilotPolicy._operators_native takes
+ * them; ``operators`` calls the kernel over a Run; ``index_ops`` and ``access_positions`` are the
+ * feature state's per-iteration walks over the operators (the previous iteration's index, the
+ * mirror's forward accesses).
  *
- * PilotPolicy._pack_run_op and that loop (dynn_runtime/pilot/policy.py) are the reference: this module
- * must append the same words to the run, the same (sid, slot) pairs to ``told``, take the same slots
- * from the free list and leave the slot map, the small-storage classes and the feature state's
- * scalars as that Python leaves them, in the same order of reads and writes
- * (tests/pilot/test_pilot_pack.py packs random operators both ways; tests/pilot/test_pilot_operator.py
- * runs the walk in lockstep with a pilot told each notification separately).
+ * PilotPolicy._Run, PilotPolicy._pack_run_op and that loop (dynn_runtime/pilot/policy.py),
+ * ReplayState._index_ops_py and MirrorState._access_positions are the reference: this module must
+ * write the same words and marks, take the same slots from the free list and leave the slot map, the
+ * small-storage classes, the mirror's relink heap and the feature state's scalars as that Python
+ * leaves them, in the same order of reads and writes, and build the same dictionaries in the same
+ * insertion orders (tests/pilot/test_pilot_pack.py runs random inputs both ways;
+ * tests/pilot/test_pilot_operator.py runs the walk in lockstep with a pilot told each notification
+ * separately, and against the Python loop under a budget).
  * Every value goes through the Python objects (dict and set lookups, the view's calls, rich
  * comparisons), so no rounding or hashing can differ from the Python path. A Python extension
  * module, not part of the ctypes kernel: it reads dicts and sets, which the kernel never sees. */
