@@ -103,6 +103,12 @@ class FeatureState(ReplayState, MirrorState):
     available. Both give the same rows bit for bit.
     """
 
+    #: the per-iteration walks over the operators (the previous iteration's index, the mirror's
+    #: accesses) by the C module ``kernel/pack.c`` where it is built (True), or in Python
+    #: (False: the reference, :meth:`ReplayState._index_ops_py`; the pilot sets it from its
+    #: ``native_pack``); the same dictionaries, lists and arrays either way
+    native_index = True
+
     def __init__(self, view: Any, group: int = 16, decays: tuple[float, float] = (0.5, 0.9),
                  backend: str | None = None) -> None:
         from . import kernel as native

@@ -35,6 +35,8 @@ class MirrorState:
     """The mirror half of :class:`~dynn_runtime.pilot.features.FeatureState` (see the module
     docstring); a mixin over the state's arrays, not used alone."""
 
+    native_index: bool  # FeatureState's
+
     def _reset_mirror(self) -> None:
         self._mirror = -1  # forward position of the node backward is running; -1: none yet
         self._fwd_log: list[tuple[int, Any]] = []  # (position, operator) of forward since the last backward
@@ -66,10 +68,7 @@ class MirrorState:
             logger.warning("pilot: no forward operator of this iteration carries an autograd node (a trace "
                            "recorded before schema 2?), so backward has no mirror  and the pilot "
                            "predicts backward less well. Re-record the trace with this dynn-runtime.")
-        acc = [{*op.inputs, *op.outputs, *op.writes} for _, op in log]
-        sids = np.fromiter(itertools.chain.from_iterable(acc), dtype=np.int64)
-        pos = np.repeat(np.fromiter((p for p, _ in log), dtype=np.int64, count=len(log)),
-                        np.fromiter(map(len, acc), dtype=np.int64, count=len(acc)))
+        sids, pos = self._access_positions(log)
         uniq, first, inv = np.unique(sids, return_index=True, return_inverse=True)
         order = np.argsort(first, kind="stable")  # segments in first-access order
         rank = np.empty(len(uniq), dtype=np.int64)
@@ -92,6 +91,23 @@ class MirrorState:
         self._mirror = -1
         if self._native_tab is not None:  # the kernel's table points at the new segments
             self._native_tab.set_mirror(self)
+
+    def _access_positions(self, log: list[tuple[int, Any]]) -> tuple[np.ndarray, np.ndarray]:
+        """Every storage each logged operator touches, in the order of the set of its inputs, outputs
+        and writes, and the operator's position beside it: ``kernel/pack.c``'s ``access_positions``
+        where it is built and ``native_index`` is set, else in Python (the reference)."""
+        if self.native_index:
+            from .kernel import pack_module
+
+            mod = pack_module()
+            if mod is not None:
+                sids, pos = mod.access_positions(log)
+                return np.frombuffer(sids, dtype=np.int64), np.frombuffer(pos, dtype=np.int64)
+        acc = [{*op.inputs, *op.outputs, *op.writes} for _, op in log]
+        sids = np.fromiter(itertools.chain.from_iterable(acc), dtype=np.int64)
+        pos = np.repeat(np.fromiter((p for p, _ in log), dtype=np.int64, count=len(log)),
+                        np.fromiter(map(len, acc), dtype=np.int64, count=len(acc)))
+        return sids, pos
 
     def _nearest_input(self, own: float, inputs: Any, exclude: int = -1) -> int:
         """Mirror segment of the input of the nearest size at least ``own`` (the first on ties), or -1."""

@@ -131,6 +131,40 @@ def storage_class(kind: str, saved: bool, fresh: bool) -> int:
     return _CLASS_OF_KIND.get(kind, 4)
 
 
+class _Run(list):
+    """A run of kernel records (the list: its int64 words) and, per operator record, its mark
+    ``(end, position, told, acc, acc_slots, phase row)``: where its record ends, its told storages
+    as flat (sid, slot) pairs, what it touches and their slots. The Python reference of
+    ``kernel/pack.c``'s ``Run``, which keeps the same in flat int64 arrays (its words handed to the
+    kernel by address) and answers the same calls."""
+
+    __slots__ = ("marks",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.marks: list[tuple[int, int, list[int], list[int], list[int], int]] = []
+
+    def clear(self) -> None:
+        super().clear()
+        self.marks.clear()
+
+    def n_marks(self) -> int:
+        return len(self.marks)
+
+    def find(self, end: int, k: int) -> int:
+        """The first mark from ``k`` on whose record ends at word ``end``."""
+        marks = self.marks
+        while marks[k][0] != end:
+            k += 1
+        return k
+
+    def mark(self, k: int) -> tuple[int, int, list[int], list[int], list[int], int]:
+        return self.marks[k]
+
+    def words(self) -> list[int]:
+        return list(self)
+
+
 @register
 class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
     """Next uses predicted by the pilot model (DyNN-Offload); see the module docstring."""
@@ -155,10 +189,11 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
     #: one call each (True), or each operator in its own kernel call (False: an experiment's setting,
     #: tools/pilot_host_cost.py --paired-kernel)
     batch_kernel: bool = True
-    #: on the native kernel, a batch's common events walked and the runs' records packed by the C
-    #: module ``kernel/pack.c`` where it is built (True), or by the Python loop of
-    #: :meth:`_operators_native` and :meth:`_pack_run_op` (False: an experiment's setting,
-    #: tools/pilot_host_cost.py --paired-pack); the same writes either way
+    #: on the native kernel, a batch's common events walked, the runs' records packed into int64
+    #: arrays and sent to the kernel, and the state's per-iteration index built by the C module
+    #: ``kernel/pack.c`` where it is built (True), or by the Python loop of
+    #: :meth:`_operators_native`, :meth:`_pack_run_op` and ``FeatureState``'s Python (False: an
+    #: experiment's setting, tools/pilot_host_cost.py --paired-pack); the same writes either way
     native_pack: bool = True
 
     def __init__(self, config: PilotPolicyConfig | None = None, /, **options: Any) -> None:
@@ -315,6 +350,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             self._exact.begin_iteration(self._shadow.timeline)
             self._last_access.clear()
         state = self._state
+        state.native_index = self.native_pack
         state.begin_iteration(index, history)
         state.pred[:] = np.nan  # nothing predicted yet this iteration
         self._pending = []
@@ -529,7 +565,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         could see (a storage of the previous iteration), and a decision point or a poll of the
         worker after an operator (then :meth:`_after_update`). Where ``kernel/pack.c`` is built
         (``native_pack``), its ``walk`` does this loop's work for the operators that need none of
-        these and for the deaths, and the loop takes only the others."""
+        these but a move of the mirror with no gradient to pass on (its links included) and for
+        the deaths, and the loop takes only the others."""
         state = self._state
         small = self._small
         slot = state._slot
@@ -537,18 +574,15 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         prev_idx = state._prev_idx
         nbytes_of = self.view.nbytes
         ctx = self._pack_context()
-        pack = self._packer()
+        run, pack, walk = self._packing()
         sl = state.decays[1]
         group = state.group
-        walk = self._walker()
         if walk is not None:
             wctx = (self, state, sl, group, _NATIVE_IV, _PHASES, OPERATOR, TOUCH_FREE)
             if type(events) is not list:
                 events = list(events)
-        run: list[int] = []  # the records
-        # per operator: (its end, position, its told storages with a slot, flat (sid, slot) pairs, its accesses
-        # and their slots): the run's slots, not the slot map's, which is at the run's end
-        marks: list[tuple[int, int, list[int], list[int], list[int], int]] = []
+        # the records, and per operator its mark (the run's slots, not the slot map's, which is at the
+        # run's end): a _Run, or kernel/pack.c's Run with the C packing
         freed: list[int] = []  # the dead storages that report their log_bytes, in order
         widest = 0
         timer = self._timer
@@ -559,9 +593,9 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                 # the common events in C (kernel/pack.c's walk: this loop's work for them, the same writes
                 # in the same order); it stops before an event it leaves to this loop, or after an
                 # operator whose decision point is due
-                i, due, position, tick, widest = walk(events, i, ctx, wctx, prev_idx, run, marks, freed, widest)
+                i, due, position, tick, widest = walk(events, i, ctx, wctx, prev_idx, run, freed, widest)
                 if due:
-                    self._run_native(run, marks, freed, widest)
+                    self._run_native(run, freed, widest)
                     widest = 0
                     self.bookkeeping_s += timer() - t0
                     self._after_update(position, tick)
@@ -583,7 +617,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                     hit = state._fwd_node.get(getattr(op, "node", -1))
                 if (ph != state.phase or position == 0 or self._pending or (ph == 1 and state._fwd_log)):
                     if run:
-                        self._run_native(run, marks, freed, widest)
+                        self._run_native(run, freed, widest)
                         widest = 0
                     self.bookkeeping_s += timer() - t0
                     if self._pending or (op.phase == "optimizer" and state.phase != _OPTIMIZER):
@@ -603,7 +637,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                         # MirrorState._pass_through has a gradient to move on: it reads the arrays.
                         # (One whose slot this operator allocates anew is skipped as stale either
                         # way: freed there, of another storage after the allocation's writes.)
-                        self._run_native(run, marks, freed, widest)
+                        self._run_native(run, freed, widest)
                         widest = 0
                     state._mirror = hit[0]
                     state._pass_through(hit[0])
@@ -612,18 +646,12 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                 prev_allocs = state._align(position, op)
                 (_, iv), (_, ivk) = state.native_iv(op)
                 na = len(allocs)
-                h = len(run)  # the header's count of touched storages is known once they are packed
-                run += (_BATCH_OP, position, ph, ph, iv, ivk, na, len(accessed), 0, ph)
-                told: list[int] = []
-                acc, acc_slots, top = pack(run, told, ctx, prev_idx, allocs, prev_allocs, accessed,
-                                           op.inputs, op.outputs, op.writes)
-                run[h + 8] = len(acc)
+                n, top = pack(run, ctx, prev_idx, position, ph, iv, ivk, allocs, prev_allocs, accessed,
+                              op.inputs, op.outputs, op.writes)
                 if top >= len(self._skip):
                     self._grow_due()
-                n = max(na, len(accessed), len(acc))
                 if n > widest:
                     widest = n
-                marks.append((len(run), position, told, acc, acc_slots, ph))
                 if hit is not None and allocs:
                     # MirrorState._link, from the sizes (the row's log_bytes as the kernel will write
                     # it: float32(log2(size) / 30)); the kernel writes the targets after the rows
@@ -648,14 +676,14 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                     tick = False
                 # what _after_update would do: nothing unless a decision point is due or the worker holds one
                 if tick or self._job is not None or self._force_decision or self._phase != state.phase:
-                    self._run_native(run, marks, freed, widest)
+                    self._run_native(run, freed, widest)
                     widest = 0
                     self.bookkeeping_s += timer() - t0
                     self._after_update(position, tick)
                     t0 = timer()
             elif tag == TOUCH_ALLOC:
                 if run:
-                    self._run_native(run, marks, freed, widest)
+                    self._run_native(run, freed, widest)
                     widest = 0
                 self.on_alloc(ev[1], ev[2])
             else:  # on_free, inlined: FeatureState.free (the slot's arrays in the run), SmallStorages.free
@@ -663,7 +691,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                 if sid in prev_idx and run:
                     # a storage of the previous iteration: the anchor's external matching asks whether it
                     # is alive (FeatureState._match_external), so its death waits for the run before it
-                    self._run_native(run, marks, freed, widest)
+                    self._run_native(run, freed, widest)
                     widest = 0
                 s = slot.pop(sid, None)
                 if s is not None:
@@ -676,13 +704,12 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                 small._live -= small._bytes.pop(sid, 0)
                 small._small.discard(sid)
         if run:
-            self._run_native(run, marks, freed, widest)
+            self._run_native(run, freed, widest)
         self.bookkeeping_s += timer() - t0
 
-    def _run_native(self, run: list[int], marks: list[tuple[int, int, list[int], list[int], list[int], int]],
-                    freed: list[int],
-                    widest: int) -> None:
-        """One ``dynn_pilot_operators`` call over the records ``run`` (then emptied, as ``marks`` and
+    def _run_native(self, run: Any, freed: list[int], widest: int) -> None:
+        """One ``dynn_pilot_operators`` call over the records of ``run`` (a :class:`_Run`, or
+        ``kernel/pack.c``'s ``Run``, whose words the kernel reads where they are; then emptied, as
         ``freed``); an operator whose external storage needs matching returns to Python here
         (FeatureState._match_external, its replays and predictions), and the call goes on after it."""
         state = self._state
@@ -695,32 +722,46 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             bt = self._batch = BatchTable(ft, self._prior)
         if widest > ft.n:
             ft.room(max(widest, 2 * ft.n))
-        bt.room(len(run), len(freed))
+        n_words = len(run)
+        bt.room(n_words if type(run) is _Run else 0, len(freed))
         t = state._native_tab
         if t is None:
             t = kern.table(state)
         ft.point(t, self._away, self._skip, self._heap, state._cap)
         f, b = ft.f, bt.b
-        bt.words[: len(run)] = run
-        b.n_words = len(run)
-        b.at = 0
-        b.n_freed = 0
-        f.announced, f.frontier, f.stack_counter = state._announced, state._frontier, state._stack_counter
+        call = None
+        if type(run) is _Run:
+            bt.words[:n_words] = run
+            b.words = bt.words_addr
+            b.n_words = n_words
+            b.at = 0
+            b.n_freed = 0
+            f.announced, f.frontier, f.stack_counter = state._announced, state._frontier, state._stack_counter
+        else:
+            # the C packing's Run: kernel/pack.c's operators points the call at its int64 words (not
+            # copied), sets and takes back the kernel's scalars and calls the kernel, as the lines above
+            # and below do around the ctypes call
+            from .kernel import pack_module
+
+            call, fn = pack_module().operators, kern.operators_addr
         stopped = -1
-        k = 0  # marks[k]: the first operator not yet matched to a stop
+        k = 0  # run.mark(k): the first operator not yet matched to a stop
+        first = True
         while True:
-            rc = kern.operators(t.addr, bt.addr)
-            state._frontier, state._stack_counter, state._announced = f.frontier, f.stack_counter, f.announced
+            if call is not None:
+                rc = call(fn, t.addr, bt.addr, run, state, first)
+                first = False
+            else:
+                rc = kern.operators(t.addr, bt.addr)
+                state._frontier, state._stack_counter, state._announced = f.frontier, f.stack_counter, f.announced
             if rc == 0:
                 break
             if rc != 1:
                 if rc == -2:
                     raise MemoryError("pilot native: no memory for the eviction heap")
                 raise IndexError(f"pilot native kernel: a slot, class or record of the run is out of range (code {rc})")
-            end = b.at
-            while marks[k][0] != end:
-                k += 1
-            _, position, told, acc, acc_slots, ph = marks[k]
+            k = run.find(b.at, k)
+            _, position, told, acc, acc_slots, ph = run.mark(k)
             stopped = k
             # an external storage's first access: matched and replayed in Python, then predicted (the
             # rc == 1 branch of _operator_native, with the slots of the run's words)
@@ -742,14 +783,14 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                     v = base + row[storage_class(view.kind(sid), view.saved(sid), False)]
                 pred[s] = v = float(v)
                 push(-v, sid, s)
-        if stopped != len(marks) - 1 and marks:
-            state._replayed_from = (marks[-1][3], ft.replay)  # the last operator's replayed next uses
+        n_marks = run.n_marks()
+        if stopped != n_marks - 1 and n_marks:
+            state._replayed_from = (run.mark(n_marks - 1)[3], ft.replay)  # the last operator's replayed next uses
         if freed:
             fwd_freed = state._fwd_freed
             for sid, lb in zip(freed, bt.freed[: b.n_freed].tolist()):
                 fwd_freed[sid] = lb
         run.clear()
-        marks.clear()
         freed.clear()
 
     def _pack_context(self) -> tuple[Any, ...]:
@@ -777,36 +818,33 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                 bool(self.small_fraction), {}, classify, table, _CLASS_OF_KIND, _SAVED_KINDS,
                 type(self._small) is SmallStorages)
 
-    def _packer(self) -> Any:
-        """The per-operator packing of a run: the C module where it is built and ``native_pack`` is
-        set, else :meth:`_pack_run_op`."""
+    def _packing(self) -> tuple[Any, Any, Any]:
+        """A bulk call's run, its packing and its walk: ``kernel/pack.c``'s ``Run``, ``pack`` and
+        ``walk`` where the module is built and ``native_pack`` is set; else a :class:`_Run`,
+        :meth:`_pack_run_op` and no walk (the Python loop takes every event)."""
         if self.native_pack:
-            from .kernel import packer
+            from .kernel import pack_module
 
-            pack = packer()
-            if pack is not None:
-                return pack
-        return self._pack_run_op
+            mod = pack_module()
+            if mod is not None:
+                return mod.Run(), mod.pack, mod.walk
+        return _Run(), self._pack_run_op, None
 
-    def _walker(self) -> Any:
-        """The C walk over a batch's common events (``kernel/pack.c``), where it is built and
-        ``native_pack`` is set; else None (the Python loop takes every event)."""
-        if not self.native_pack:
-            return None
-        from .kernel import walker
-
-        return walker()
-
-    def _pack_run_op(self, run: list[Any], told: list[int], ctx: tuple[Any, ...], prev_idx: dict[int, int],
-                     allocs: Sequence[int], prev_allocs: Sequence[int], accessed: Sequence[int],
-                     inputs: Sequence[int], outputs: Sequence[int], writes: Sequence[int]) -> tuple[list[int], list[int], int]:
-        """An operator's words of a run's record after its header: its allocations
-        (:meth:`_pack_allocs`), then per storage told as accessed its slot, sid, small class and
-        storage class (-1, sid, 0, 0 without a slot; ``told`` gets (sid, slot) of the others),
-        then the slots of what it touches, in the order of the set of its inputs, outputs and
-        writes. Returns that order, those slots and the largest slot allocated (-1: none).
-        ``kernel/pack.c`` does the same reads and writes in the same order."""
+    def _pack_run_op(self, run: _Run, ctx: tuple[Any, ...], prev_idx: dict[int, int], position: int, ph: int,
+                     iv: int, ivk: int, allocs: Sequence[int], prev_allocs: Sequence[int], accessed: Sequence[int],
+                     inputs: Sequence[int], outputs: Sequence[int], writes: Sequence[int]) -> tuple[int, int]:
+        """An operator's record of a run and its mark: the header (``_BATCH_OP``, position, phase row
+        and born phase, the idiom vectors' addresses, the counts of allocations, accesses told and
+        storages touched, the prior row), its allocations (:meth:`_pack_allocs`), then per storage
+        told as accessed its slot, sid, small class and storage class (-1, sid, 0, 0 without a slot;
+        the mark's ``told`` gets (sid, slot) of the others), then the slots of what it touches, in
+        the order of the set of its inputs, outputs and writes. Returns the most of its
+        allocations, accesses told and storages touched, and the largest slot allocated (-1:
+        none). ``kernel/pack.c``'s ``pack`` does the same reads and writes in the same order."""
         slot, _, _, _, kind_of, saved_of, _, _, small, fraction, cls_of = ctx[:11]
+        h = len(run)  # the header's count of touched storages is known once they are packed
+        run += (_BATCH_OP, position, ph, ph, iv, ivk, len(allocs), len(accessed), 0, ph)
+        told: list[int] = []
         top = self._pack_allocs(run, allocs, prev_allocs, prev_idx) if allocs else -1
         if fraction:  # SmallStorages.access, inlined (as in _operator_native)
             sizes, smalls, thr = small._bytes, small._small, small.fraction * small._peak
@@ -840,7 +878,9 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         acc = list({*inputs, *outputs, *writes})
         acc_slots = [slot.get(sid, -1) for sid in acc]
         run += acc_slots
-        return acc, acc_slots, top
+        run[h + 8] = len(acc)
+        run.marks.append((len(run), position, told, acc, acc_slots, ph))
+        return max(len(allocs), len(accessed), len(acc)), top
 
     def _pack_allocs(self, words: list[int], allocs: Sequence[int], prev_allocs: Sequence[int],
                      prev_idx: dict[int, int]) -> int:

@@ -51,6 +51,7 @@ class ReplayState:
     #: this iteration's optimizer was planned (:meth:`_realign_optimizer` replaced the previous
     #: iteration's in the index): in the optimizer phase, replayed next uses are the true ones
     planned = False
+    native_index: bool  # FeatureState's
 
     def in_plan(self) -> bool:
         """In the optimizer phase of an iteration whose optimizer was planned."""
@@ -83,12 +84,46 @@ class ReplayState:
 
     def _index_ops(self, ops: Any, extra: Any = ()) -> None:
         """Index ``ops`` as the previous iteration: operator keys, allocations, accesses per storage;
-        ``extra``: (storage, position) accesses added."""
-        self._prev_ops = prev_ops = {}
-        self._prev_allocs = prev_allocs = {}
+        ``extra``: (storage, position) accesses added. The C module ``kernel/pack.c`` builds the
+        dictionaries and lists where it is built and ``native_index`` is set, else
+        :meth:`_index_ops_py` (the reference: the same contents in the same orders)."""
+        index = None
+        if self.native_index:
+            from .kernel import indexer
+
+            index = indexer()
+        if index is None:
+            index = self._index_ops_py
+        self._prev_ops, self._prev_allocs, seen, self._prev_idx, flat, start = index(ops, extra)
+        phases: dict[str, int] = {}
+        for (_, _, phase), c in seen.items():
+            phases[phase] = phases.get(phase, 0) + c
+        n_fwd, n_bwd = phases.get("forward", 0), phases.get("backward", 0)
+        self._ratio = n_bwd / n_fwd if n_fwd and n_bwd else 1.5
+        self._prev_len = len(ops)
+        self._prev_sids = list(self._prev_idx)
+        # counterpart i's positions: _prev_flat[_prev_start[i]:_prev_start[i + 1]]; two lists for the
+        # iteration, not one per storage (objects kept that long make Python's collector walk
+        # everything the program holds)
+        self._prev_flat, self._prev_start = flat, start
+        n = len(start) - 1
+        lens = np.diff(np.asarray(start, dtype=np.int64))
+        pos = np.asarray(flat, dtype=np.int64)
+        # sorted: by index, then position (each list is in operator order)
+        self._prev_keys = np.repeat(np.arange(n, dtype=np.int64) * KEY_BASE, lens) + pos
+        self._prev_count = lens.astype(np.float32)
+
+    @staticmethod
+    def _index_ops_py(ops: Any, extra: Any) -> tuple[dict, dict, dict, dict[int, int], list[int], list[int]]:
+        """:meth:`_index_ops`'s dictionaries and lists: the operators by (name, module, phase,
+        occurrence) key, their allocations by position, the occurrences per (name, module, phase),
+        each storage's counterpart index (in first-access order, an operator's storages in the
+        order of the set of its inputs, outputs and writes) and each counterpart's positions in
+        order, as one flat list cut by the starts."""
+        prev_ops: dict[tuple[str, str, str, int], int] = {}
+        prev_allocs: dict[int, Any] = {}
         seen: dict[tuple[str, str, str], int] = {}
         acc: dict[int, list[int]] = {}
-        phases: dict[str, int] = {}
         for j, op in enumerate(ops):
             k = (op.name, op.module, op.phase)
             c = seen.get(k, 0)
@@ -102,30 +137,14 @@ class ReplayState:
                     acc[sid] = [j]
                 else:
                     lst.append(j)
-        for (_, _, phase), c in seen.items():
-            phases[phase] = phases.get(phase, 0) + c
-        n_fwd, n_bwd = phases.get("forward", 0), phases.get("backward", 0)
-        self._ratio = n_bwd / n_fwd if n_fwd and n_bwd else 1.5
-        self._prev_len = len(ops)
         for sid, j in extra:
             acc.setdefault(sid, []).append(j)
         for sid in {sid for sid, _ in extra}:
             acc[sid].sort()
-        self._prev_sids = list(acc)
         lists = list(acc.values())
-        n = len(lists)
-        self._prev_idx = dict(zip(acc, range(n)))
-        lens = np.fromiter(map(len, lists), dtype=np.int64, count=n)
-        # counterpart i's positions: _prev_flat[_prev_start[i]:_prev_start[i + 1]]; two lists for the
-        # iteration, not one per storage (objects kept that long make Python's collector walk
-        # everything the program holds)
-        self._prev_flat = flat = list(itertools.chain.from_iterable(lists))
-        self._prev_start = [0, *itertools.accumulate(map(len, lists))]
-        del lists, acc
-        pos = np.asarray(flat, dtype=np.int64)
-        # sorted: by index, then position (each list is in operator order)
-        self._prev_keys = np.repeat(np.arange(n, dtype=np.int64) * KEY_BASE, lens) + pos
-        self._prev_count = lens.astype(np.float32)
+        flat = list(itertools.chain.from_iterable(lists))
+        start = [0, *itertools.accumulate(map(len, lists))]
+        return prev_ops, prev_allocs, seen, dict(zip(acc, range(len(lists)))), flat, start
 
     def _previous_changed(self) -> None:
         """The native kernel's table points at the new index and ratio."""
@@ -292,14 +311,15 @@ def plan_scores(X: np.ndarray, score: np.ndarray) -> np.ndarray:
 Block = tuple[frozenset[int], list[Any]]
 
 
-def _opt_blocks(it: Any) -> tuple[int, list[Any], list[Block], list[Any], set[int], list[Block]] | None:
+def _opt_blocks(it: Any) -> tuple[int, list[Any], list[Block], list[Any], set[int], list[Block], set[int]] | None:
     """An iteration's optimizer phase cut into blocks, each ending at an operator that touches a
     parameter (a storage the iteration did not allocate, accessed before the optimizer and in it);
     the block's key is the set of parameters that operator touches. Blocks that created state that
     outlives the iteration (an optimizer's first update of a parameter) are kept apart.
 
     Returns (first optimizer position, the leading operators that touch no storage, the blocks, the
-    operators after the last block, storages born in backward, the state-creating blocks), or None
+    operators after the last block, storages born in backward, the state-creating blocks, the
+    storages the operators before the optimizer touch), or None
     when the iteration has no optimizer phase or operators after it touch storages (operators that
     touch none, a profiler mark of ``zero_grad`` say, may follow it: they stay after it)."""
     ops = it.ops
@@ -334,7 +354,7 @@ def _opt_blocks(it: Any) -> tuple[int, list[Any], list[Block], list[Any], set[in
             init = any(sid not in freed for o in cur for sid in o.allocs)
             (inits if init else blocks).append((frozenset(key), cur))
             cur = []
-    return start, lead, blocks, cur + ops[end:], born_bwd, inits
+    return start, lead, blocks, cur + ops[end:], born_bwd, inits, before
 
 
 class OptimizerMemory:
@@ -372,7 +392,7 @@ class OptimizerMemory:
         if cut is None:
             self.ok = False
             return
-        start, _, blocks, _, born_bwd, inits = cut
+        start, _, blocks, _, born_bwd, inits, before = cut
         keys: list[frozenset[int]] = []
         for k, _ in blocks:
             if not keys or keys[-1] != k:
@@ -380,7 +400,6 @@ class OptimizerMemory:
         if len(set(keys)) != len(keys):
             self.ok = False  # a parameter updated in two places: not one order
             return
-        before = {sid for op in it.ops[:start] for sid in (*op.inputs, *op.outputs, *op.writes)}
         # the rule: of the parameters known, those used before the optimizer are the ones updated
         known = set(self.order)
         self.ok = {k for k in known if k & before} == known.intersection(keys)
@@ -489,7 +508,7 @@ class OptimizerMemory:
         cut = self.cut
         if cut is None:
             return None
-        start, lead, blocks, tail, born_prev, inits = cut
+        start, lead, blocks, tail, born_prev, inits, _ = cut
         mine: dict[frozenset[int], list[Any]] = {}
         for k, ops in blocks:
             mine.setdefault(k, []).extend(ops)

@@ -329,10 +329,14 @@ def test_the_batch_call_refuses_a_malformed_run():
     for words, code in (([7, 0, 0], -5), ([2, state._cap, 0], -4), ([1, 5, 0, 0, 0, 0, 0, 0, 0], -5),
                         ([1, 5, 0, 0, 0, 0, 1, 0, 0, 9], -5)):
         bt.words[: len(words)] = words
-        bt.b.n_words, bt.b.at = len(words), 0
+        bt.b.words, bt.b.n_words, bt.b.at = bt.words_addr, len(words), 0
         assert kern.operators(t.addr, bt.addr) == code, words
-    with pytest.raises(IndexError, match="out of range"):
-        pol._run_native([2, -1, 0], [], [], 0)
+    from dynn_runtime.pilot.policy import _Run
+
+    for run in (_Run(), *([native.pack_module().Run()] if native.pack_module() is not None else [])):
+        run += (2, -1, 0)
+        with pytest.raises(IndexError, match="out of range"):
+            pol._run_native(run, [], 0)
 
 
 class _WalkLockstep(_BulkLockstep):
@@ -344,17 +348,17 @@ class _WalkLockstep(_BulkLockstep):
         super().__init__(**kw)
         self.walked = 0
 
-    def _walker(self) -> object:
-        walk = super()._walker()
+    def _packing(self) -> tuple:
+        run, pack, walk = super()._packing()
         if walk is None:
-            return None
+            return run, pack, None
 
         def counting(events: list, i: int, *args: object) -> tuple:
             out = walk(events, i, *args)
             self.walked += out[0] - i
             return out
 
-        return counting
+        return run, pack, counting
 
 
 @pytest.mark.parametrize("native_pack", [True, False])

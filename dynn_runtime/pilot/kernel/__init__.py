@@ -42,7 +42,7 @@ from .tables import BatchTable, FusedTable, ModelTable, NativeHeap, PolicyTable,
 
 __all__ = ["available", "reason", "kernel", "resolve", "reset", "cache_dir", "source_hash", "SOURCES", "NativeKernel",
            "PolicyTable", "StateTable", "ModelTable", "NativeHeap", "FusedTable", "BatchTable", "BACKENDS", "packer",
-           "walker", "PACK_VERSION"]
+           "walker", "indexer", "pack_module", "PACK_VERSION"]
 
 BACKENDS = ("native", "numpy")
 _DIR = Path(__file__).parent
@@ -235,7 +235,7 @@ def kernel() -> NativeKernel | None:
 
 #: the interface of ``pack.c`` this package calls (its module's ``VERSION``); a build of another
 #: version (an editable checkout not rebuilt since the source changed) is not used
-PACK_VERSION = 3
+PACK_VERSION = 8
 _packer: list = []
 
 
@@ -255,6 +255,12 @@ def _pack_module() -> Any:
     return _packer[0]
 
 
+def pack_module() -> Any:
+    """The C module ``_pack`` (``pack.c``: ``Run``, ``pack``, ``walk``, ``index_ops``) of this
+    package's :data:`PACK_VERSION`, or None."""
+    return _pack_module()
+
+
 def packer() -> Any:
     """``pack`` of the C module ``_pack`` (an operator's record of a run, packed from the policy's
     dicts and sets), or None without the module: then the policy packs in Python
@@ -270,6 +276,14 @@ def walker() -> Any:
     loop handles them), or None without the module: then that loop takes every event."""
     mod = _pack_module()
     return None if mod is None else mod.walk
+
+
+def indexer() -> Any:
+    """``index_ops`` of the C module ``_pack`` (the previous iteration's index, as
+    :meth:`ReplayState._index_ops_py <dynn_runtime.pilot.replay.ReplayState._index_ops_py>` builds
+    it), or None without the module."""
+    mod = _pack_module()
+    return None if mod is None else mod.index_ops
 
 
 def available() -> bool:

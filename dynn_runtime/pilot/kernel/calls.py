@@ -75,6 +75,8 @@ class NativeKernel:
         #: PilotPolicy.on_operators' run of records (dynn_pilot_operators): the state table's and a
         #: BatchTable's structure's addresses
         self.operators = lib.dynn_pilot_operators
+        #: its address, for ``kernel/pack.c``'s ``operators`` (the call over a ``Run`` from C)
+        self.operators_addr = ctypes.cast(lib.dynn_pilot_operators, ctypes.c_void_p).value
         self._n_rows = ctypes.c_int64(0)
         self._n_rows_addr = ctypes.addressof(self._n_rows)
 

@@ -268,16 +268,19 @@ class BatchTable:
         b.priors = priors.ctypes.data
         b.n_rows, b.n_class = priors.shape
         self.n = 0
+        self.words_addr = 0
         self.freed = np.empty(0, dtype=np.float64)
         self.room(1024, 256)
 
     def room(self, n_words: int, n_freed: int) -> None:
-        """Buffers for ``n_words`` record words and ``n_freed`` reported deaths (grown, never shrunk)."""
+        """Buffers for ``n_words`` record words and ``n_freed`` reported deaths (grown, never shrunk).
+        The policy points ``words`` at this buffer or at the C packing's run (``kernel/pack.c``'s
+        ``Run``) before each call."""
         b = self.b
         if n_words > self.n:
             self.n = n = max(n_words, 2 * self.n)
             self.words = (ctypes.c_int64 * n)()
-            b.words = ctypes.addressof(self.words)
+            self.words_addr = b.words = ctypes.addressof(self.words)
         if n_freed > len(self.freed):
             self.freed = np.empty(max(n_freed, 2 * len(self.freed)), dtype=np.float64)
             b.freed_lb = self.freed.ctypes.data
