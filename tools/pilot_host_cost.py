@@ -19,7 +19,8 @@ less). Variants (default: all):
   ``on_alloc``, ``on_access``, ``on_op`` calls);
 - ``no-op-update``: the pilot without its ``on_op`` (what allocations, accesses and deaths cost);
 - ``parse-only``: a pilot that ignores every notification (what the runtime's log parse costs);
-- ``lru``, ``none``: the policies that never read the log in a step without a decision.
+- ``lru``, ``none``: the policies that never read the log in a step without a decision (``lru-py``: lru
+  keeping its order in Python, ``native_order=False``).
 
 Results are timing only: the stubbed variants make no sensible decisions.
 
@@ -40,6 +41,7 @@ import torch
 
 from dynn_runtime.pilot.policy import PilotPolicy
 from dynn_runtime.policies.base import Policy
+from dynn_runtime.policies.basic import LRUPolicy
 from dynn_runtime.runtime.manager import MemoryManager
 
 
@@ -87,7 +89,8 @@ class _ParseOnly(PilotPolicy):
 
 
 VARIANTS = {"pilot": PilotPolicy, "per-operator": _PerOperator, "python-fused": _PythonFused, "per-notification": _PerNotification, "no-op-update": _NoOpUpdate,
-            "parse-only": _ParseOnly, "lru": lambda: "lru", "none": lambda: "none"}
+            "parse-only": _ParseOnly, "lru": lambda: "lru", "lru-py": lambda: LRUPolicy(native_order=False),
+            "none": lambda: "none"}
 
 
 class _Switchable(PilotPolicy):
