@@ -35,13 +35,15 @@ static PyObject *s_alloc, *s_small, *s_bytes, *s_fraction, *s_peak, *minus_one, 
 static PyObject *a_nbytes, *a_kind, *a_saved, *s_live;
 
 /* the view's nbytes, kind or saved of sid: from the record table where the view reads it there
- * (Residency: ``st[sid].<field>``), else through the view's call (a new reference) */
+ * (Residency: ``st[sid].<field>``), else through the view's call (a new reference). A sid the table
+ * lacks goes to the call too (Residency answers it from ``recordless``: a storage the live runtime
+ * tells without a record). */
 static PyObject *view_read(PyObject *table, PyObject *field, PyObject *call, PyObject *sid) {
   if (table == Py_None) return PyObject_CallOneArg(call, sid);
   PyObject *rec = PyDict_GetItemWithError(table, sid);
   if (rec == NULL) {
-    if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, sid);
-    return NULL;
+    if (PyErr_Occurred()) return NULL;
+    return PyObject_CallOneArg(call, sid);
   }
   return PyObject_GetAttr(rec, field);
 }
@@ -504,8 +506,8 @@ static PyObject *pack_op(Run *run, PyObject *const *args, long *widest, long *to
       if (table == Py_None) {
         c = PyObject_CallOneArg(classify, sid);
       } else {
-        PyObject *kind = view_read(table, a_kind, NULL, sid);
-        PyObject *saved = kind ? view_read(table, a_saved, NULL, sid) : NULL;
+        PyObject *kind = view_read(table, a_kind, kind_of, sid);
+        PyObject *saved = kind ? view_read(table, a_saved, saved_of, sid) : NULL;
         c = saved ? storage_class(ctx, kind, saved) : NULL;
         Py_XDECREF(kind);
         Py_XDECREF(saved);
@@ -1458,7 +1460,7 @@ PyMODINIT_FUNC PyInit__pack(void) {
   Py_DECREF(heapq);
   if (heappush == NULL) return NULL;
   PyObject *m = PyModule_Create(&module);
-  if (m != NULL && (PyModule_AddIntConstant(m, "VERSION", 8) /* kernel.PACK_VERSION */ < 0 ||
+  if (m != NULL && (PyModule_AddIntConstant(m, "VERSION", 9) /* kernel.PACK_VERSION */ < 0 ||
                     PyModule_AddObjectRef(m, "Run", (PyObject *)&RunType) < 0)) {
     Py_DECREF(m);
     return NULL;
