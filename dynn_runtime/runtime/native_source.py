@@ -479,6 +479,8 @@ class NativeSource:
         busy: set[int] = self._last_busy
         last_outs = self._last_outs
         name = self._last_name
+        mods = self._modules  # _op_of's reads, hoisted
+        idioms = self._idiom_by_name
         OP, ALLOC, FREE = _C_TAGS
         i, n = 0, len(log)
         while i < n:
@@ -490,7 +492,17 @@ class NativeSource:
                 phase, module = _PHASES[pm & 3], pm >> 2
                 if writes:
                     self._drop_stale_hosts(writes)
-                op = self._op_of(name, phase, module, node, ins, outs, writes, allocs)
+                # _op_of, inline (Op's fields positional, in declaration order)
+                iv = idioms.get(name)
+                if mods is None:
+                    path = ""
+                else:
+                    if phase == "backward":
+                        module = mods.node_modules.get(node, 0)
+                    paths = mods.paths
+                    path = paths[module] if module < len(paths) else ""
+                op = Op(name, self._idiom_of(name) if iv is None else iv, phase, path, ins, outs, writes, allocs,
+                        0.0, 0, 0, node)
                 ops.append(op)
                 busy = set(ins).union(outs)
                 last_outs = outs
