@@ -30,10 +30,12 @@ from ..memory import format_bytes
 from ..policies.base import OPERATOR, TOUCH_ACCESS, TOUCH_ALLOC, TOUCH_FREE, Policy, tells_in_bulk
 from ..residency import Status
 from ..trace.format import Op
+from .controls import _PHASE_CODE
 
 RESIDENT, ABSENT = Status.RESIDENT, Status.ABSENT
 
 _PHASES = ("forward", "backward", "optimizer", "forward")
+_PHASE_CODES = tuple(_PHASE_CODE[p] for p in _PHASES)  # the timeline's codes (OpTimeline)
 _C_TAGS = (1, 2, 3)  # dynn_runtime._C's LOG_OP, LOG_ALLOC, LOG_FREE (checked by a test)
 
 
@@ -465,8 +467,7 @@ class NativeSource:
         st = self.st
         names = self._names
         ops = self._ops
-        timeline = self._timeline
-        step = self._step_index
+        tl: list[int] = []  # the timeline's entries, as (position, used, phase code) words
         cur = self._cur
         now = time.perf_counter() - self._t0
         saved_pending, grad_pending = self._saved_pending, self._grad_pending
@@ -527,7 +528,7 @@ class NativeSource:
                             b.count += 1
                             accessed.append(sid)
                 add((OPERATOR, j, op, accessed))
-                timeline.append((step, j, used, phase))
+                tl += (j, used, _PHASE_CODES[pm & 3])
                 self.position = j + 1
             elif tag == ALLOC:
                 sid, nb, fresh = log[i + 1], log[i + 2], log[i + 3]
@@ -565,6 +566,8 @@ class NativeSource:
         self._last_busy = busy
         self._last_outs = last_outs
         self._last_name = name
+        if tl:
+            self._timeline.extend_words(self._step_index, tl)
         recordless = self.recordless
         for sid, b in born.items():
             if b.dead:

@@ -149,7 +149,7 @@ def _numbered(mm, policy: _Told) -> tuple:
     labels = [(num(sid), *rest) for sid, *rest in policy.labels]
     dead = [(num(sid), *rest) for sid, *rest in policy.dead_labels]
     tables = [[(num(sid), *rest) for sid, *rest in t] for t in policy.tables]
-    return hist, table, labels, dead, tables
+    return hist, table, labels, dead, tables, list(mm._timeline)
 
 
 def test_a_batch_without_the_records_of_its_short_lived_storages_tells_what_the_records_would():
