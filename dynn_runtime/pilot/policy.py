@@ -810,7 +810,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             state._grow(state._cap * 2)  # extends the same free list
 
         # the live runtime's view reads its record table (Residency: ``st[sid].nbytes``, ``.kind``,
-        # ``.saved``): the C packing reads the records there instead of calling the view
+        # ``.saved``): the C packing reads the records there instead of calling the view (but for a sid
+        # the table lacks: ``Residency.recordless``)
         v = type(view)
         table = (view.st if isinstance(view, Residency) and v.nbytes is Residency.nbytes and v.kind is Residency.kind
                  and v.saved is Residency.saved else None)
