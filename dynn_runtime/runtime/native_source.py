@@ -582,11 +582,11 @@ class NativeSource:
                 self.policy.on_operators(events, phase0)
         finally:
             cur.policy_seconds += time.perf_counter() - t1
-            recordless.clear()
             frees = self._frees
             for sid, pos, b in dead:  # _forget_native's work, the policy told already
                 saved_pending.discard(sid)
                 if b is not None:  # no record: nothing held, away or pinned
+                    del recordless[sid]  # its own only (a handler the call reached may parse a batch too)
                     grad_pending.discard(sid)
                     frees.setdefault(pos, []).append(sid)
                     continue
