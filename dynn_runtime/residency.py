@@ -120,6 +120,10 @@ class Residency:
         self.peak = 0
         self.offloading: dict[int, Any] = {}
         self.fetching: dict[int, Any] = {}
+        #: storages the view answers ``nbytes``, ``kind`` and ``saved`` for without a record in ``st``:
+        #: objects with those three attributes, set only for the length of one call to the policy (the
+        #: live runtime tells a batch's storages born and dead in it without making their records)
+        self.recordless: dict[int, Any] = {}
 
     # ---- the state machine ---------------------------------------------------------------------
     def set_status(self, s: Record, new: Status) -> None:
@@ -219,14 +223,19 @@ class Residency:
         raise NotImplementedError
 
     # ---- MemoryView: what policies read (invariant 5) ------------------------------------------
+    # A storage without a record in ``st`` that the policy is being told of (the live runtime's bulk
+    # call, for one born and dead within its batch) is answered from ``recordless``.
     def nbytes(self, sid: int) -> int:
-        return self.st[sid].nbytes
+        s = self.st.get(sid)
+        return (self.recordless[sid] if s is None else s).nbytes
 
     def kind(self, sid: int) -> str:
-        return self.st[sid].kind
+        s = self.st.get(sid)
+        return (self.recordless[sid] if s is None else s).kind
 
     def saved(self, sid: int) -> bool:
-        return self.st[sid].saved
+        s = self.st.get(sid)
+        return (self.recordless[sid] if s is None else s).saved
 
     def status(self, sid: int) -> str:
         s = self.st.get(sid)

@@ -2,7 +2,8 @@
 source: thread CPU time of managed steps with the policy's boolean ATTR on and off, alternating step by step in one
 manager, each after a PyTorch alone step (outside mm.step). ATTR: ``batch_kernel`` (default: the bulk call's runs in
 one kernel call, or one kernel call per operator) or ``native_pack`` (the runs' records packed by the C module, or
-by the Python loop)."""
+by the Python loop); or an attribute of the manager (``records_in_batch``: every storage a batch sees born
+recorded, or only those that outlive it)."""
 from __future__ import annotations
 
 import gc
@@ -38,6 +39,19 @@ def _timed(events, phase):
     finally:
         _acc[0] += time.thread_time() - t0
 pol.on_operators = _timed
+# the runtime's side of the bulk path: its parse of a batch (records, Op records, access fields), the policy's call
+# taken out
+_parse = [0.0]
+_orig_parse = mm._native_operators
+def _timed_parse(log):
+    t0 = time.thread_time()
+    before = _acc[0]
+    try:
+        _orig_parse(log)
+    finally:
+        _parse[0] += time.thread_time() - t0 - (_acc[0] - before)
+mm._native_operators = _timed_parse
+parse = {True: [], False: []}
 alone = {True: [], False: []}
 ops = 0
 young = {True: 0, False: 0}
@@ -60,12 +74,13 @@ try:
             t0 = time.thread_time()
             train_step(wl, model, opt, b)
             p = time.thread_time() - t0
-            setattr(pol, switch, on)
+            setattr(pol if hasattr(pol, switch) else mm, switch, on)
             cur[0] = on
             gc.collect()
             if nogc:
                 gc.disable()
             _acc[0] = 0.0
+            _parse[0] = 0.0
             with mm.step():
                 t0 = time.thread_time()
                 train_step(wl, model, opt, b)
@@ -75,6 +90,7 @@ try:
             ops = mm.steps[-1].ops
             res[on].append(m)
             inside[on].append(_acc[0] / ops)
+            parse[on].append(_parse[0] / ops)
             alone[on].append(p)
     assert mm.stats()["event_source"] == "native"
 finally:
@@ -85,9 +101,13 @@ for on in (True, False):
     print(f"{switch}={on}: managed {m:.3f} s/step, PyTorch alone {p:.3f} s/step, ratio {m / p:.2f}x, "
           f"+{(m - p) / ops * 1e6:.1f} us/op over alone ({ops} ops/step), young collections {young[on]}, full {full[on]}")
     print(f"  on_operators: median {statistics.median(inside[on]) * 1e6:.1f} us/op, min {min(inside[on]) * 1e6:.1f}")
+    print(f"  the runtime's parse: median {statistics.median(parse[on]) * 1e6:.1f} us/op, min {min(parse[on]) * 1e6:.1f}")
 d = [a - b for a, b in zip(res[True], res[False])]
 e = [a - b for a, b in zip(inside[True], inside[False])]
 print(f"on_operators per pair (on - off): median {statistics.median(e) * 1e6:+.1f} us/op, lower in {sum(x < 0 for x in e)}/{len(e)}")
+f = [a - b for a, b in zip(parse[True], parse[False])]
+print(f"the runtime's parse per pair (on - off): median {statistics.median(f) * 1e6:+.1f} us/op, "
+      f"lower in {sum(x < 0 for x in f)}/{len(f)}")
 print("pairs (on, off) s:", [(round(a, 3), round(b, 3)) for a, b in zip(res[True], res[False])])
 print(f"per-pair difference (on - off): median {statistics.median(d) / ops * 1e6:+.1f} us/op; "
       f"on lower in {sum(x < 0 for x in d)}/{len(d)} pairs")

@@ -27,7 +27,9 @@ Results are timing only: the stubbed variants make no sensible decisions.
 ``--paired-kernel``: the pilot's batches told in bulk on every step, their runs of operators in one
 kernel call (``dynn_pilot_operators``) and one kernel call per operator (``batch_kernel = False``)
 on alternate steps of one manager. ``--paired-pack``: the same, the runs' records packed by the C
-module (``pilot/kernel/pack.c``) and by the Python loop (``native_pack = False``).
+module (``pilot/kernel/pack.c``) and by the Python loop (``native_pack = False``). ``--paired-records``:
+the same, the runtime making no record for a storage born and dead in a batch, and one for every birth
+(``MemoryManager.records_in_batch``, the reference).
 """
 
 from __future__ import annotations
@@ -147,14 +149,17 @@ def _work() -> tuple[Any, torch.nn.Module]:
     return work, lin
 
 
-def measure_paired(reps: int, kernel: bool = False, pack: bool = False) -> tuple[int, float, float]:
+def measure_paired(reps: int, kernel: bool = False, pack: bool = False,
+                   records: bool = False) -> tuple[int, float, float]:
     """One manager, one pilot: every repetition runs PyTorch alone, a step told in bulk, PyTorch alone
     and a step told per operator (the order alternating), so both sides meet the same load.
     (operators per step, median us per operator over PyTorch alone in bulk, and per operator).
     ``kernel``: both sides in bulk, the runs in one kernel call against one call per operator;
-    ``pack``: both sides in bulk, the runs packed in C against in Python."""
+    ``pack``: both sides in bulk, the runs packed in C against in Python; ``records``: both sides in
+    bulk, no record for the storages born and dead in a batch against a record for every birth."""
     work, lin = _work()
-    pol = _PackSwitchable() if pack else _KernelSwitchable() if kernel else _Switchable()
+    pol = (PilotPolicy() if records else _PackSwitchable() if pack else _KernelSwitchable() if kernel
+           else _Switchable())
     mm = MemoryManager(1 << 50, policy=pol, device="cpu", events="native")
     mm.attach(lin)
     diff: dict[bool, list[float]] = {True: [], False: []}
@@ -167,7 +172,10 @@ def measure_paired(reps: int, kernel: bool = False, pack: bool = False) -> tuple
                 t0 = time.thread_time()
                 work()
                 p = time.thread_time() - t0
-                pol.bulk = bulk
+                if records:
+                    mm.records_in_batch = not bulk
+                else:
+                    pol.bulk = bulk
                 with mm.step():
                     t0 = time.thread_time()
                     work()
@@ -220,11 +228,19 @@ def main() -> None:
     ap.add_argument("--paired-pack", action="store_true",
                     help="only the pilot told in bulk, its runs packed by the C module and by Python on alternate "
                          "steps of one manager")
+    ap.add_argument("--paired-records", action="store_true",
+                    help="only the pilot told in bulk, the runtime without and with records for the storages born "
+                         "and dead in a batch on alternate steps of one manager")
     args = ap.parse_args()
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad:
         ap.error(f"unknown variant(s) {', '.join(bad)}; choose from {', '.join(VARIANTS)}")
     torch.set_num_threads(1)
+    if args.paired_records:
+        ops, light, full = measure_paired(args.reps, records=True)
+        print(f"pilot told in bulk, {ops} operators per step: +{light:.1f} us/op without records for storages born "
+              f"and dead in a batch, +{full:.1f} us/op with them (median over PyTorch alone, paired step by step)")
+        return
     if args.paired_pack:
         ops, c, py = measure_paired(args.reps, pack=True)
         print(f"pilot told in bulk, {ops} operators per step: +{c:.1f} us/op packed in C, "

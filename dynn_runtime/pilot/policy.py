@@ -797,9 +797,10 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         """What :meth:`_pack_run_op` (and its C twin) read besides the operator, for one
         ``on_operators`` call: the view is the batch's end throughout the call, so a storage's class
         is read once per call (``cls_of``). The order is ``kernel/pack.c``'s (``C_SLOT`` ...); the
-        last four are the C packing's alone: the view's record table where the view reads it there,
-        the storage-class tables, and whether the small-storage classes are the plain
-        ``SmallStorages`` (whose ``alloc`` and ``access`` it then does itself)."""
+        last five are the C packing's alone: the view's record table where the view reads it there,
+        the storage-class tables, whether the small-storage classes are the plain ``SmallStorages``
+        (whose ``alloc`` and ``access`` it then does itself), and the view's ``recordless`` beside
+        its record table."""
         state, view = self._state, self.view
         kind_of, saved_of = view.kind, view.saved
 
@@ -810,13 +811,14 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             state._grow(state._cap * 2)  # extends the same free list
 
         # the live runtime's view reads its record table (Residency: ``st[sid].nbytes``, ``.kind``,
-        # ``.saved``): the C packing reads the records there instead of calling the view
+        # ``.saved``): the C packing reads the records there, and ``recordless`` for a sid the table
+        # lacks, instead of calling the view
         v = type(view)
         table = (view.st if isinstance(view, Residency) and v.nbytes is Residency.nbytes and v.kind is Residency.kind
                  and v.saved is Residency.saved else None)
         return (state._slot, state._free, grow, view.nbytes, kind_of, saved_of, _KIND_IDX, _TEMP, self._small,
                 bool(self.small_fraction), {}, classify, table, _CLASS_OF_KIND, _SAVED_KINDS,
-                type(self._small) is SmallStorages)
+                type(self._small) is SmallStorages, None if table is None else view.recordless)
 
     def _packing(self) -> tuple[Any, Any, Any]:
         """A bulk call's run, its packing and its walk: ``kernel/pack.c``'s ``Run``, ``pack`` and

@@ -30,10 +30,12 @@ from ..memory import format_bytes
 from ..policies.base import OPERATOR, TOUCH_ACCESS, TOUCH_ALLOC, TOUCH_FREE, Policy, tells_in_bulk
 from ..residency import Status
 from ..trace.format import Op
+from .controls import _PHASE_CODE
 
 RESIDENT, ABSENT = Status.RESIDENT, Status.ABSENT
 
 _PHASES = ("forward", "backward", "optimizer", "forward")
+_PHASE_CODES = tuple(_PHASE_CODE[p] for p in _PHASES)  # the timeline's codes (OpTimeline)
 _C_TAGS = (1, 2, 3)  # dynn_runtime._C's LOG_OP, LOG_ALLOC, LOG_FREE (checked by a test)
 
 
@@ -52,8 +54,30 @@ def _op_record(log: Sequence[int], i: int) -> tuple:
     return name_id, pm, node, used, ins, outs, writes, tuple(log[k:k + na]), k + na
 
 
+class _Born:
+    """A storage :meth:`NativeSource._native_operators` saw born in its batch, before it has a record:
+    what the view answers for it (``nbytes``, ``kind``, ``saved``), where its record would start
+    (``fresh``, ``pos``), the access fields the batch gave it, and whether it died in the batch."""
+
+    __slots__ = ("nbytes", "kind", "saved", "fresh", "pos", "last_access", "count", "dead")
+
+    def __init__(self, nbytes: int, kind: str, saved: bool, fresh: int, pos: int) -> None:
+        self.nbytes = nbytes
+        self.kind = kind
+        self.saved = saved
+        self.fresh = fresh
+        self.pos = pos
+        self.last_access = -1
+        self.count = 0
+        self.dead = False
+
+
 class NativeSource:
     """Faults, decisions and the log of the native event source."""
+
+    #: the pilot's bulk path makes the record of every storage born in a batch as it reads the birth
+    #: (the reference), not only of those that outlive the batch
+    records_in_batch = False
 
     def _native_fault(self, sids: list[int], ins: list[int], name: str) -> None:
         try:
@@ -425,10 +449,172 @@ class NativeSource:
         """The in-step parse for a policy that reads operators and said the batch may be told in
         bulk (:meth:`~dynn_runtime.policies.base.Policy.operators_in_bulk`: no ``after_op`` of the
         batch would act): the runtime's own work per event is the per-operator path's, in log order
-        (records, ``Op`` records, access fields, timeline, collectives), and the policy gets every
-        event in one :meth:`~dynn_runtime.policies.base.Policy.on_operators` call. The records of the
-        storages that died in the batch are forgotten after that call, so the policy's view still
-        answers for them (sids are never reused, so no birth in the batch can meet a dead record)."""
+        (``Op`` records, access fields, timeline, collectives), and the policy gets every event in
+        one :meth:`~dynn_runtime.policies.base.Policy.on_operators` call.
+
+        A storage born in the batch gets its record only if it outlives the batch, made before that
+        call in birth order (so the table's order is the per-operator path's), with the access fields
+        the batch gave it; one born and dead within the batch has none: during the call the view
+        answers its size, kind and saved flag from ``recordless`` (what its record's birth would
+        say: ``_new_native``'s labels), and it counts as known wherever a record would (``accessed``,
+        its death told). The records of the storages that died in the batch are forgotten after
+        that call, so the policy's view still answers for them (sids are never reused, so no birth
+        in the batch can meet a dead record). ``records_in_batch`` makes every birth's record at
+        once (the reference the tests compare with)."""
+        if self.records_in_batch:
+            self._native_operators_recorded(log)
+            return
+        st = self.st
+        names = self._names
+        ops = self._ops
+        tl: list[int] = []  # the timeline's entries, as (position, used, phase code) words
+        cur = self._cur
+        now = time.perf_counter() - self._t0
+        saved_pending, grad_pending = self._saved_pending, self._grad_pending
+        events: list[tuple] = []
+        add = events.append
+        # the deaths in log order: a record's sid, or a birth of this batch's _Born
+        dead: list[tuple[int, int, _Born | None]] = []
+        born: dict[int, _Born] = {}  # born in this batch, no record yet (alive or dead)
+        phase0 = phase = self.phase
+        busy: set[int] = self._last_busy
+        last_outs = self._last_outs
+        name = self._last_name
+        mods = self._modules  # _op_of's reads, hoisted
+        idioms = self._idiom_by_name
+        OP, ALLOC, FREE = _C_TAGS
+        i, n = 0, len(log)
+        while i < n:
+            tag = log[i]
+            if tag == OP:
+                j = self.position
+                name_id, pm, node, used, ins, outs, writes, allocs, i = _op_record(log, i)
+                name = names[name_id]
+                phase, module = _PHASES[pm & 3], pm >> 2
+                if writes:
+                    self._drop_stale_hosts(writes)
+                # _op_of, inline (Op's fields positional, in declaration order)
+                iv = idioms.get(name)
+                if mods is None:
+                    path = ""
+                else:
+                    if phase == "backward":
+                        module = mods.node_modules.get(node, 0)
+                    paths = mods.paths
+                    path = paths[module] if module < len(paths) else ""
+                op = Op(name, self._idiom_of(name) if iv is None else iv, phase, path, ins, outs, writes, allocs,
+                        0.0, 0, 0, node)
+                ops.append(op)
+                busy = set(ins).union(outs)
+                last_outs = outs
+                if name.startswith("c10d::"):  # the observer does not see the Work: held until the step ends
+                    self._record_batch_born(born, dead, now)
+                    self._hold_for_collective(busy, None)
+                accessed = []
+                for sid in busy:  # _accessed, for the records and the births of the batch
+                    s = st.get(sid)
+                    if s is not None:
+                        s.last_access = j
+                        s.last_access_t = now
+                        s.count += 1
+                        if s.pf:
+                            s.pf = False
+                            cur.prefetch_hits += 1
+                        accessed.append(sid)
+                    else:
+                        b = born.get(sid)
+                        if b is not None:
+                            b.last_access = j
+                            b.count += 1
+                            accessed.append(sid)
+                add((OPERATOR, j, op, accessed))
+                tl += (j, used, _PHASE_CODES[pm & 3])
+                self.position = j + 1
+            elif tag == ALLOC:
+                sid, nb, fresh = log[i + 1], log[i + 2], log[i + 3]
+                i += 4
+                if sid not in st and sid not in born:
+                    # _new_native's labels (movable: a birth in a step), kept until the record or the death
+                    if sid in saved_pending:
+                        kind, saved = "activation", True
+                    else:
+                        kind, saved = "temp" if fresh else "input", False
+                    if sid in grad_pending:
+                        kind = "grad"
+                    born[sid] = _Born(nb, kind, saved, fresh, self.position)
+                if not fresh:
+                    pos = self.position
+                    self._pre.setdefault(pos, []).append(sid)
+                    add((TOUCH_ALLOC, sid, -1 if pos == 0 else pos))
+            elif tag == FREE:
+                sid = log[i + 1]
+                i += 2
+                b = born.get(sid)
+                if b is not None:
+                    if not b.dead:
+                        b.dead = True
+                        dead.append((sid, self.position, b))
+                        add((TOUCH_FREE, sid))
+                elif sid in st:  # an unknown storage's death is told to nobody (_forget_native)
+                    dead.append((sid, self.position, None))
+                    add((TOUCH_FREE, sid))
+                else:
+                    saved_pending.discard(sid)
+            else:
+                internal_assert(False, f"runtime: corrupt native event log (tag {tag} at word {i})")
+        self.phase = phase
+        self._last_busy = busy
+        self._last_outs = last_outs
+        self._last_name = name
+        if tl:
+            self._timeline.extend_words(self._step_index, tl)
+        recordless = self.recordless
+        for sid, b in born.items():
+            if b.dead:
+                recordless[sid] = b
+            else:
+                x = self._new_native(sid, "temp" if b.fresh else "input", b.nbytes, True, b.pos)
+                if b.count:
+                    x.last_access, x.last_access_t, x.count = b.last_access, now, b.count
+        t1 = time.perf_counter()
+        try:
+            if events:
+                self.policy.on_operators(events, phase0)
+        finally:
+            cur.policy_seconds += time.perf_counter() - t1
+            frees = self._frees
+            for sid, pos, b in dead:  # _forget_native's work, the policy told already
+                saved_pending.discard(sid)
+                if b is not None:  # no record: nothing held, away or pinned
+                    del recordless[sid]  # its own only (a handler the call reached may parse a batch too)
+                    grad_pending.discard(sid)
+                    frees.setdefault(pos, []).append(sid)
+                    continue
+                x = st.pop(sid, None)
+                if x is None:  # forgotten meanwhile (the policy's call reached a handler that read the table)
+                    continue
+                if x.status is not ABSENT:
+                    self.set_status(x, ABSENT)
+                self._drop_host(x)
+                frees.setdefault(pos, []).append(sid)
+                self._pinned.discard(sid)
+
+    def _record_batch_born(self, born: dict[int, _Born], dead: list[tuple[int, int, _Born | None]],
+                           now: float) -> None:
+        """The records of the storages :meth:`_native_operators` saw born so far, in birth order, the
+        dead ones included (a collective's storages are held by their records): from here on they
+        are the table's, and a death seen already is a record's."""
+        for sid, b in born.items():
+            x = self._new_native(sid, "temp" if b.fresh else "input", b.nbytes, True, b.pos)
+            if b.count:
+                x.last_access, x.last_access_t, x.count = b.last_access, now, b.count
+        born.clear()
+        for k, (sid, pos, b) in enumerate(dead):
+            if b is not None:
+                dead[k] = (sid, pos, None)
+
+    def _native_operators_recorded(self, log: list[int]) -> None:
+        """:meth:`_native_operators` with every birth's record made as it is read (the reference)."""
         st = self.st
         names = self._names
         ops = self._ops

@@ -61,15 +61,17 @@ class _View:
 
 class _RecordView(Residency):
     """The live runtime's kind of view: Residency's reads of a record table (the C packing reads the
-    records)."""
+    records), and of ``recordless`` for a storage without a record (one in four)."""
 
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
         self.st: dict[int, Record] = {}
+        self.recordless: dict[int, Record] = {}
 
     def born(self, sid: int) -> None:
-        self.st[sid] = Record(sid, self.rng.choice((4, 64, 1 << 10, 1 << 16, 1 << 20)), self.rng.choice(_KINDS),
-                              self.rng.random() < 0.3)
+        table = self.recordless if self.rng.random() < 0.25 else self.st
+        table[sid] = Record(sid, self.rng.choice((4, 64, 1 << 10, 1 << 16, 1 << 20)), self.rng.choice(_KINDS),
+                            self.rng.random() < 0.3)
 
 
 def _policy(view: _View, fraction: float) -> PilotPolicy:
@@ -100,7 +102,7 @@ def test_pack_writes_what_the_python_packing_writes(fraction, view_cls):
     py, c = _policy(view, fraction), _policy(view, fraction)
     pack = native.packer()
     py_ctx, c_ctx = _context(py), _context(c)
-    assert (c_ctx[12] is view.st) if view_cls is _RecordView else c_ctx[12] is None
+    assert (c_ctx[12] is view.st and c_ctx[16] is view.recordless) if view_cls is _RecordView else c_ctx[12] is None
     prev_idx = {sid: rng.randrange(50) for sid in range(0, 400, 3)}
     next_sid, live = 0, []
     grew = 0

@@ -25,15 +25,24 @@ class _Told(Policy):
         self.told: list[tuple] = []
         self.batches = 0
         self.dead_sizes: list[int] = []
+        self.dead_labels: list[tuple] = []  # a dead storage's sid, size, kind, saved flag, as the view says
+        self.labels: list[tuple] = []  # the same of each operator's allocations and accesses
+        self.recordless = 0  # deaths told of storages without a record during the call
 
     def operators_in_bulk(self) -> bool:
         return self.bulk
 
     def on_operators(self, events, phase):
         self.batches += 1
+        view = self.view
         for ev in events:
             if ev[0] == TOUCH_FREE:
-                self.dead_sizes.append(self.view.nbytes(ev[1]))
+                self.dead_sizes.append(view.nbytes(ev[1]))
+                self.dead_labels.append((ev[1], view.nbytes(ev[1]), view.kind(ev[1]), view.saved(ev[1])))
+                self.recordless += ev[1] not in view.st
+            elif ev[0] == OPERATOR:
+                for sid in (*ev[2].allocs, *ev[3]):
+                    self.labels.append((sid, view.nbytes(sid), view.kind(sid), view.saved(sid)))
         super().on_operators(events, phase)
 
     def on_alloc(self, sid, position):
@@ -49,12 +58,15 @@ class _Told(Policy):
         return []
 
 
-def _run(policy: _Told) -> list[tuple]:
+def _run(policy: _Told, records_in_batch: bool = False, keep: list | None = None) -> list[tuple]:
     torch.manual_seed(0)
     x, w = torch.randn(8, 8), torch.randn(8, 8)
     lin = torch.nn.Linear(16, 16)
     inp = torch.randn(4, 16)
     mm = dr.MemoryManager(1 << 40, policy=policy, device="cpu", events="native").attach(lin)
+    mm.records_in_batch = records_in_batch
+    if keep is not None:
+        keep.append(mm)
     try:
         for _ in range(3):
             with mm.step():
@@ -95,3 +107,62 @@ def test_the_default_on_operators_makes_the_calls_in_order():
     op = type("Op", (), {"name": "aten::mul.Tensor", "phase": "forward", "allocs": (7,)})()
     Policy.on_operators(pol, [(TOUCH_ALLOC, 3, -1), (OPERATOR, 0, op, [3, 7]), (TOUCH_FREE, 3)], "forward")
     assert pol.told == [("alloc", 3, -1), ("op", 0, "aten::mul.Tensor", "forward", (7,), (3, 7)), ("free", 3)]
+
+
+class _Labelled(_Told):
+    """Reads saved flags, labels and modules: the runtime hooks saved tensors, labels gradients and
+    tracks modules for it."""
+
+    reads_saved = True
+    reads_labels = True
+    reads_modules = True
+
+    def __init__(self, bulk: bool) -> None:
+        super().__init__(bulk)
+        self.tables: list[list[tuple]] = []  # per call, the records of the storages alive at the batch's end
+
+    def on_operators(self, events, phase):
+        gone = {ev[1] for ev in events if ev[0] == TOUCH_FREE}
+        self.tables.append([(sid, s.kind, s.saved, s.nbytes, s.born_pos, s.last_access, s.count)
+                            for sid, s in self.view.st.items() if sid not in gone])
+        super().on_operators(events, phase)
+
+
+def _numbered(mm, policy: _Told) -> tuple:
+    """What a run leaves that storage records feed, with sids numbered as first told: the history's
+    operators, frees and births before operators, the records left (kind, saved flag, size, birth
+    position, last access, count, in table order), and what the view said of each storage told."""
+    ids: dict[int, int] = {}
+
+    def num(sid):
+        return ids.setdefault(sid, len(ids))
+
+    for ev in policy.told:  # the numbering of _run's
+        for sid in (ev[1:2] if ev[0] != "op" else (*ev[4], *sorted(ev[5]))):
+            num(sid)
+    # (not the autograd node: its sequence numbers go on from run to run in one process)
+    hist = [([(o.name, o.idiom, o.phase, o.module, *(tuple(map(num, x)) for x in (o.inputs, o.outputs, o.writes, o.allocs)))
+              for o in it.ops],
+             {k: [num(s) for s in v] for k, v in it.frees.items()},
+             {k: [num(s) for s in v] for k, v in it.pre_allocs.items()}) for it in mm.history]
+    table = [(num(sid), s.kind, s.saved, s.nbytes, s.born_pos, s.last_access, s.count) for sid, s in mm.st.items()]
+    labels = [(num(sid), *rest) for sid, *rest in policy.labels]
+    dead = [(num(sid), *rest) for sid, *rest in policy.dead_labels]
+    tables = [[(num(sid), *rest) for sid, *rest in t] for t in policy.tables]
+    return hist, table, labels, dead, tables, list(mm._timeline)
+
+
+def test_a_batch_without_the_records_of_its_short_lived_storages_tells_what_the_records_would():
+    """The bulk path makes no record for a storage born and dead in its batch: the policy is told
+    the same events, its view answers the same sizes, kinds and saved flags during the call, and
+    the history and the records left are the reference's (every birth recorded as it is read)."""
+    ref_mm: list = []
+    new_mm: list = []
+    ref, new = _Labelled(bulk=True), _Labelled(bulk=True)
+    expected = _run(ref, records_in_batch=True, keep=ref_mm)
+    got = _run(new, keep=new_mm)
+    assert got == expected
+    assert ref.recordless == 0 and new.recordless > 50  # the path under test was taken
+    assert any(kind == "activation" and saved for _, _, kind, saved in new.dead_labels)
+    assert _numbered(new_mm[0], new) == _numbered(ref_mm[0], ref)
+    assert not new_mm[0].recordless

@@ -28,20 +28,26 @@
 
 /* the context tuple PilotPolicy._pack_context builds (its order) */
 enum { C_SLOT, C_FREE, C_GROW, C_NBYTES, C_KIND, C_SAVED, C_KIND_IDX, C_TEMP, C_SMALL, C_FRACTION, C_CLS_OF,
-       C_CLASSIFY, C_TABLE, C_CLASS_OF_KIND, C_SAVED_KINDS, C_PLAIN_SMALL, C_N };
+       C_CLASSIFY, C_TABLE, C_CLASS_OF_KIND, C_SAVED_KINDS, C_PLAIN_SMALL, C_RECORDLESS, C_N };
 
 static PyObject *s_alloc, *s_small, *s_bytes, *s_fraction, *s_peak, *minus_one, *minus_two, *zero, *one, *two;
 
 static PyObject *a_nbytes, *a_kind, *a_saved, *s_live;
 
 /* the view's nbytes, kind or saved of sid: from the record table where the view reads it there
- * (Residency: ``st[sid].<field>``), else through the view's call (a new reference) */
-static PyObject *view_read(PyObject *table, PyObject *field, PyObject *call, PyObject *sid) {
+ * (Residency: ``st[sid].<field>``, else ``recordless[sid].<field>``: a storage the live runtime tells
+ * without a record), else through the view's call (a new reference) */
+static PyObject *view_read(PyObject *ctx, PyObject *field, PyObject *call, PyObject *sid) {
+  PyObject *table = PyTuple_GET_ITEM(ctx, C_TABLE);
   if (table == Py_None) return PyObject_CallOneArg(call, sid);
   PyObject *rec = PyDict_GetItemWithError(table, sid);
   if (rec == NULL) {
-    if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, sid);
-    return NULL;
+    if (PyErr_Occurred()) return NULL;
+    rec = PyDict_GetItemWithError(PyTuple_GET_ITEM(ctx, C_RECORDLESS), sid);
+    if (rec == NULL) {
+      if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, sid);
+      return NULL;
+    }
   }
   return PyObject_GetAttr(rec, field);
 }
@@ -363,8 +369,8 @@ static PyObject *pack_op(Run *run, PyObject *const *args, long *widest, long *to
   if (fraction < 0) return NULL;
   int plain_small = PyObject_IsTrue(PyTuple_GET_ITEM(ctx, C_PLAIN_SMALL));
   if (plain_small < 0) return NULL;
-  if (table != Py_None && !PyDict_Check(table)) {
-    PyErr_SetString(PyExc_TypeError, "pilot pack: the record table is not a dict");
+  if (table != Py_None && (!PyDict_Check(table) || !PyDict_Check(PyTuple_GET_ITEM(ctx, C_RECORDLESS)))) {
+    PyErr_SetString(PyExc_TypeError, "pilot pack: the record table or the recordless table is not a dict");
     return NULL;
   }
   if (!PyDict_Check(slot) || !PyList_Check(free_list) || !PyDict_Check(kind_idx) || !PyDict_Check(cls_of)) {
@@ -420,15 +426,15 @@ static PyObject *pack_op(Run *run, PyObject *const *args, long *widest, long *to
     if (sv > top) top = sv;
     /* the words in the Python tuple's order; the slot first, before the view's calls */
     if (put(run, sv) < 0 || put_obj(run, sid) < 0) goto done;
-    PyObject *nb = view_read(table, a_nbytes, nbytes_of, sid);
+    PyObject *nb = view_read(ctx, a_nbytes, nbytes_of, sid);
     if (nb == NULL) goto done;
-    PyObject *kind = view_read(table, a_kind, kind_of, sid);
+    PyObject *kind = view_read(ctx, a_kind, kind_of, sid);
     if (kind == NULL) { Py_DECREF(nb); goto done; }
     PyObject *k = PyDict_GetItemWithError(kind_idx, kind);
     Py_DECREF(kind);
     if (k == NULL && PyErr_Occurred()) { Py_DECREF(nb); goto done; }
     if (put_obj(run, k != NULL ? k : temp) < 0) { Py_DECREF(nb); goto done; }
-    PyObject *saved = view_read(table, a_saved, saved_of, sid);
+    PyObject *saved = view_read(ctx, a_saved, saved_of, sid);
     if (saved == NULL) { Py_DECREF(nb); goto done; }
     int sb = PyObject_IsTrue(saved);
     Py_DECREF(saved);
@@ -504,8 +510,8 @@ static PyObject *pack_op(Run *run, PyObject *const *args, long *widest, long *to
       if (table == Py_None) {
         c = PyObject_CallOneArg(classify, sid);
       } else {
-        PyObject *kind = view_read(table, a_kind, NULL, sid);
-        PyObject *saved = kind ? view_read(table, a_saved, NULL, sid) : NULL;
+        PyObject *kind = view_read(ctx, a_kind, kind_of, sid);
+        PyObject *saved = kind ? view_read(ctx, a_saved, saved_of, sid) : NULL;
         c = saved ? storage_class(ctx, kind, saved) : NULL;
         Py_XDECREF(kind);
         Py_XDECREF(saved);
@@ -685,8 +691,7 @@ done:
  * the kernel writes after the row, and the relink heap's entry (-first access of the target, slot,
  * sid, target). */
 static int link_allocs(Run *run, PyObject *state, PyObject *ctx, PyObject *allocs, PyObject *inputs) {
-  PyObject *slot = PyTuple_GET_ITEM(ctx, C_SLOT), *nbytes_of = PyTuple_GET_ITEM(ctx, C_NBYTES),
-           *table = PyTuple_GET_ITEM(ctx, C_TABLE);
+  PyObject *slot = PyTuple_GET_ITEM(ctx, C_SLOT), *nbytes_of = PyTuple_GET_ITEM(ctx, C_NBYTES);
   PyObject *seq = PySequence_Fast(allocs, "pilot walk: the allocations are not a sequence");
   PyObject *relink = seq ? PyObject_GetAttr(state, a_relink) : NULL;
   PyObject *first = relink ? PyObject_GetAttr(state, a_mir_first) : NULL;
@@ -700,7 +705,7 @@ static int link_allocs(Run *run, PyObject *state, PyObject *ctx, PyObject *alloc
       continue;
     }
     Py_INCREF(s);
-    PyObject *nb = view_read(table, a_nbytes, nbytes_of, sid);
+    PyObject *nb = view_read(ctx, a_nbytes, nbytes_of, sid);
     long long nbv = nb ? PyLong_AsLongLong(nb) : -1;
     Py_XDECREF(nb);
     if (nbv == -1 && PyErr_Occurred()) { Py_DECREF(s); goto done; }
@@ -1458,7 +1463,7 @@ PyMODINIT_FUNC PyInit__pack(void) {
   Py_DECREF(heapq);
   if (heappush == NULL) return NULL;
   PyObject *m = PyModule_Create(&module);
-  if (m != NULL && (PyModule_AddIntConstant(m, "VERSION", 8) /* kernel.PACK_VERSION */ < 0 ||
+  if (m != NULL && (PyModule_AddIntConstant(m, "VERSION", 9) /* kernel.PACK_VERSION */ < 0 ||
                     PyModule_AddObjectRef(m, "Run", (PyObject *)&RunType) < 0)) {
     Py_DECREF(m);
     return NULL;
