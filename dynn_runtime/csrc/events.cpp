@@ -64,6 +64,11 @@
 //  12. No kernel reads a storage that is away. Where the fault handler returns with an input still
 //      away (it raised), the operator throws before its kernel, naming the handler's error; the
 //      storage's host copy is valid, so nothing is lost, and the kept error is raised as in invariant 3.
+//  13. While `recency_live_` (lru's order kept here, recency.h), the order learns every touch at the
+//      point of the log where the Python parse would read it: a storage first seen as an input at its
+//      kAlloc record, an operator's allocations and then its storages (inputs in argument order, then
+//      outputs that are not inputs) at its kOp record, a death at its kFree record. Deaths reach the
+//      order whether or not it is live, so it never holds a storage the table has forgotten.
 
 #include <ATen/ATen.h>
 #include <ATen/Operators.h>
