@@ -21,6 +21,11 @@ kernels it launched):
    a wrapper around the policy: the definition of :mod:`dynn_runtime.sim.hostcost`).
 3. **The pilot.** Per family: its decision points per step, seconds per decision point (its own
    inference, and the manager's ``policy_seconds`` over them) and its share of the step.
+4. **Python's cyclic collector**, timed in every workload step on both sides (``gc.callbacks``): its
+   seconds per step managed and alone, and the full (oldest-generation) collections among them. A
+   full collection visits every tracked object of the process (the framework's included), and
+   whatever a step keeps alive brings the next one closer, so the objects the manager keeps per
+   operator cost it here rather than where they are made.
 
 From these, the calibration of the simulator's host cost per event source and device
 (``--write-calibration`` writes it into :data:`~dynn_runtime.sim.hostcost.CALIBRATION_PATH`, under
@@ -258,6 +263,45 @@ def _machine(device: str = "cpu") -> dict[str, Any]:
 
 # ---- 1: the operator microbenchmark ---------------------------------------------------------------
 
+class _Collector:
+    """Wall seconds inside Python's cyclic collector (every thread), all generations and the oldest
+    alone, and the number of oldest-generation collections, while :meth:`watching`."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full_seconds = 0.0
+        self.full = 0
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        dt = time.perf_counter() - self._t0
+        self.seconds += dt
+        if info.get("generation") == 2:
+            self.full_seconds += dt
+            self.full += 1
+
+    def snapshot(self) -> tuple[float, float, int]:
+        return self.seconds, self.full_seconds, self.full
+
+    def since(self, snap: tuple[float, float, int]) -> dict[str, float]:
+        return {"gc_s": self.seconds - snap[0], "gc_full_s": self.full_seconds - snap[1],
+                "gc_full": float(self.full - snap[2])}
+
+    def __enter__(self) -> _Collector:
+        import gc
+
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
+
+
 def _micro(cfg: OverheadConfig, source: str, policy: str, bar: Any,
            probe: Any = None) -> dict[str, Any]:
     """``probe``, if given, is called at the start of every run of the loop (tests: who observes it)."""
@@ -328,7 +372,8 @@ def _one_step(wl: Any, model: Any, opt: Any, batch: Any) -> None:
     train_step(wl, model, opt, batch)
 
 
-def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dict[str, Any]]:
+def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any,
+              collector: _Collector | None = None) -> list[dict[str, Any]]:
     """One workload on one event source, per manager (each policy above the peak, then lru at ``half``),
     in ``_ROUNDS`` rounds: PyTorch alone trains a fresh copy of the model for ``steps + 1`` steps, and the
     manager, attached once for the round as a user attaches it, trains another fresh copy on the same
@@ -353,18 +398,21 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dic
     rows: dict[tuple[str, str], list[dict[str, float]]] = {(p, b): [] for p, b, _ in variants}
     plain: list[float] = []
     used: dict[str, str] = {}
+    clock = collector if collector is not None else _Collector()
 
-    def alone_block() -> tuple[list[float], list[float]]:
+    def alone_block() -> tuple[list[float], list[float], list[dict[str, float]]]:
         model = copy.deepcopy(initial)
         opt = make_optimizer(wl, model.parameters())
-        wall, cpu = [], []
+        wall, cpu, gcs = [], [], []
         for batch in batches:
+            g0 = clock.snapshot()
             c0, t0 = time.process_time(), time.perf_counter()
             _one_step(wl, model, opt, batch)
             sync()
             wall.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
-        return wall, cpu
+            gcs.append(clock.since(g0))
+        return wall, cpu, gcs
 
     def managed_block(policy: str, budget: Any) -> tuple[list[dict[str, float]], str]:
         model = copy.deepcopy(initial)
@@ -377,12 +425,14 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dic
             for batch in batches:
                 before_dp, before_pf, before = pol.decision_points, pol.prefetches, _pilot_counters(pol)
                 before_rt = _runtime_decision_points(mm)
+                g0 = clock.snapshot()
                 c0, t0 = time.process_time(), time.perf_counter()  # the step's start and end are the user's too
                 with mm.step():
                     _one_step(wl, model, opt, batch)
                 sync()  # the step's end waits for its copies; this waits for its compute stream too
                 dt = time.perf_counter() - t0
                 dt_cpu = time.process_time() - c0
+                collected = clock.since(g0)
                 bar.update(1)
                 s = mm.steps[-1]
                 after = _pilot_counters(pol)
@@ -395,6 +445,7 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dic
                     # the runtime's own count where it reports one (the native event path's Python entries)
                     "runtime_decision_points": _runtime_decision_points(mm) - before_rt,
                     **{f"pilot_{k}": after[k] - before[k] for k in after},
+                    **collected,
                 })
         finally:
             mm.detach()
@@ -403,13 +454,15 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dic
     for policy, where, budget in variants:
         for r in range(_ROUNDS):
             if r % 2 == 0:
-                (wall, cpu), (managed, src) = alone_block(), managed_block(policy, budget)
+                (wall, cpu, gcs), (managed, src) = alone_block(), managed_block(policy, budget)
             else:
-                (managed, src), (wall, cpu) = managed_block(policy, budget), alone_block()
+                (managed, src), (wall, cpu, gcs) = managed_block(policy, budget), alone_block()
             used[where] = src
             plain.extend(wall[1:])
             for step in range(1, len(batches)):
-                rows[(policy, where)].append({"plain_s": wall[step], "plain_cpu_s": cpu[step], **managed[step]})
+                rows[(policy, where)].append({"plain_s": wall[step], "plain_cpu_s": cpu[step],
+                                              "plain_gc_s": gcs[step]["gc_s"], "plain_gc_full": gcs[step]["gc_full"],
+                                              **managed[step]})
     out = []
     name = workload_name(spec)
     for (policy, where), rs in rows.items():
@@ -421,7 +474,10 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any) -> list[dic
         rec = {"workload": name, "spec": spec, "source": source, "source_used": used[where], "policy": policy,
                "budget": "above peak" if where == "above" else cfg.half, "steps": len(rs), "ratio": ratio,
                "cpu_ratio": cpu_ratio,
-               "plain_s": statistics.median(plain), **med}
+               "plain_s": statistics.median(plain), **med,
+               # means, not medians: a full collection lands in one step of several
+               **{k: statistics.fmean(r[k] for r in rs) for k in ("gc_s", "gc_full_s", "gc_full", "plain_gc_s",
+                                                                    "plain_gc_full")}}
         # on the CPU copies are synchronous: stall_seconds includes them (copy_seconds is that part)
         rec["other_s"] = med["managed_s"] - med["plain_s"] - med["stall_s"] - med["policy_s"]
         rec["overhead_us_per_op"] = (med["managed_s"] - med["plain_s"]) / max(med["ops"], 1) * 1e6
@@ -473,17 +529,18 @@ def run_overhead(cfg: OverheadConfig, progress: bool = True) -> OverheadReport:
     workloads: list[dict[str, Any]] = []
     failed: list[dict[str, str]] = []
     try:
-        for source in cfg.sources:
-            for policy in cfg.policies:
-                bar.set_postfix_str(f"{source} ops {policy}")
-                micro.append(_micro(cfg, source, policy, bar))
-            for spec in cfg.workloads:
-                bar.set_postfix_str(f"{source} {spec}")
-                try:
-                    workloads += _workload(cfg, spec, source, bar)
-                except Exception as exc:  # noqa: BLE001 - recorded and reported; the other workloads still calibrate
-                    logger.warning("bench: --overhead: %s on %s failed: %s", spec, source, exc)
-                    failed.append({"workload": spec, "source": source, "error": f"{type(exc).__name__}: {exc}"[:500]})
+        with _Collector() as collector:
+            for source in cfg.sources:
+                for policy in cfg.policies:
+                    bar.set_postfix_str(f"{source} ops {policy}")
+                    micro.append(_micro(cfg, source, policy, bar))
+                for spec in cfg.workloads:
+                    bar.set_postfix_str(f"{source} {spec}")
+                    try:
+                        workloads += _workload(cfg, spec, source, bar, collector)
+                    except Exception as exc:  # noqa: BLE001 - recorded and reported; the other workloads still calibrate
+                        logger.warning("bench: --overhead: %s on %s failed: %s", spec, source, exc)
+                        failed.append({"workload": spec, "source": source, "error": f"{type(exc).__name__}: {exc}"[:500]})
     finally:
         bar.close()
         torch.set_num_threads(threads)
@@ -548,6 +605,20 @@ def render_overhead_markdown(report: OverheadReport) -> str:
             lines.append(f"| {w} | {_pair(r)} | {r['plain_s'] * 1e3:.1f} | {r['managed_s'] * 1e3:.1f} | "
                          f"{r['stall_s'] * 1e3:.1f} | {r['copy_s'] * 1e3:.1f} | {r['policy_s'] * 1e3:.1f} | "
                          f"{r['other_s'] * 1e3:.1f} | {r['decision_points']:.0f} | {r['moves']:.0f} |")
+        gc_rows = [(w, [by.get((source, w, p, "above peak")) for p in cfg.policies]) for w in names]
+        gc_rows = [(w, rs) for w, rs in gc_rows if any(r is not None and "gc_s" in r for r in rs)]
+        if gc_rows:
+            lines += ["", f"## Python's cyclic collector ({source}, budget above the peak): ms per step", "",
+                      "Each cell: the collector's wall ms per step (mean) / full collections per step; PyTorch "
+                      "alone's beside the first policy's run.", "",
+                      "| workload | PyTorch alone | " + " | ".join(cfg.policies) + " |",
+                      "|---|---:|" + "---:|" * len(cfg.policies)]
+            for w, rs in gc_rows:
+                first = next(r for r in rs if r is not None)
+                cells = ["" if r is None or "gc_s" not in r else f"{r['gc_s'] * 1e3:.1f} / {r['gc_full']:.2f}"
+                         for r in rs]
+                lines.append(f"| {w} | {first['plain_gc_s'] * 1e3:.1f} / {first['plain_gc_full']:.2f} | "
+                             + " | ".join(cells) + " |")
         pil = [by[(source, w, "pilot", "above peak")] for w in names if (source, w, "pilot", "above peak") in by]
         pil = [r for r in pil if "pilot" in r]
         if pil:

@@ -43,6 +43,8 @@ def test_records_cover_every_policy_source_and_workload(report):
         else:  # half the peak: lru is consulted and moves storages
             assert r["decision_points"] > 0 and r["evictions"] >= r["decision_points"] and r["stall_s"] > 0
             assert r["moves"] >= r["evictions"] and r["extra_over_above_s"] is not None
+    for r in report.workloads:  # the collector's clock ran on both sides of every step
+        assert r["gc_s"] >= r["gc_full_s"] >= 0 and r["gc_full"] >= 0 and r["plain_gc_s"] >= 0
     pilot = [r for r in report.workloads if r["policy"] == "pilot"]
     assert pilot and all(r["pilot"]["decisions_per_step"] > 0 and 0 < r["pilot"]["share_of_step"] < 1
                          for r in pilot)
@@ -72,8 +74,26 @@ def test_outputs(report, tmp_path):
     md = paths["markdown"].read_text()
     assert md == render_overhead_markdown(report)
     for needle in ("## Operators", "| python | lru |", "| tree_lstm |", "my_workload.build", "lru at 0.5",
-                   "## The pilot", "## Calibration"):
+                   "## The pilot", "## Calibration", "## Python's cyclic collector (python"):
         assert needle in md
+
+
+def test_the_collector_clock_times_full_and_young_collections():
+    import gc
+
+    from dynn_runtime.bench.overhead import _Collector
+
+    with _Collector() as clock:
+        snap = clock.snapshot()
+        gc.collect(0)
+        young = clock.since(snap)
+        gc.collect()
+        both = clock.since(snap)
+    assert young["gc_full"] == 0 and young["gc_s"] > 0 and young["gc_full_s"] == 0
+    assert both["gc_full"] == 1 and both["gc_full_s"] > 0 and both["gc_s"] > young["gc_s"]
+    n = clock.full
+    gc.collect()  # unregistered on exit
+    assert clock.full == n and clock._callback not in gc.callbacks
 
 
 def test_bad_input_and_cli(tmp_path, capsys):
@@ -220,10 +240,10 @@ def test_a_failing_workload_is_reported_and_the_others_still_calibrate(report, m
     assert report.meta["failed"] == []
     real = overhead._workload
 
-    def workload(cfg, spec, source, bar):
+    def workload(cfg, spec, source, bar, collector=None):
         if spec == "skipnet":
             raise RuntimeError("CUDA error: an illegal memory access")
-        return real(cfg, spec, source, bar)
+        return real(cfg, spec, source, bar, collector)
 
     monkeypatch.setattr(overhead, "_workload", workload)
     cfg = OverheadConfig(workloads=["skipnet", "tree_lstm"], policies=["lru"], sources=["python"], preset="tiny",
