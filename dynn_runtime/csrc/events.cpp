@@ -1416,11 +1416,14 @@ void arm_test_oom(int64_t n) {
 }
 
 }  // namespace
+
+void define_collector(py::module_& m);  // collector.cpp
+
 }  // namespace dynn
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 6;
+  m.attr("ABI") = 7;
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
   m.attr("LOG_FREE") = dynn::kFree;
@@ -1491,4 +1494,5 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("away", &Observer::away_bytes)
       .def_property_readonly("live_peak", &Observer::live_peak)
       .def_property_readonly("live_peak_position", &Observer::live_peak_position);
+  dynn::define_collector(m);
 }

@@ -26,11 +26,13 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ..errors import BudgetError, frames_of, internal_assert
+from ..hints import Hint
 from ..memory import format_bytes
 from ..policies.base import OPERATOR, TOUCH_ACCESS, TOUCH_ALLOC, TOUCH_FREE, Policy, tells_in_bulk
 from ..residency import Status
 from ..trace.format import Op
 from .controls import _PHASE_CODE
+from .events import native_module
 
 RESIDENT, ABSENT = Status.RESIDENT, Status.ABSENT
 
@@ -78,6 +80,9 @@ class NativeSource:
     #: the pilot's bulk path makes the record of every storage born in a batch as it reads the birth
     #: (the reference), not only of those that outlive the batch
     records_in_batch = False
+    #: what a step keeps per operator is taken out of Python's cyclic collector (False: left in it, the
+    #: comparison of ``tools/pilot_batch_pair.py FAMILY N --switch untrack_history``)
+    untrack_history = True
 
     def _native_fault(self, sids: list[int], ins: list[int], name: str) -> None:
         try:
@@ -209,10 +214,28 @@ class NativeSource:
         """Read the operator log since the last call: storages born and freed, and (in a step) each
         operator, told to the policy as the Python path tells it. ``light``: only the storages that
         outlive the batch, and the deaths of those the manager registered itself (a step that never
-        needed a decision: the policy has nothing to learn from what fit)."""
-        obs = self._obs
-        if obs is None:
+        needed a decision: the policy has nothing to learn from what fit).
+
+        What the step keeps of the batch (its ``Op`` records, the lists of frees, first-seen storages
+        and hints at its positions) is then taken out of Python's cyclic collector (``collector.cpp``:
+        atomic values only), so that the history does not bring on full collections."""
+        if self._obs is None:
             return
+        n_ops, first = len(self._ops), self.position
+        try:
+            self._native_parse_log(in_step, light)
+        finally:
+            if in_step and self.untrack_history:
+                c = native_module()  # loaded: the observer is its
+                c.untrack_records(self._ops, n_ops, Op)
+                last = self.position
+                c.untrack_lists(self._frees, first, last)
+                c.untrack_lists(self._pre, first, last)
+                c.untrack_lists(self._hints, first, last, Hint)
+
+    def _native_parse_log(self, in_step: bool, light: bool) -> None:
+        """:meth:`_native_parse`'s reading of the log."""
+        obs = self._obs
         if in_step and not light and not self._measure_step:
             self._engaged = True
         if self._saved_unlogged:
