@@ -2,7 +2,8 @@
 
 Usage: ``python tools/overhead_pair.py FAMILY[,FAMILY...] [--steps N] [--configs none,lru,lru@0.5]
 [--profile CONFIG] [--rounds R]`` (``small`` presets; a family may be ``examples/my_workload.py:build``;
-a configuration is a policy name, ``pilot-py`` for the pilot with its bulk loop in Python, ``pilot-rec`` for the
+a configuration is a policy name, ``pilot-every`` for the pilot with every decision point run
+(``defer_idle=False``), ``pilot-py`` for the pilot with its bulk loop in Python, ``pilot-rec`` for the
 pilot with the runtime recording every storage a batch sees born (``records_in_batch``), ``lru-py`` for lru
 with its order kept in Python, ``@F`` a budget).
 
@@ -13,7 +14,8 @@ the stepping thread's CPU time; PyTorch alone runs with the observer suspended o
 key excluded), so it costs what it costs without a manager attached. Prints, per configuration,
 the median of the per-step ratios (the first two steps left out: the measuring step and the first
 managed one) and their range, the median of the per-step differences, the median step times, the
-time spent opening and closing the step, and whether the managed side's losses are PyTorch
+time spent opening and closing the step, the pilot's decision points run and deferred and its
+inference time per step (all steps), and whether the managed side's losses are PyTorch
 alone's. ``--profile CONFIG`` writes a cProfile of that configuration's managed steps to
 ``/tmp/overhead_pair.<family>.<config>.prof`` and prints its top.
 """
@@ -81,6 +83,10 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
 
         policy = PilotPolicy()
         policy.native_pack = False
+    elif policy == "pilot-every":  # the pilot with every decision point run (defer_idle=False: the reference)
+        from dynn_runtime.pilot.policy import PilotPolicy
+
+        policy = PilotPolicy(defer_idle=False)
     elif policy == "pilot-rec":  # the runtime's reference bulk path: a record for every birth
         from dynn_runtime.pilot.policy import PilotPolicy
 
@@ -143,6 +149,8 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
                 at.append(ta)
         st = mm.stats()
         per = st["per_step"][2:]
+        pol = mm.policy
+        pilot = {k: getattr(pol, k, 0) / steps for k in ("decisions", "deferred_idle", "inference_s")}
     finally:
         mm.detach()
     out = {
@@ -155,6 +163,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         "evictions": sum(p["evictions"] for p in per) / max(len(per), 1),
         "decisions": sum(p["decision_points"] for p in per) / max(len(per), 1),
         "ops": statistics.median(p["ops"] for p in per),
+        "pilot": pilot,
         "phases": {k: 1e3 * statistics.median(m[k] - a[k] for m, a in zip(mph.steps[2:], aph.steps[2:]))
                    for k in ("forward", "backward", "optimizer")},
     }
@@ -187,7 +196,9 @@ def main() -> None:
                       f"{o['end_ms']:.3f} ms, optimizer hooks {o['hooks_ms']:.3f} ms; ops {o['ops']}, decisions/step {o['decisions']:.1f}, evictions/step "
                       f"{o['evictions']:.1f}; managed - alone ms: "
                       + ", ".join(f"{k} {v:+.3f}" for k, v in o["phases"].items())
-                      + f"); losses PyTorch alone's: {o['same']}", flush=True)
+                      + f"); pilot per step: {o['pilot']['decisions']:.1f} decision points run, "
+                      f"{o['pilot']['deferred_idle']:.1f} deferred, inference {o['pilot']['inference_s'] * 1e3:.2f} ms"
+                      + f"; losses PyTorch alone's: {o['same']}", flush=True)
 
 
 if __name__ == "__main__":
