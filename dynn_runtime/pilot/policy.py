@@ -4,7 +4,8 @@ It reads only what the live runtime can give (the :class:`~dynn_runtime.policies
 protocol's ``position``, ``phase``, ``nbytes``, ``kind``, ``saved``, ``status``, ``resident``,
 ``offloaded``, ``free_bytes``; the notifications; ``context.history``), never the current
 iteration's future. Options: :class:`~.config.PilotPolicyConfig`. When and where decisions run (decision
-points, the cost governor, host time, the worker thread): :mod:`.scheduling`.
+points, the ones deferred while nothing would read them, the cost governor, host time, the worker
+thread): :mod:`.scheduling`.
 
 **Scoring.** At a decision point the chosen storages are scored in one batch
 (:meth:`PilotModel.probs <dynn_runtime.pilot.model.PilotModel.probs>`; on the native kernel,
@@ -268,8 +269,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         #: rescorings run for them at a first victim search (``Scheduling._searching``)
         self.deferred_idle = 0
         self.catch_ups = 0
-        #: a victim search has begun in this iteration, in the previous one; decision points deferred
-        #: since the last one that ran
+        #: a victim search has begun in this iteration, in the previous one; a decision point was
+        #: deferred since the last one that ran (in this iteration)
         self._searched = self._searched_before = False
         self._stale = False
         #: operators seen (on_op calls), for the per-operator term of ``host_cost``
