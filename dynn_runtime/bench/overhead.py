@@ -564,8 +564,8 @@ def render_overhead_markdown(report: OverheadReport) -> str:
                       "", "Every decision point run (`defer_idle=False`); as shipped the pilot defers them while "
                       "nothing would read them (the last two columns).", "",
                       "| workload | decision points/step | inference us/decision | policy_seconds us/decision | "
-                      "policy share of step | inference share | as shipped: run/deferred per step | as shipped: ratio |",
-                      "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                      "policy share of step | inference share | ratio | as shipped: run/deferred per step | as shipped: ratio |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
             for r in pil:
                 p = r["pilot"]
                 shipped = by.get((source, r["workload"], "pilot", "above peak"))
@@ -573,7 +573,8 @@ def render_overhead_markdown(report: OverheadReport) -> str:
                         if shipped else " | |")
                 lines.append(f"| {r['workload']} | {p['decisions_per_step']:.0f} | "
                              f"{p['inference_us_per_decision']:.1f} | {p['policy_us_per_decision']:.1f} | "
-                             f"{p['share_of_step'] * 100:.1f}% | {p['inference_share_of_step'] * 100:.1f}% | " + tail)
+                             f"{p['share_of_step'] * 100:.1f}% | {p['inference_share_of_step'] * 100:.1f}% | "
+                             f"{_pair(r)} | " + tail)
     for f in report.meta.get("failed", []):
         lines += ["", f"**{f['workload']} ({f['source']}) failed**, left out of the tables and the calibration: "
                       f"{f['error']}"]

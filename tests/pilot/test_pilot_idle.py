@@ -164,7 +164,7 @@ def test_simulated_runs_defer_only_before_the_first_search(trace, frac):
     the run is deterministic. Its decisions after the catch-up follow fresher predictions than the
     reference's incremental ones, so they may differ: the result is held to the reference's within
     1% of the iteration time and the bytes moved within 10% (measured on the zoo: docs/benchmarks.md,
-    "idle decision points")."""
+    "the pilot's decision points deferred while nothing reads them")."""
     budget = int(unmanaged_peak(trace) * frac)
     runs = []
     for defer in (True, True, False):
