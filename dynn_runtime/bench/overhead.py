@@ -238,7 +238,7 @@ def _runtime_decision_points(mm: Any) -> float:
 
 def _pilot_counters(pol: Any) -> dict[str, float]:
     """The pilot's own cumulative counters (zeros for any other policy)."""
-    keys = ("decisions", "deferred_idle", "candidates", "ops", "inference_s", "bookkeeping_s")
+    keys = ("decisions", "deferred_idle", "catch_ups", "candidates", "ops", "inference_s", "bookkeeping_s")
     return {k: float(getattr(pol, k, 0) or 0) for k in keys} | {"host_seconds": float(pol.host_seconds)}
 
 
