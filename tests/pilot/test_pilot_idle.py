@@ -32,7 +32,8 @@ class _PerIteration(PilotPolicy):
 
     def begin_iteration(self, index: int, context: object = None) -> None:
         super().begin_iteration(index, context)
-        self.iterations.append({"moves": [], "start": (self.decisions, self.candidates, self.deferred_idle)})
+        self.iterations.append({"moves": [], "start": (self.decisions, self.candidates, self.deferred_idle),
+                                "catch_ups": self.catch_ups})
 
     def counts(self) -> list[tuple[int, int, int]]:
         """Per iteration: (decision points run, rows scored, decision points deferred)."""
@@ -40,9 +41,12 @@ class _PerIteration(PilotPolicy):
         return [tuple(b - a for a, b in zip(m0, m1)) for m0, m1 in zip(marks, marks[1:])]
 
     def victims(self, need_bytes: int, exclude: set[int]):  # noqa: ANN201
-        self.iterations[-1]["searched"] = True
+        it = self.iterations[-1]
+        it["searched"] = True
         for sid in super().victims(need_bytes, exclude):
-            self.iterations[-1]["moves"].append((self.view.position, "evict", sid))
+            # at the iteration's first victim: the catch-ups run so far, and whether any point is still deferred
+            it.setdefault("first_victim", (self.catch_ups - it["catch_ups"], self._stale, self.deferred_idle))
+            it["moves"].append((self.view.position, "evict", sid))
             yield sid
 
     def after_op(self, position: int) -> list:
@@ -90,6 +94,16 @@ def test_under_a_binding_budget_the_decisions_are_the_references_from_the_iterat
         assert pol.counts()[i] == ref.counts()[i], f"iteration {i}"
         assert pol.counts()[i][2] == 0  # nothing deferred
     assert pol.deferred_idle > 0 and pol.catch_ups >= 1 and ref.deferred_idle == ref.catch_ups == 0
+    # an iteration that deferred and then searched caught up once, before its first victim, and deferred
+    # nothing after it
+    caught = 0
+    for i, it in enumerate(pol.iterations):
+        if "first_victim" in it and pol.counts()[i][2]:
+            n, stale, deferred = it["first_victim"]
+            assert n == 1 and not stale, f"iteration {i}"
+            assert deferred == it["start"][2] + pol.counts()[i][2], f"iteration {i}"
+            caught += 1
+    assert caught >= 1
     assert losses == ref_losses == _plain_losses(family, steps=4)
 
 
