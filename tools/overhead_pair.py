@@ -2,7 +2,10 @@
 
 Usage: ``python tools/overhead_pair.py FAMILY[,FAMILY...] [--steps N] [--configs none,lru,lru@0.5]
 [--profile CONFIG] [--rounds R]`` (``small`` presets; a family may be ``examples/my_workload.py:build``;
-a configuration is a policy name, ``pilot-py`` for the pilot with its bulk loop in Python, ``pilot-rec`` for the
+a configuration is a policy name, ``pilot-every`` for the pilot with every decision point run
+(``defer_idle=False``), ``pilot-alt`` for one pilot that defers its idle decision points in steps 4k and
+4k+1 and runs every one in steps 4k+2 and 4k+3 (both in both orders against PyTorch alone; the two
+halves reported apart), ``pilot-py`` for the pilot with its bulk loop in Python, ``pilot-rec`` for the
 pilot with the runtime recording every storage a batch sees born (``records_in_batch``), ``lru-py`` for lru
 with its order kept in Python, ``@F`` a budget).
 
@@ -13,7 +16,8 @@ the stepping thread's CPU time; PyTorch alone runs with the observer suspended o
 key excluded), so it costs what it costs without a manager attached. Prints, per configuration,
 the median of the per-step ratios (the first two steps left out: the measuring step and the first
 managed one) and their range, the median of the per-step differences, the median step times, the
-time spent opening and closing the step, and whether the managed side's losses are PyTorch
+time spent opening and closing the step, the pilot's decision points run and deferred and its
+inference time per step (all steps), and whether the managed side's losses are PyTorch
 alone's. ``--profile CONFIG`` writes a cProfile of that configuration's managed steps to
 ``/tmp/overhead_pair.<family>.<config>.prof`` and prints its top.
 """
@@ -81,6 +85,14 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
 
         policy = PilotPolicy()
         policy.native_pack = False
+    elif policy == "pilot-alt":  # one manager: idle decision points deferred and run on alternate step pairs
+        from dynn_runtime.pilot.policy import PilotPolicy
+
+        policy = PilotPolicy()
+    elif policy == "pilot-every":  # the pilot with every decision point run (defer_idle=False: the reference)
+        from dynn_runtime.pilot.policy import PilotPolicy
+
+        policy = PilotPolicy(defer_idle=False)
     elif policy == "pilot-rec":  # the runtime's reference bulk path: a record for every birth
         from dynn_runtime.pilot.policy import PilotPolicy
 
@@ -103,6 +115,8 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     mm._end_step = _timed(mm._end_step, end)
     prof = cProfile.Profile() if profile else None
     ratios, mt, at, ml, al = [], [], [], [], []
+    alt = config == "pilot-alt"
+    halves: dict[bool, list[float]] = {True: [], False: []}  # pilot-alt: managed - alone (s) by defer_idle
     mph, aph = _Phases(), _Phases()
 
     def managed(batch) -> float:
@@ -133,16 +147,22 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     try:
         for s, batch in enumerate(batches):
             gc.collect()
+            if alt:
+                mm.policy.defer_idle = s % 4 < 2
             if s % 2:
                 ta, tm = alone(batch), managed(batch)
             else:
                 tm, ta = managed(batch), alone(batch)
             if s >= 2:
+                if alt:
+                    halves[mm.policy.defer_idle].append(tm - ta)
                 ratios.append(tm / ta)
                 mt.append(tm)
                 at.append(ta)
         st = mm.stats()
         per = st["per_step"][2:]
+        pol = mm.policy
+        pilot = {k: getattr(pol, k, 0) / steps for k in ("decisions", "deferred_idle", "inference_s")}
     finally:
         mm.detach()
     out = {
@@ -155,6 +175,8 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         "evictions": sum(p["evictions"] for p in per) / max(len(per), 1),
         "decisions": sum(p["decision_points"] for p in per) / max(len(per), 1),
         "ops": statistics.median(p["ops"] for p in per),
+        "pilot": pilot,
+        "halves": {k: 1e3 * statistics.median(v) for k, v in halves.items() if v},
         "phases": {k: 1e3 * statistics.median(m[k] - a[k] for m, a in zip(mph.steps[2:], aph.steps[2:]))
                    for k in ("forward", "backward", "optimizer")},
     }
@@ -187,7 +209,10 @@ def main() -> None:
                       f"{o['end_ms']:.3f} ms, optimizer hooks {o['hooks_ms']:.3f} ms; ops {o['ops']}, decisions/step {o['decisions']:.1f}, evictions/step "
                       f"{o['evictions']:.1f}; managed - alone ms: "
                       + ", ".join(f"{k} {v:+.3f}" for k, v in o["phases"].items())
-                      + f"); losses PyTorch alone's: {o['same']}", flush=True)
+                      + f"); pilot per step: {o['pilot']['decisions']:.1f} decision points run, "
+                      f"{o['pilot']['deferred_idle']:.1f} deferred, inference {o['pilot']['inference_s'] * 1e3:.2f} ms"
+                      + "".join(f"; managed - alone with defer_idle={k}: {v:.2f} ms" for k, v in o["halves"].items())
+                      + f"; losses PyTorch alone's: {o['same']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ managed minus the minimum PyTorch alone, which other processes on a shared machi
 less). Variants (default: all):
 
 - ``pilot``: the pilot as shipped (a batch told in one ``on_operators`` call where no ``after_op``
-  of it would act; the fused ``on_operator`` per operator inside);
+  of it would act; the fused ``on_operator`` per operator inside; its decision points deferred, as
+  nothing reads them with nothing moved);
+- ``pilot-every``: the same with every decision point run (``defer_idle=False``);
 - ``per-operator``: the pilot told per operator (``on_operator`` and ``after_op`` calls: the path
   the runtime takes while something this policy evicted is away);
 - ``python-fused``: the fused ``on_operator`` with its per-storage writes in Python (the native
@@ -24,7 +26,8 @@ less). Variants (default: all):
 
 Results are timing only: the stubbed variants make no sensible decisions.
 
-``--paired-kernel``: the pilot's batches told in bulk on every step, their runs of operators in one
+``--paired-defer``: the pilot with its idle decision points deferred and with every one run
+(``defer_idle``) on alternate steps of one manager. ``--paired-kernel``: the pilot's batches told in bulk on every step, their runs of operators in one
 kernel call (``dynn_pilot_operators``) and one kernel call per operator (``batch_kernel = False``)
 on alternate steps of one manager. ``--paired-pack``: the same, the runs' records packed by the C
 module (``pilot/kernel/pack.c``) and by the Python loop (``native_pack = False``). ``--paired-records``:
@@ -90,7 +93,7 @@ class _ParseOnly(PilotPolicy):
         return []  # still overridden: the runtime reads the log every 32 operators, as for the pilot
 
 
-VARIANTS = {"pilot": PilotPolicy, "per-operator": _PerOperator, "python-fused": _PythonFused, "per-notification": _PerNotification, "no-op-update": _NoOpUpdate,
+VARIANTS = {"pilot": PilotPolicy, "pilot-every": lambda: PilotPolicy(defer_idle=False), "per-operator": _PerOperator, "python-fused": _PythonFused, "per-notification": _PerNotification, "no-op-update": _NoOpUpdate,
             "parse-only": _ParseOnly, "lru": lambda: "lru", "lru-py": lambda: LRUPolicy(native_order=False),
             "none": lambda: "none"}
 
@@ -133,6 +136,20 @@ class _PackSwitchable(PilotPolicy):
         self.native_pack = on
 
 
+class _DeferSwitchable(PilotPolicy):
+    """The pilot told in bulk, its idle decision points deferred or run as set before each step."""
+
+    name = "pilot-defer-switchable"
+
+    @property
+    def bulk(self) -> bool:
+        return self.defer_idle
+
+    @bulk.setter
+    def bulk(self, on: bool) -> None:
+        self.defer_idle = on
+
+
 def _work() -> tuple[Any, torch.nn.Module]:
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
@@ -150,16 +167,17 @@ def _work() -> tuple[Any, torch.nn.Module]:
 
 
 def measure_paired(reps: int, kernel: bool = False, pack: bool = False,
-                   records: bool = False) -> tuple[int, float, float]:
+                   records: bool = False, defer: bool = False) -> tuple[int, float, float]:
     """One manager, one pilot: every repetition runs PyTorch alone, a step told in bulk, PyTorch alone
     and a step told per operator (the order alternating), so both sides meet the same load.
     (operators per step, median us per operator over PyTorch alone in bulk, and per operator).
     ``kernel``: both sides in bulk, the runs in one kernel call against one call per operator;
     ``pack``: both sides in bulk, the runs packed in C against in Python; ``records``: both sides in
-    bulk, no record for the storages born and dead in a batch against a record for every birth."""
+    bulk, no record for the storages born and dead in a batch against a record for every birth;
+    ``defer``: idle decision points deferred against every one run."""
     work, lin = _work()
     pol = (PilotPolicy() if records else _PackSwitchable() if pack else _KernelSwitchable() if kernel
-           else _Switchable())
+           else _DeferSwitchable() if defer else _Switchable())
     mm = MemoryManager(1 << 50, policy=pol, device="cpu", events="native")
     mm.attach(lin)
     diff: dict[bool, list[float]] = {True: [], False: []}
@@ -231,11 +249,19 @@ def main() -> None:
     ap.add_argument("--paired-records", action="store_true",
                     help="only the pilot told in bulk, the runtime without and with records for the storages born "
                          "and dead in a batch on alternate steps of one manager")
+    ap.add_argument("--paired-defer", action="store_true",
+                    help="only the pilot told in bulk, its idle decision points deferred and every one run on "
+                         "alternate steps of one manager")
     args = ap.parse_args()
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad:
         ap.error(f"unknown variant(s) {', '.join(bad)}; choose from {', '.join(VARIANTS)}")
     torch.set_num_threads(1)
+    if args.paired_defer:
+        ops, deferred, every = measure_paired(args.reps, defer=True)
+        print(f"pilot told in bulk, {ops} operators per step: +{deferred:.1f} us/op with idle decision points "
+              f"deferred, +{every:.1f} us/op with every one run (median over PyTorch alone, paired step by step)")
+        return
     if args.paired_records:
         ops, light, full = measure_paired(args.reps, records=True)
         print(f"pilot told in bulk, {ops} operators per step: +{light:.1f} us/op without records for storages born "

@@ -66,7 +66,12 @@ def calibration_from(report: OverheadReport) -> dict[str, Any]:
         micro = [m for m in report.micro if m["source"] == source and m["source_used"] == source]
         if not per_op:
             continue
-        pilot = [r for r in fam if r["policy"] == "pilot" and r["budget"] == "above peak"]
+        # its cost per decision point where they run: every one run above the peak (as shipped it defers
+        # them there, and the simulator charges the ones it runs under a budget)
+        from .overhead import EVERY_POINT
+
+        pilot = ([r for r in fam if r["policy"] == "pilot" and r["budget"] == EVERY_POINT]
+                 or [r for r in fam if r["policy"] == "pilot" and r["budget"] == "above peak"])
         pilot_fit = _fit_pilot(pilot, above)
         out[source] = {
             "per_op_s": max(0.0, statistics.median(per_op)),

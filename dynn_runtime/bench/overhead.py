@@ -20,7 +20,9 @@ kernels it launched):
    decision points (``victims()`` calls and ``after_op()`` calls that returned actions, counted by
    a wrapper around the policy: the definition of :mod:`dynn_runtime.sim.hostcost`).
 3. **The pilot.** Per family: its decision points per step, seconds per decision point (its own
-   inference, and the manager's ``policy_seconds`` over them) and its share of the step.
+   inference, and the manager's ``policy_seconds`` over them) and its share of the step, from a
+   run with every decision point taken (``defer_idle=False``: as shipped, above the peak it defers
+   them, since nothing reads them there, and its column in 2. is that run).
 4. **Python's cyclic collector**, timed in every workload step on both sides (``gc.callbacks``): its
    seconds per step managed and alone, and the full (oldest-generation) collections among them. A
    full collection visits every tracked object of the process (the framework's included), and
@@ -64,6 +66,9 @@ __all__ = ["OverheadConfig", "OverheadReport", "run_overhead", "render_overhead_
            "calibration_from", "write_calibration", "ZOO_AND_EXAMPLE"]
 
 _BIG = 1 << 50  # a budget far above any peak here: nothing moves
+#: the budget label of the pilot above the peak with every decision point run (``defer_idle=False``):
+#: the cost per decision point that the simulator charges where they run
+EVERY_POINT = "above peak, every decision point"
 _BLOCK = 5  # the operator microbenchmark's pairs per attach
 _ROUNDS = 2  # the workloads' block pairs per manager, PyTorch alone first in one and second in the other
 
@@ -238,7 +243,7 @@ def _runtime_decision_points(mm: Any) -> float:
 
 def _pilot_counters(pol: Any) -> dict[str, float]:
     """The pilot's own cumulative counters (zeros for any other policy)."""
-    keys = ("decisions", "candidates", "ops", "inference_s", "bookkeeping_s")
+    keys = ("decisions", "deferred_idle", "catch_ups", "candidates", "ops", "inference_s", "bookkeeping_s")
     return {k: float(getattr(pol, k, 0) or 0) for k in keys} | {"host_seconds": float(pol.host_seconds)}
 
 
@@ -395,6 +400,8 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any,
     initial = copy.deepcopy(wl.model).to(dev)
     batches = [to_device(wl.make_batch(step), dev) for step in range(cfg.steps + 1)]
     variants = [*((p, "above", _BIG) for p in cfg.policies), ("lru", "half", cfg.half)]
+    if "pilot" in cfg.policies:  # as shipped it defers its idle decision points: their cost measured too
+        variants.append(("pilot", "every", _BIG))
     rows: dict[tuple[str, str], list[dict[str, float]]] = {(p, b): [] for p, b, _ in variants}
     plain: list[float] = []
     used: dict[str, str] = {}
@@ -414,11 +421,13 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any,
             gcs.append(clock.since(g0))
         return wall, cpu, gcs
 
-    def managed_block(policy: str, budget: Any) -> tuple[list[dict[str, float]], str]:
+    def managed_block(policy: str, budget: Any, every: bool) -> tuple[list[dict[str, float]], str]:
         model = copy.deepcopy(initial)
         opt = make_optimizer(wl, model.parameters())
         mm = _manager(budget, _counting(policy), source, dev)
         pol = mm.policy
+        if every:
+            pol.defer_idle = False
         out: list[dict[str, float]] = []
         mm.attach(model, opt)
         try:
@@ -454,9 +463,9 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any,
     for policy, where, budget in variants:
         for r in range(_ROUNDS):
             if r % 2 == 0:
-                (wall, cpu, gcs), (managed, src) = alone_block(), managed_block(policy, budget)
+                (wall, cpu, gcs), (managed, src) = alone_block(), managed_block(policy, budget, where == "every")
             else:
-                (managed, src), (wall, cpu, gcs) = managed_block(policy, budget), alone_block()
+                (managed, src), (wall, cpu, gcs) = managed_block(policy, budget, where == "every"), alone_block()
             used[where] = src
             plain.extend(wall[1:])
             for step in range(1, len(batches)):
@@ -472,7 +481,7 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any,
         # clock to other processes sharing the cores
         cpu_ratio = statistics.median(r["managed_cpu_s"] / max(r["plain_cpu_s"], 1e-9) for r in rs)
         rec = {"workload": name, "spec": spec, "source": source, "source_used": used[where], "policy": policy,
-               "budget": "above peak" if where == "above" else cfg.half, "steps": len(rs), "ratio": ratio,
+               "budget": {"above": "above peak", "every": EVERY_POINT}.get(where, cfg.half), "steps": len(rs), "ratio": ratio,
                "cpu_ratio": cpu_ratio,
                "plain_s": statistics.median(plain), **med,
                # means, not medians: a full collection lands in one step of several
@@ -619,17 +628,24 @@ def render_overhead_markdown(report: OverheadReport) -> str:
                          for r in rs]
                 lines.append(f"| {w} | {first['plain_gc_s'] * 1e3:.1f} / {first['plain_gc_full']:.2f} | "
                              + " | ".join(cells) + " |")
-        pil = [by[(source, w, "pilot", "above peak")] for w in names if (source, w, "pilot", "above peak") in by]
+        pil = [by[(source, w, "pilot", EVERY_POINT)] for w in names if (source, w, "pilot", EVERY_POINT) in by]
         pil = [r for r in pil if "pilot" in r]
         if pil:
             lines += ["", f"## The pilot ({source}, budget above the peak): per decision point and share of the step",
-                      "", "| workload | decision points/step | inference us/decision | policy_seconds us/decision | "
-                      "policy share of step | inference share |", "|---|---:|---:|---:|---:|---:|"]
+                      "", "Every decision point run (`defer_idle=False`); as shipped the pilot defers them while "
+                      "nothing would read them (the last two columns).", "",
+                      "| workload | decision points/step | inference us/decision | policy_seconds us/decision | "
+                      "policy share of step | inference share | ratio | as shipped: run/deferred per step | as shipped: ratio |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
             for r in pil:
                 p = r["pilot"]
+                shipped = by.get((source, r["workload"], "pilot", "above peak"))
+                tail = (f"{shipped['pilot_decisions']:.0f}/{shipped['pilot_deferred_idle']:.0f} | {_pair(shipped)} |"
+                        if shipped else " | |")
                 lines.append(f"| {r['workload']} | {p['decisions_per_step']:.0f} | "
                              f"{p['inference_us_per_decision']:.1f} | {p['policy_us_per_decision']:.1f} | "
-                             f"{p['share_of_step'] * 100:.1f}% | {p['inference_share_of_step'] * 100:.1f}% |")
+                             f"{p['share_of_step'] * 100:.1f}% | {p['inference_share_of_step'] * 100:.1f}% | "
+                             f"{_pair(r)} | " + tail)
     for f in report.meta.get("failed", []):
         lines += ["", f"**{f['workload']} ({f['source']}) failed**, left out of the tables and the calibration: "
                       f"{f['error']}"]

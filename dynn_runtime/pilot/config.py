@@ -76,6 +76,10 @@ class PilotPolicyConfig:
     host_cost: tuple[float, float, float] | None = None
     """Seconds charged per decision point, per row scored and per operator instead of the measured
     time, for the governor and ``host_seconds`` (the simulator passes its calibration); None: measured."""
+    defer_idle: bool = True
+    """Defer a decision point while nothing would read it (no victim search in this iteration or the
+    previous one: :mod:`.scheduling`, "Idle decision points"), rescoring every live storage at the
+    first victim search after it; False: every decision point runs (the reference)."""
     worker: bool | str = "auto"
     """``"auto"``: hand a decision point to a worker thread when the device is short of queued work
     (native backend, :mod:`.scheduling`); False: always decide on the issuing thread."""

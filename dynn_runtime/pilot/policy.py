@@ -4,7 +4,8 @@ It reads only what the live runtime can give (the :class:`~dynn_runtime.policies
 protocol's ``position``, ``phase``, ``nbytes``, ``kind``, ``saved``, ``status``, ``resident``,
 ``offloaded``, ``free_bytes``; the notifications; ``context.history``), never the current
 iteration's future. Options: :class:`~.config.PilotPolicyConfig`. When and where decisions run (decision
-points, the cost governor, host time, the worker thread): :mod:`.scheduling`.
+points, the ones deferred while nothing would read them, the cost governor, host time, the worker
+thread): :mod:`.scheduling`.
 
 **Scoring.** At a decision point the chosen storages are scored in one batch
 (:meth:`PilotModel.probs <dynn_runtime.pilot.model.PilotModel.probs>`; on the native kernel,
@@ -208,6 +209,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         #: scored, per operator); None: measured
         self.host_cost = cfg.host_cost
         self.worker: bool | str = cfg.worker
+        #: decision points deferred while nothing would read them (:mod:`.scheduling`)
+        self.defer_idle = cfg.defer_idle
         #: the worker's seconds per decision point and per row where it is modelled (the simulator)
         self.worker_cost: tuple[float, ...] = WORKER_COST
         #: the issuing thread's share of a decision point handed to the worker, charged instead of
@@ -262,6 +265,14 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         self.live_total = 0
         #: decision points the governor put off
         self.deferred = 0
+        #: decision points deferred while idle (nobody would read them: ``defer_idle``), and the full
+        #: rescorings run for them at a first victim search (``Scheduling._searching``)
+        self.deferred_idle = 0
+        self.catch_ups = 0
+        #: a victim search has begun in this iteration, in the previous one; a decision point was
+        #: deferred since the last one that ran (in this iteration)
+        self._searched = self._searched_before = False
+        self._stale = False
         #: operators seen (on_op calls), for the per-operator term of ``host_cost``
         self.ops = 0
         #: the decision point in flight on the worker (None: none), the worker's clock where
@@ -367,6 +378,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         self._phase = -1
         self._last_decision = -(1 << 30)
         self._full_due = True
+        self._searched_before, self._searched = self._searched, False
+        self._stale = False  # the deferred points were of the iteration that ended
         if self._job is not None:  # predictions for the iteration that ended: dropped
             if self._job.future is not None:
                 self._job.future.result()  # its buffers are used again
@@ -1067,13 +1080,22 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         self._after_update(position, tick)
 
     def _after_update(self, position: int, tick: bool) -> None:
-        """:meth:`on_op` once the state is updated: the worker's results, and the decision point."""
-        timer = self._timer
-        state = self._state
+        """:meth:`on_op` once the state is updated: the worker's results, and the decision point
+        (deferred while idle: :meth:`~.scheduling.Scheduling._idle`)."""
         if self._job is not None:
             self._poll()
         if not self._decide(position, tick):
             return
+        if self._idle():
+            self._defer(position)
+            return
+        self._decision(position)
+
+    def _decision(self, position: int) -> None:
+        """The decision point at ``position`` (the state's last operator): the rows chosen, scored,
+        and their predictions into the cache and the heaps."""
+        timer = self._timer
+        state = self._state
         t0 = timer()
         if self._job is not None:  # the previous decision point's results first (select reads them)
             self._wait(self._job)
@@ -1238,6 +1260,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
         if self._job is not None:
             self._poll()
+        self._searching()  # the first search of the iteration: deferred decision points caught up first
         away = self._away
         slot = self._state._slot
         inner = super().victims(need_bytes, exclude)

@@ -6,6 +6,25 @@ them; what a decision computes is in :mod:`.policy`.
 **Decision points** fall every ``decision_every`` operators and at every phase change (the feature
 state's tick), and at the next operator once a small storage had to be offered as a victim.
 
+**Idle decision points** (``defer_idle``, on by default: :class:`~.config.PilotPolicyConfig`). A
+decision point's output is read only by a victim search (``victims()``, when the budget binds) and
+by the prefetch heap of the storages this policy evicted (there is no proactive eviction). While
+the policy is *idle* a due decision point is deferred, not run: counted (``deferred_idle``), its
+scoring left for later, while the per-operator updates (features, provisional predictions, heap
+entries) go on as before. Idle: no victim search so far in this iteration and none in the
+previous one, no decision point on the worker, an empty prefetch heap, and neither the online
+refit nor the fallback (they read every decision point's rows: with them every point runs).
+Nothing this policy evicted can be away then: storages become away only in a victim search, and
+``begin_iteration`` forgets them. The first victim search after deferred points runs a full
+rescoring (every live storage, as at a phase change; ``catch_ups``) before it yields its first
+victim, on the issuing thread (never the worker, never put off by the governor): the runtime and
+the simulator tell every notification before they ask for victims, so the state it scores is
+current, and the features do not depend on earlier decision points, so its predictions are those
+of a full rescoring there in a policy that never deferred. From that search on, and through the
+next iteration, every decision point runs: under a budget that binds every iteration the
+decisions from the iteration after the first search on are those of ``defer_idle=False``, the
+reference (tests/pilot/test_pilot_idle.py).
+
 **Cost governor** (``max_share``): a decision point is put off while the inference time spent so
 far exceeds ``max_share`` of the elapsed device time (``view.now()``: simulated seconds in the
 simulator, wall seconds in the live runtime); a phase change's full rescoring waits for the next
@@ -85,6 +104,34 @@ class Scheduling:
     #: dispatch of the next operators needs, larger ones hand off so often that late results cost
     #: decisions (docs/pilot-lab-notes.md, "Where inference runs")
     slack_margin: float = 10.0
+
+    def _idle(self) -> bool:
+        """Whether a decision point due now would be read by nobody yet (the module docstring's
+        rule): then it is deferred (:meth:`_defer`)."""
+        return (self.defer_idle and not self._searched and not self._searched_before and self._job is None
+                and not self._rows and not self._off)
+
+    def _defer(self, position: int) -> None:
+        """An idle decision point: counted, its scoring left to the first victim search
+        (:meth:`_searching`). The heaps keep taking the per-operator entries, so they are
+        compacted here as a decision point would (stale entries past 4x the live storages)."""
+        self.deferred_idle += 1
+        self._stale = True
+        self._last_decision = position
+        self._compact_heaps(len(self._state._slot))
+
+    def _searching(self) -> None:
+        """A victim search begins: the first of the iteration rescores every live storage first
+        when decision points were deferred, so that its victims are chosen on current
+        predictions."""
+        if self._searched:
+            return
+        self._searched = True
+        if self._stale:
+            self._stale = False
+            self.catch_ups += 1
+            self._full_due = True
+            self._decision(self._state.position)
 
     @property
     def host_seconds(self) -> float:

@@ -216,7 +216,7 @@ def test_fused_operator_notification_keeps_the_per_notification_state(family, ba
     """Throughout a live run (budget above the peak: the pilot still decides every 32 operators), the
     fused path and the per-notification path hold the same slots, feature arrays,
     predictions, due times, heap entries and small-storage classes."""
-    pol = _Lockstep(backend=backend)
+    pol = _Lockstep(backend=backend, defer_idle=False)  # every decision point runs (none is read here)
     _run(family, pol, 1 << 40)
     assert pol.compared > 50 and pol.decisions > 3
 
@@ -226,7 +226,7 @@ def test_operators_told_in_bulk_keep_the_per_notification_state(family, backend)
     """The runtime tells the pilot a batch in one ``on_operators`` call (nothing away): after every batch
     it holds the state of a pilot told each notification of the batch separately, and none of the
     ``after_op`` calls the batch skips would have acted."""
-    pol = _BulkLockstep(backend=backend)
+    pol = _BulkLockstep(backend=backend, defer_idle=False)
     _run(family, pol, 1 << 40)
     assert pol.batches > 10 and pol.bulk_ops > 200 and pol.decisions > 3
     # on the native kernel the runs of forward operators go to it in one call each (dynn_pilot_operators)
@@ -240,10 +240,10 @@ def test_fused_operator_notification_keeps_the_state_where_the_optimizer_is_plan
     from pathlib import Path
 
     spec = f"{Path(__file__).with_name('layerdrop_workload.py')}:build"
-    pol = _Lockstep(backend="native")
+    pol = _Lockstep(backend="native", defer_idle=False)
     _run(spec, pol, 1 << 40, steps=5)
     assert pol.compared > 50 and pol.decisions > 3
-    bulk = _BulkLockstep(backend="native")
+    bulk = _BulkLockstep(backend="native", defer_idle=False)
     _run(spec, bulk, 1 << 40, steps=5)
     assert bulk.batches > 10 and bulk.decisions > 3 and bulk.runs > 10
 
@@ -303,9 +303,10 @@ def test_runs_in_one_kernel_call_make_the_same_decisions(family, budget):
     state itself, batch by batch: test_operators_told_in_bulk_keep_the_per_notification_state).
     The heaps' stale entries are not compared: two runs of the same code differ there (storages
     freed by Python's collector)."""
-    base = _KernelPerOperator(backend="native")
+    every = budget == 1 << 40  # above the peak, idle decision points would be deferred
+    base = _KernelPerOperator(backend="native", defer_idle=not every)
     losses, moves = _run(family, base, budget)
-    pilot = PilotPolicy(backend="native")
+    pilot = PilotPolicy(backend="native", defer_idle=not every)
     run_losses, run_moves = _run(family, pilot, budget)
     assert pilot.batch_kernel and pilot._batch is not None  # the runs went to the kernel
     assert base._batch is None
@@ -373,7 +374,7 @@ def test_the_c_walk_keeps_the_per_notification_state(native_pack):
 
     if native_pack and native.walker() is None:
         pytest.skip("the C packing module (_pack) is not built")
-    pol = _WalkLockstep(backend="native")
+    pol = _WalkLockstep(backend="native", defer_idle=False)
     pol.native_pack = native_pack
     _run("tree_lstm", pol, 1 << 40)
     assert pol.batches > 10 and pol.bulk_ops > 200 and pol.decisions > 3 and pol.runs > pol.batches

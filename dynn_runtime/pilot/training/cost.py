@@ -54,6 +54,8 @@ def inference_cost(trace: Any, model: Any = None, budget: float = 0.25, profile:
             "backend": pol.backend,
             "decisions": pol.decisions,
             "deferred": pol.deferred,
+            "deferred_idle": pol.deferred_idle,  # put off while nothing read them (before the first victim search)
+            "catch_ups": pol.catch_ups,
             "inference_s": pol.inference_s,
             "bookkeeping_s": pol.bookkeeping_s,
             "per_decision_us": 1e6 * pol.inference_s / n,
