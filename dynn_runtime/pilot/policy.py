@@ -378,7 +378,9 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         self._phase = -1
         self._last_decision = -(1 << 30)
         self._full_due = True
-        self._searched_before, self._searched = self._searched, False
+        # whether the previous iteration searched for victims: seen here live, told by the simulator
+        self._searched_before = self._searched if context.bound_before is None else context.bound_before
+        self._searched = False
         self._stale = False  # the deferred points were of the iteration that ended
         if self._job is not None:  # predictions for the iteration that ended: dropped
             if self._job.future is not None:

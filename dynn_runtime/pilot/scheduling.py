@@ -12,7 +12,8 @@ by the prefetch heap of the storages this policy evicted (there is no proactive 
 the policy is *idle* a due decision point is deferred, not run: counted (``deferred_idle``), its
 scoring left for later, while the per-operator updates (features, provisional predictions, heap
 entries) go on as before. Idle: no victim search so far in this iteration and none in the
-previous one, no decision point on the worker, an empty prefetch heap, and neither the online
+previous one (seen by the policy live; told by the simulator, ``IterationContext.bound_before``, whose
+one iteration stands for one of a run under the same budget), no decision point on the worker, an empty prefetch heap, and neither the online
 refit nor the fallback (they read every decision point's rows: with them every point runs).
 Nothing this policy evicted can be away then: storages become away only in a victim search, and
 ``begin_iteration`` forgets them. The first victim search after deferred points runs a full

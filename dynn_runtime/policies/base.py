@@ -80,6 +80,11 @@ class IterationContext:
     #: this iteration, operators included, where it is known before it runs (the simulator replaying
     #: a trace); None live, where the operators are seen only as they run
     iteration: Iteration | None = None
+    #: whether the budget bound in the previous iteration (a victim search ran in it): the simulator,
+    #: whose one iteration stands for one of a run under the same budget, says whether the previous
+    #: iteration's peak was over it (False: no previous iteration); None live, where a policy that
+    #: needs it saw for itself
+    bound_before: bool | None = None
 
 
 #: the context of an iteration nothing is known about (the live runtime before its first step)

@@ -366,8 +366,9 @@ class Simulator(IterationView, Residency):
         saved_policy, self.policy = self.policy, policy
         try:
             policy.attach(self)
+            bound_before = bool(self.history) and self.history[-1].footprint_peak(self.trace) > self.budget
             policy.begin_iteration(self.it.index, IterationContext(history=self.history, trace=self.trace,
-                                                                   iteration=self.it))
+                                                                   iteration=self.it, bound_before=bound_before))
             reason = ""
             feasible = True
             try:
