@@ -140,4 +140,5 @@ def test_iteration_context_is_frozen_and_typed():
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctx.history = ()  # type: ignore[misc]
     assert NO_CONTEXT.history == () and NO_CONTEXT.trace is None and NO_CONTEXT.iteration is None
-    assert {f.name for f in dataclasses.fields(IterationContext)} == {"history", "trace", "iteration"}
+    assert NO_CONTEXT.bound_before is None  # live: a policy sees for itself whether the budget bound
+    assert {f.name for f in dataclasses.fields(IterationContext)} == {"history", "trace", "iteration", "bound_before"}
