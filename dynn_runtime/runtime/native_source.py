@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -31,6 +31,7 @@ from ..policies.base import OPERATOR, TOUCH_ACCESS, TOUCH_ALLOC, TOUCH_FREE, Pol
 from ..residency import Status
 from ..trace.format import Op
 from .controls import _PHASE_CODE
+from .events import native_module
 
 RESIDENT, ABSENT = Status.RESIDENT, Status.ABSENT
 
@@ -72,12 +73,26 @@ class _Born:
         self.dead = False
 
 
+# what _C.parse_operators reads besides the manager (csrc/operators.cpp)
+_PARSE_CTX = (OPERATOR, TOUCH_ALLOC, TOUCH_FREE, _PHASES, _PHASE_CODES, Op, _Born, internal_assert)
+
+
+def _parse_operators() -> Callable | None:
+    """``dynn_runtime._C.parse_operators`` (the loop of :meth:`NativeSource._native_operators` in
+    C), or None without the extension."""
+    mod = native_module()
+    return None if mod is None else getattr(mod, "parse_operators", None)
+
+
 class NativeSource:
     """Faults, decisions and the log of the native event source."""
 
     #: the pilot's bulk path makes the record of every storage born in a batch as it reads the birth
     #: (the reference), not only of those that outlive the batch
     records_in_batch = False
+    #: the pilot's bulk path reads its batch in C (``_C.parse_operators``) where the extension is
+    #: built; off, the Python loop of :meth:`_native_operators` (the reference)
+    operators_in_c = True
 
     def _native_fault(self, sids: list[int], ins: list[int], name: str) -> None:
         try:
@@ -460,10 +475,20 @@ class NativeSource:
         its death told). The records of the storages that died in the batch are forgotten after
         that call, so the policy's view still answers for them (sids are never reused, so no birth
         in the batch can meet a dead record). ``records_in_batch`` makes every birth's record at
-        once (the reference the tests compare with)."""
+        once (the reference the tests compare with). ``operators_in_c``: the loop over the batch runs
+        in ``dynn_runtime._C`` (``parse_operators``, csrc/operators.cpp), which makes the same objects
+        and writes; off, the Python loop here (the reference)."""
         if self.records_in_batch:
             self._native_operators_recorded(log)
             return
+        if self.operators_in_c:
+            parse = _parse_operators()
+            if parse is not None:
+                phase0 = self.phase
+                now = time.perf_counter() - self._t0
+                events, dead, born, tl = parse(self, log, now, _PARSE_CTX)
+                self._tell_operators(events, dead, born, tl, phase0, now)
+                return
         st = self.st
         names = self._names
         ops = self._ops
@@ -566,6 +591,16 @@ class NativeSource:
         self._last_busy = busy
         self._last_outs = last_outs
         self._last_name = name
+        self._tell_operators(events, dead, born, tl, phase0, now)
+
+    def _tell_operators(self, events: list[tuple], dead: list[tuple[int, int, _Born | None]],
+                        born: dict[int, _Born], tl: list[int], phase0: str, now: float) -> None:
+        """The end of :meth:`_native_operators`'s batch, after its loop: the timeline's words, the
+        records of the storages born and alive, the table of those born and dead, the policy's call,
+        and then the deaths forgotten."""
+        st = self.st
+        cur = self._cur
+        saved_pending, grad_pending = self._saved_pending, self._grad_pending
         if tl:
             self._timeline.extend_words(self._step_index, tl)
         recordless = self.recordless
