@@ -166,3 +166,117 @@ def test_a_batch_without_the_records_of_its_short_lived_storages_tells_what_the_
     assert any(kind == "activation" and saved for _, _, kind, saved in new.dead_labels)
     assert _numbered(new_mm[0], new) == _numbered(ref_mm[0], ref)
     assert not new_mm[0].recordless
+
+
+class _Watched(_Labelled):
+    """:class:`_Labelled` that also records, at each call, what the manager holds of its batch:
+    the recordless table's entries (every field), the records' access fields (the time of the last
+    access taken out: it is the clock's), the state the next batch starts from (position, phase,
+    last operator's name, busy set, outputs), the positions' births, and the Op records' fields."""
+
+    def __init__(self, bulk: bool) -> None:
+        super().__init__(bulk)
+        self.mm = None
+        self.calls: list[tuple] = []
+
+    def on_operators(self, events, phase):
+        mm = self.mm
+        ops = [ev[2] for ev in events if ev[0] == OPERATOR]
+        self.calls.append((
+            phase,
+            [(sid, b.nbytes, b.kind, b.saved, b.fresh, b.pos, b.last_access, b.count, b.dead)
+             for sid, b in mm.recordless.items()],
+            [(sid, s.kind, s.saved, s.nbytes, s.last_access, s.count, s.pf, s.born_pos) for sid, s in mm.st.items()],
+            (mm.position, mm.phase, mm._last_name, tuple(sorted(mm._last_busy)), tuple(mm._last_outs)),
+            {k: list(v) for k, v in mm._pre.items()},
+            [(type(o), len(vars(o)), o.name, o.idiom, o.phase, o.module, o.inputs, o.outputs, o.writes, o.allocs,
+              o.duration_s, o.flops, o.nbytes, o.node) for o in ops],
+            [ev if ev[0] != OPERATOR else (ev[0], ev[1], list(ev[3])) for ev in events],
+            mm._cur.prefetch_hits,
+        ))
+        super().on_operators(events, phase)
+
+
+def _train_watched(family: str, in_c: bool) -> tuple:
+    """Three tiny steps of ``family`` under :class:`_Watched` with the batch read in C or by the
+    Python loop; what it saw, with sids numbered as first seen and autograd nodes from the run's first."""
+    from dynn_runtime.workload import load_workload, make_optimizer, train_step
+
+    wl = load_workload(family, preset="tiny", seed=0)
+    torch.manual_seed(0)
+    model = wl.model
+    opt = make_optimizer(wl, model.parameters())
+    pol = _Watched(bulk=True)
+    mm = dr.MemoryManager(1 << 40, policy=pol, device="cpu", events="native").attach(model, opt)
+    mm.operators_in_c = in_c
+    pol.mm = mm
+    losses = []
+    try:
+        for step in range(3):
+            with mm.step():
+                losses.append(train_step(wl, model, opt, wl.make_batch(step)).item())
+        assert mm.stats()["event_source"] == "native"
+    finally:
+        mm.detach()
+    ids: dict[int, int] = {}
+    nodes: dict[int, int] = {-1: -1}
+
+    def norm(x):  # sids and autograd nodes, numbered as first met in a walk of the nested values
+        if isinstance(x, bool | str | float | type) or x is None:
+            return x
+        if isinstance(x, int):
+            return ids.setdefault(x, len(ids))
+        if isinstance(x, dict):
+            return [(norm(k), norm(v)) for k, v in x.items()]
+        return [norm(v) for v in x]
+
+    calls = []
+    for phase, recordless, table, state, pre, ops, events, hits in pol.calls:
+        ops = [(*o[:13], nodes.setdefault(o[13], len(nodes))) for o in ops]
+        calls.append((phase, norm([r[0] for r in recordless]), [r[1:] for r in recordless],
+                      [(norm(r[0]), *r[1:]) for r in table], (*state[:3], norm(state[3]), norm(state[4])),
+                      [(k, norm(v)) for k, v in pre.items()],
+                      [(*o[:6], *(norm(x) for x in o[6:10]), *o[10:]) for o in ops],
+                      [(ev[0], *norm(ev[1:2]), *ev[2:]) if ev[0] != OPERATOR else (ev[0], ev[1], norm(ev[2]))
+                       for ev in events], hits))
+    return losses, calls, _numbered(mm, pol), len(pol.calls)
+
+
+@pytest.mark.parametrize("family", ["moe", "tree_lstm", "evoformer"])
+def test_the_c_parse_of_a_batch_is_the_python_loop(family):
+    """_C.parse_operators makes what NativeSource._native_operators's Python loop makes, on live
+    training: the events told, the Op records field for field (ordinary Op instances), the records'
+    access fields, the recordless table during the call, the state the next batch starts from, the
+    history and the timeline."""
+    ref = _train_watched(family, in_c=False)
+    got = _train_watched(family, in_c=True)
+    assert got[3] > 3 and any(call[1] for call in got[1])  # batches told, some with storages born and dead
+    for k, (a, b) in enumerate(zip(got[1], ref[1], strict=True)):
+        assert a == b, f"call {k}"
+    assert got[2] == ref[2]
+    assert got[0] == ref[0]
+
+
+def test_a_corrupt_log_is_the_same_clear_error_in_c():
+    """A batch with a word that starts no record: both parses raise the runtime's internal error,
+    naming the tag and the word."""
+    assert native_module().parse_operators is not None
+    errors = []
+    for in_c in (False, True):
+        pol = _Told(bulk=True)
+        keep: list = []
+        mm = dr.MemoryManager(1 << 40, policy=pol, device="cpu", events="native")
+        mm.operators_in_c = in_c
+        keep.append(mm)
+        x = torch.randn(4, 4)
+        mm.attach(torch.nn.Linear(4, 4))
+        try:
+            with mm.step():
+                torch.relu(x)
+                with pytest.raises(AssertionError) as info:
+                    mm._native_operators([2, 10**9, 64, 1, 9, 1])
+                errors.append(str(info.value))
+        finally:
+            mm.detach()
+    assert errors[0] == errors[1]
+    assert "corrupt native event log (tag 9 at word 4)" in errors[1]
