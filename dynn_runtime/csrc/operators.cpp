@@ -47,7 +47,8 @@ enum : int64_t { kLogOp = 1, kLogAlloc = 2, kLogFree = 3 };  // events.cpp's kOp
   X(last_access) X(last_access_t) X(count) X(pf) X(prefetch_hits) X(host) X(_drop_stale_hosts)         \
   X(_idiom_of) X(_record_batch_born) X(_hold_for_collective) X(name) X(idiom) X(module) X(inputs)       \
   X(outputs) X(writes) X(allocs) X(duration_s) X(flops) X(nbytes) X(node) X(kind) X(saved) X(fresh)     \
-  X(pos) X(dead) X(activation) X(temp) X(input) X(grad)
+  X(pos) X(dead) X(activation) X(temp) X(input) X(grad) X(recordless) X(_new_native) X(_frees) X(_pinned)  \
+  X(status) X(set_status) X(_drop_host) X(host_valid)
 
 struct Names {
 #define X(n) PyObject* n = nullptr;
@@ -86,6 +87,13 @@ bool incr(PyObject* o, PyObject* name) {
   return w && set(o, name, w.get());
 }
 
+// a tuple of ints only: no cycle can pass through it, so the cyclic collector need not scan it
+// (what the collector itself does to such a tuple when it first meets it)
+PyObject* untracked(PyObject* t) {
+  if (t && PyObject_GC_IsTracked(t)) PyObject_GC_UnTrack(t);
+  return t;
+}
+
 // the words of [a, b) as a tuple of the list's own ints
 PyObject* words_tuple(PyObject* const* items, Py_ssize_t a, Py_ssize_t b) {
   PyObject* t = PyTuple_New(b - a);
@@ -94,7 +102,7 @@ PyObject* words_tuple(PyObject* const* items, Py_ssize_t a, Py_ssize_t b) {
     Py_INCREF(items[k]);
     PyTuple_SET_ITEM(t, k - a, items[k]);
   }
-  return t;
+  return untracked(t);
 }
 
 bool word(PyObject* const* items, Py_ssize_t k, int64_t* out) {
@@ -134,11 +142,11 @@ PyObject* corrupt(PyObject* internal_assert, const char* fmt, long long a, long 
   return nullptr;
 }
 
-// parse_operators(mm, log, now, ctx) -> (events, dead, born, timeline words); see native_source.py
+// parse_operators(mm, log, now, ctx) -> (events, dead, timeline words); see native_source.py
 PyObject* parse_operators(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 4 || !PyList_Check(args[1]) || !PyFloat_Check(args[2]) || !PyTuple_Check(args[3]) ||
-      PyTuple_GET_SIZE(args[3]) != 8) {
-    PyErr_SetString(PyExc_TypeError, "parse_operators(mm, log: list, now: float, ctx: 8-tuple)");
+      PyTuple_GET_SIZE(args[3]) != 9) {
+    PyErr_SetString(PyExc_TypeError, "parse_operators(mm, log: list, now: float, ctx: 9-tuple)");
     return nullptr;
   }
   PyObject* mm = args[0];
@@ -156,7 +164,7 @@ PyObject* parse_operators(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!PyTuple_Check(phases) || PyTuple_GET_SIZE(phases) != 4 || !PyTuple_Check(phase_codes) ||
       PyTuple_GET_SIZE(phase_codes) != 4 || !PyType_Check(op_cls) || !PyType_Check(born_cls)) {
     PyErr_SetString(PyExc_TypeError, "parse_operators: ctx is (OPERATOR, TOUCH_ALLOC, TOUCH_FREE, phases, "
-                                     "phase codes, Op, _Born, internal_assert)");
+                                     "phase codes, Op, _Born, internal_assert, ABSENT)");
     return nullptr;
   }
   auto* op_type = reinterpret_cast<PyTypeObject*>(op_cls);
@@ -391,7 +399,7 @@ PyObject* parse_operators(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       }
       if (!is_fresh) {
         if (!append_at(pre.get(), pos_obj.get(), sid)) return nullptr;
-        Ref ev(PyTuple_Pack(3, TOUCH_ALLOC, sid, position == 0 ? N.minus1 : pos_obj.get()));
+        Ref ev(untracked(PyTuple_Pack(3, TOUCH_ALLOC, sid, position == 0 ? N.minus1 : pos_obj.get())));
         if (!ev || PyList_Append(events.get(), ev.get()) != 0) return nullptr;
       }
     } else if (tag == kLogFree) {
@@ -437,7 +445,7 @@ PyObject* parse_operators(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       }
       if (told) {
         if (!entry || PyList_Append(dead.get(), entry.get()) != 0) return nullptr;
-        Ref ev(PyTuple_Pack(2, TOUCH_FREE, sid));
+        Ref ev(untracked(PyTuple_Pack(2, TOUCH_FREE, sid)));
         if (!ev || PyList_Append(events.get(), ev.get()) != 0) return nullptr;
       }
     } else {
@@ -448,14 +456,112 @@ PyObject* parse_operators(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!sync() || !set(mm, N.phase, phase.get()) || !set(mm, N._last_busy, busy.get()) ||
       !set(mm, N._last_outs, last_outs.get()) || !set(mm, N._last_name, name.get()))
     return nullptr;
-  return PyTuple_Pack(4, events.get(), dead.get(), born.get(), tl.get());
+  // the births of the batch, in birth order: a dead one's entry in the recordless table, a live
+  // one's record (_new_native) with the access fields the batch gave it
+  Ref recordless(PyObject_GetAttr(mm, N.recordless));
+  if (!recordless) return nullptr;
+  Ref items_born(PyDict_Items(born.get()));  // a snapshot: _new_native runs Python code
+  if (!items_born) return nullptr;
+  for (Py_ssize_t at = 0; at < PyList_GET_SIZE(items_born.get()); ++at) {
+    PyObject* kv = PyList_GET_ITEM(items_born.get(), at);
+    PyObject* sid = PyTuple_GET_ITEM(kv, 0);
+    PyObject* b = PyTuple_GET_ITEM(kv, 1);
+    Ref was(PyObject_GetAttr(b, N.dead));
+    if (!was) return nullptr;
+    int d = PyObject_IsTrue(was.get());
+    if (d < 0) return nullptr;
+    if (d) {
+      if (PyObject_SetItem(recordless.get(), sid, b) != 0) return nullptr;
+      continue;
+    }
+    Ref fresh(PyObject_GetAttr(b, N.fresh)), nb(PyObject_GetAttr(b, N.nbytes)), pos(PyObject_GetAttr(b, N.pos)),
+        count(PyObject_GetAttr(b, N.count));
+    if (!fresh || !nb || !pos || !count) return nullptr;
+    int f = PyObject_IsTrue(fresh.get());
+    if (f < 0) return nullptr;
+    PyObject* a[6] = {mm, sid, f ? N.temp : N.input, nb.get(), Py_True, pos.get()};
+    Ref x(PyObject_VectorcallMethod(N._new_native, a, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+    if (!x) return nullptr;
+    int c = PyObject_IsTrue(count.get());
+    if (c < 0) return nullptr;
+    if (c) {
+      Ref last(PyObject_GetAttr(b, N.last_access));
+      if (!last || !set(x.get(), N.last_access, last.get()) || !set(x.get(), N.last_access_t, now) ||
+          !set(x.get(), N.count, count.get()))
+        return nullptr;
+    }
+  }
+  return PyTuple_Pack(3, events.get(), dead.get(), tl.get());
+}
+
+// forget_dead(mm, dead, ctx): the deaths of a batch parse_operators read, after the policy's call
+// (NativeSource._tell_operators's last loop)
+PyObject* forget_dead(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyList_Check(args[1]) || !PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) != 9) {
+    PyErr_SetString(PyExc_TypeError, "forget_dead(mm, dead: list, ctx: 9-tuple)");
+    return nullptr;
+  }
+  PyObject* mm = args[0];
+  PyObject* dead = args[1];
+  PyObject* ABSENT = PyTuple_GET_ITEM(args[2], 8);
+  Ref st(PyObject_GetAttr(mm, N.st)), saved_pending(PyObject_GetAttr(mm, N._saved_pending)),
+      grad_pending(PyObject_GetAttr(mm, N._grad_pending)), recordless(PyObject_GetAttr(mm, N.recordless)),
+      frees(PyObject_GetAttr(mm, N._frees)), pinned(PyObject_GetAttr(mm, N._pinned));
+  if (!st || !saved_pending || !grad_pending || !recordless || !frees || !pinned) return nullptr;
+  auto discard = [](PyObject* s, PyObject* key) -> bool {
+    if (PySet_Check(s)) return PySet_Discard(s, key) >= 0;
+    Ref r(PyObject_CallMethod(s, "discard", "O", key));
+    return bool(r);
+  };
+  for (Py_ssize_t k = 0; k < PyList_GET_SIZE(dead); ++k) {
+    Ref entry(Py_NewRef(PyList_GET_ITEM(dead, k)));
+    if (!PyTuple_Check(entry.get()) || PyTuple_GET_SIZE(entry.get()) != 3) {
+      PyErr_SetString(PyExc_TypeError, "forget_dead: an entry is not (sid, position, _Born or None)");
+      return nullptr;
+    }
+    PyObject* sid = PyTuple_GET_ITEM(entry.get(), 0);
+    PyObject* pos = PyTuple_GET_ITEM(entry.get(), 1);
+    PyObject* b = PyTuple_GET_ITEM(entry.get(), 2);
+    if (!discard(saved_pending.get(), sid)) return nullptr;
+    if (b != Py_None) {  // no record: nothing held, away or pinned
+      if (PyObject_DelItem(recordless.get(), sid) != 0 || !discard(grad_pending.get(), sid) ||
+          !append_at(frees.get(), pos, sid))
+        return nullptr;
+      continue;
+    }
+    // st.pop(sid, None)
+    Ref x(Py_XNewRef(PyDict_Check(st.get()) ? PyDict_GetItemWithError(st.get(), sid) : nullptr));
+    if (!x) {
+      if (PyErr_Occurred()) return nullptr;
+      if (!PyDict_Check(st.get())) {
+        PyErr_SetString(PyExc_TypeError, "forget_dead: the manager's st is not a dict");
+        return nullptr;
+      }
+      continue;  // forgotten meanwhile (the policy's call reached a handler that read the table)
+    }
+    if (PyDict_DelItem(st.get(), sid) != 0) return nullptr;
+    Ref status(PyObject_GetAttr(x.get(), N.status));
+    if (!status) return nullptr;
+    if (status.get() != ABSENT && !call_method(mm, N.set_status, x.get(), ABSENT)) return nullptr;
+    Ref host(PyObject_GetAttr(x.get(), N.host));
+    if (!host) return nullptr;
+    if (host.get() != Py_None) {
+      if (!call_method(mm, N._drop_host, x.get())) return nullptr;
+    } else if (!set(x.get(), N.host_valid, Py_False)) {  // _drop_host's work without a host copy
+      return nullptr;
+    }
+    if (!append_at(frees.get(), pos, sid) || !discard(pinned.get(), sid)) return nullptr;
+  }
+  Py_RETURN_NONE;
 }
 
 PyMethodDef kMethods[] = {
     {"parse_operators", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(parse_operators)),
      METH_FASTCALL,
-     "parse_operators(mm, log, now, ctx) -> (events, dead, born, timeline words): NativeSource._native_operators's "
-     "loop over a batch of the operator log (dynn_runtime/runtime/native_source.py)"},
+     "parse_operators(mm, log, now, ctx) -> (events, dead, timeline words): NativeSource._native_operators's "
+     "loop over a batch of the operator log and its births' records (dynn_runtime/runtime/native_source.py)"},
+    {"forget_dead", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(forget_dead)), METH_FASTCALL,
+     "forget_dead(mm, dead, ctx): the deaths of a batch parse_operators read, after the policy's call"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -74,14 +74,7 @@ class _Born:
 
 
 # what _C.parse_operators reads besides the manager (csrc/operators.cpp)
-_PARSE_CTX = (OPERATOR, TOUCH_ALLOC, TOUCH_FREE, _PHASES, _PHASE_CODES, Op, _Born, internal_assert)
-
-
-def _parse_operators() -> Callable | None:
-    """``dynn_runtime._C.parse_operators`` (the loop of :meth:`NativeSource._native_operators` in
-    C), or None without the extension."""
-    mod = native_module()
-    return None if mod is None else getattr(mod, "parse_operators", None)
+_PARSE_CTX = (OPERATOR, TOUCH_ALLOC, TOUCH_FREE, _PHASES, _PHASE_CODES, Op, _Born, internal_assert, ABSENT)
 
 
 class NativeSource:
@@ -482,12 +475,20 @@ class NativeSource:
             self._native_operators_recorded(log)
             return
         if self.operators_in_c:
-            parse = _parse_operators()
-            if parse is not None:
+            mod = native_module()
+            if mod is not None:
                 phase0 = self.phase
-                now = time.perf_counter() - self._t0
-                events, dead, born, tl = parse(self, log, now, _PARSE_CTX)
-                self._tell_operators(events, dead, born, tl, phase0, now)
+                events, dead, tl = mod.parse_operators(self, log, time.perf_counter() - self._t0, _PARSE_CTX)
+                if tl:
+                    self._timeline.extend_words(self._step_index, tl)
+                cur = self._cur
+                t1 = time.perf_counter()
+                try:
+                    if events:
+                        self.policy.on_operators(events, phase0)
+                finally:
+                    cur.policy_seconds += time.perf_counter() - t1
+                    mod.forget_dead(self, dead, _PARSE_CTX)
                 return
         st = self.st
         names = self._names

@@ -3,6 +3,8 @@ the events the per-operator path tells it, in the same order and with the same a
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -184,13 +186,12 @@ class _Watched(_Labelled):
         ops = [ev[2] for ev in events if ev[0] == OPERATOR]
         self.calls.append((
             phase,
-            [(sid, b.nbytes, b.kind, b.saved, b.fresh, b.pos, b.last_access, b.count, b.dead)
+            [(sid, type(b), b.nbytes, b.kind, b.saved, b.fresh, b.pos, b.last_access, b.count, b.dead)
              for sid, b in mm.recordless.items()],
             [(sid, s.kind, s.saved, s.nbytes, s.last_access, s.count, s.pf, s.born_pos) for sid, s in mm.st.items()],
             (mm.position, mm.phase, mm._last_name, tuple(sorted(mm._last_busy)), tuple(mm._last_outs)),
             {k: list(v) for k, v in mm._pre.items()},
-            [(type(o), len(vars(o)), o.name, o.idiom, o.phase, o.module, o.inputs, o.outputs, o.writes, o.allocs,
-              o.duration_s, o.flops, o.nbytes, o.node) for o in ops],
+            ops,
             [ev if ev[0] != OPERATOR else (ev[0], ev[1], list(ev[3])) for ev in events],
             mm._cur.prefetch_hits,
         ))
@@ -199,9 +200,13 @@ class _Watched(_Labelled):
 
 def _train_watched(family: str, in_c: bool) -> tuple:
     """Three tiny steps of ``family`` under :class:`_Watched` with the batch read in C or by the
-    Python loop; what it saw, with sids numbered as first seen and autograd nodes from the run's first."""
+    Python loop: the losses, what it saw at each call, the history, the records and the timeline
+    left, the number of calls."""
     from dynn_runtime.workload import load_workload, make_optimizer, train_step
 
+    # the observer's node word of the step's first operator is the thread's last autograd node,
+    # which the first graph of a process does not have yet: one made here puts both runs alike
+    (torch.ones(1, requires_grad=True) * 2).sum().backward()
     wl = load_workload(family, preset="tiny", seed=0)
     torch.manual_seed(0)
     model = wl.model
@@ -211,35 +216,45 @@ def _train_watched(family: str, in_c: bool) -> tuple:
     mm.operators_in_c = in_c
     pol.mm = mm
     losses = []
+    # the cyclic collector frees what it finds (the storages of a model's reference cycles) where
+    # its thresholds fall, which the two parses' allocations move: off, every death is the program's
+    gc.collect()
+    gc.disable()
     try:
         for step in range(3):
             with mm.step():
                 losses.append(train_step(wl, model, opt, wl.make_batch(step)).item())
         assert mm.stats()["event_source"] == "native"
     finally:
+        gc.enable()
         mm.detach()
-    ids: dict[int, int] = {}
+    # Storage ids are the observer's own count from 1, so two runs' ids are alike; the order of
+    # deaths next to each other in the log is not always (the program's), so a run of deaths is
+    # compared as a set. Autograd nodes are numbered as first met (their count is the process's).
     nodes: dict[int, int] = {-1: -1}
 
-    def norm(x):  # sids and autograd nodes, numbered as first met in a walk of the nested values
-        if isinstance(x, bool | str | float | type) or x is None:
-            return x
-        if isinstance(x, int):
-            return ids.setdefault(x, len(ids))
-        if isinstance(x, dict):
-            return [(norm(k), norm(v)) for k, v in x.items()]
-        return [norm(v) for v in x]
+    def op_fields(o):
+        return (type(o), len(vars(o)), o.name, o.idiom, o.phase, o.module, o.inputs, o.outputs, o.writes, o.allocs,
+                o.duration_s, o.flops, o.nbytes, nodes.setdefault(o.node, len(nodes)))
 
-    calls = []
-    for phase, recordless, table, state, pre, ops, events, hits in pol.calls:
-        ops = [(*o[:13], nodes.setdefault(o[13], len(nodes))) for o in ops]
-        calls.append((phase, norm([r[0] for r in recordless]), [r[1:] for r in recordless],
-                      [(norm(r[0]), *r[1:]) for r in table], (*state[:3], norm(state[3]), norm(state[4])),
-                      [(k, norm(v)) for k, v in pre.items()],
-                      [(*o[:6], *(norm(x) for x in o[6:10]), *o[10:]) for o in ops],
-                      [(ev[0], *norm(ev[1:2]), *ev[2:]) if ev[0] != OPERATOR else (ev[0], ev[1], norm(ev[2]))
-                       for ev in events], hits))
-    return losses, calls, _numbered(mm, pol), len(pol.calls)
+    def deaths_sorted(events):
+        out: list = []
+        run: list = []
+        for ev in events:
+            if ev[0] == TOUCH_FREE:
+                run.append(ev)
+                continue
+            out += sorted(run)
+            run = []
+            out.append(ev)
+        return out + sorted(run)
+
+    calls = [(phase, recordless, table, state, pre, [op_fields(o) for o in ops], deaths_sorted(events), hits)
+             for phase, recordless, table, state, pre, ops, events, hits in pol.calls]
+    history = [([op_fields(o) for o in it.ops], {k: sorted(v) for k, v in it.frees.items()}, it.pre_allocs)
+               for it in mm.history]
+    table = [(sid, s.kind, s.saved, s.nbytes, s.born_pos, s.last_access, s.count) for sid, s in mm.st.items()]
+    return losses, calls, (history, table, list(mm._timeline)), len(pol.calls)
 
 
 @pytest.mark.parametrize("family", ["moe", "tree_lstm", "evoformer"])
