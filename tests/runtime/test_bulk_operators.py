@@ -295,3 +295,63 @@ def test_a_corrupt_log_is_the_same_clear_error_in_c():
             mm.detach()
     assert errors[0] == errors[1]
     assert "corrupt native event log (tag 9 at word 4)" in errors[1]
+
+
+def _pilot_under_budget(family: str, in_c: bool) -> tuple:
+    """Three tiny steps of ``family`` under the pilot at 3/4 of its peak, the batch read in C or by
+    the Python loop: the losses, every move, the prefetches' hits per step, the calls that dropped
+    host copies of written storages, and the history's operators."""
+    from dynn_runtime.pilot.policy import PilotPolicy
+    from dynn_runtime.workload import load_workload, make_optimizer, train_step
+
+    wl = load_workload(family, preset="tiny", seed=0)
+    torch.manual_seed(0)
+    model = wl.model
+    opt = make_optimizer(wl, model.parameters())
+    pol = PilotPolicy(backend="native")
+    moves: list[tuple] = []
+    victims, after_op = pol.victims, pol.after_op
+
+    def record_victims(need, exclude):
+        for sid in victims(need, exclude):
+            moves.append((pol.view.position, "evict", sid))
+            yield sid
+
+    def record_after_op(position):
+        actions = after_op(position)
+        moves.extend((position, a.kind, a.sid) for a in actions)
+        return actions
+
+    pol.victims, pol.after_op = record_victims, record_after_op
+    mm = dr.MemoryManager("3/4", policy=pol, device="cpu", events="native").attach(model, opt)
+    mm.operators_in_c = in_c
+    dropped: list[tuple] = []
+    drop = mm._drop_stale_hosts
+
+    def record_drop(sids):
+        before = sum(s.host is not None for s in mm.st.values())
+        drop(sids)
+        if sum(s.host is not None for s in mm.st.values()) != before:
+            dropped.append((mm.position, tuple(sids)))
+
+    mm._drop_stale_hosts = record_drop
+    losses = []
+    try:
+        for step in range(3):
+            with mm.step():
+                losses.append(train_step(wl, model, opt, wl.make_batch(step)).item())
+        assert mm.stats()["event_source"] == "native"
+    finally:
+        mm.detach()
+    ops = [[(o.name, o.phase, o.module, o.inputs, o.outputs, o.writes, o.allocs) for o in it.ops] for it in mm.history]
+    return losses, moves, [s.prefetch_hits for s in mm.steps], dropped, ops
+
+
+@pytest.mark.parametrize("family", ["evoformer", "moe"])
+def test_the_c_parse_makes_the_pilots_moves_under_a_budget(family):
+    """Under a budget the records' access fields and prefetch hits the C parse writes are what the
+    pilot decides from: the same moves, hits, host copies dropped and losses as the Python loop."""
+    ref = _pilot_under_budget(family, in_c=False)
+    got = _pilot_under_budget(family, in_c=True)
+    assert ref[1] and sum(ref[2]) > 0 and ref[3]  # moves made, prefetches used, host copies dropped
+    assert got == ref
