@@ -16,7 +16,9 @@
 //     operator name (_idiom_of), a corrupt log (internal_assert).
 //  4. The log is the list of int64 words take_log gave (events.cpp's layout); the ints of the
 //     records' tuples are the list's own objects.
+#define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include <cstdint>
 
@@ -94,6 +96,72 @@ PyObject* untracked(PyObject* t) {
   return t;
 }
 
+// The __slots__ of a class, read and written at their offsets: what a slot's member descriptor
+// does, without the attribute lookup. A map holds one exact type (a strong reference); an object of
+// another type goes through the generic attribute protocol.
+struct SlotMap {
+  PyTypeObject* type = nullptr;
+  Py_ssize_t off[8] = {};
+  int n = 0;
+
+  // the offsets of `names` in `t`; false (and no map) where one is not a writable object slot
+  bool resolve(PyTypeObject* t, PyObject* const* names, int count) {
+    Py_CLEAR(type);
+    for (int k = 0; k < count; ++k) {
+      PyObject* d = _PyType_Lookup(t, names[k]);  // borrowed
+      if (!d || !Py_IS_TYPE(d, &PyMemberDescr_Type)) return false;
+      PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+      if (m->type != T_OBJECT_EX || (m->flags & READONLY)) return false;
+      off[k] = m->offset;
+    }
+    n = count;
+    type = reinterpret_cast<PyTypeObject*>(Py_NewRef(reinterpret_cast<PyObject*>(t)));
+    return true;
+  }
+  PyObject** at(PyObject* o, int k) const { return reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off[k]); }
+  // borrowed; nullptr for a slot never set
+  PyObject* get(PyObject* o, int k) const { return *at(o, k); }
+  void put(PyObject* o, int k, PyObject* v) const {
+    PyObject* old = *at(o, k);
+    *at(o, k) = Py_NewRef(v);
+    Py_XDECREF(old);
+  }
+};
+
+// a record's access fields (Record/_S) and a birth's fields (_Born), in these orders
+enum { kRecLast, kRecLastT, kRecCount, kRecPf, kRecN };
+enum { kBornNbytes, kBornKind, kBornSaved, kBornFresh, kBornPos, kBornLast, kBornCount, kBornDead, kBornN };
+SlotMap g_rec, g_born;
+
+// the map for o's type, or nullptr (the generic protocol)
+const SlotMap* rec_slots(PyObject* o) {
+  PyTypeObject* t = Py_TYPE(o);
+  if (t == g_rec.type) return &g_rec;
+  PyObject* names[kRecN] = {N.last_access, N.last_access_t, N.count, N.pf};
+  return g_rec.resolve(t, names, kRecN) ? &g_rec : nullptr;
+}
+
+const SlotMap* born_slots(PyTypeObject* t) {
+  if (t == g_born.type) return &g_born;
+  PyObject* names[kBornN] = {N.nbytes, N.kind, N.saved, N.fresh, N.pos, N.last_access, N.count, N.dead};
+  return g_born.resolve(t, names, kBornN) ? &g_born : nullptr;
+}
+
+// slot k of o += 1 (an int slot)
+bool incr_slot(const SlotMap* m, PyObject* o, int k) {
+  PyObject* v = m->get(o, k);
+  if (!v) {
+    PyErr_SetString(PyExc_AttributeError, "parse_operators: a count slot is not set");
+    return false;
+  }
+  PyObject* w = PyNumber_Add(v, N.one);
+  if (!w) return false;
+  PyObject* old = *m->at(o, k);
+  *m->at(o, k) = w;
+  Py_XDECREF(old);
+  return true;
+}
+
 // the words of [a, b) as a tuple of the list's own ints
 PyObject* words_tuple(PyObject* const* items, Py_ssize_t a, Py_ssize_t b) {
   PyObject* t = PyTuple_New(b - a);
@@ -169,6 +237,7 @@ PyObject* parse_operators(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   auto* op_type = reinterpret_cast<PyTypeObject*>(op_cls);
   auto* born_type = reinterpret_cast<PyTypeObject*>(born_cls);
+  const SlotMap* bslots = born_slots(born_type);  // nullptr: _Born without these slots, the generic protocol
 
   Ref st(PyObject_GetAttr(mm, N.st)), names(PyObject_GetAttr(mm, N._names)), ops(PyObject_GetAttr(mm, N._ops)),
       cur(PyObject_GetAttr(mm, N._cur)), saved_pending(PyObject_GetAttr(mm, N._saved_pending)),
@@ -333,14 +402,29 @@ PyObject* parse_operators(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         Ref sid(sid_raw);
         Ref s(Py_XNewRef(PyDict_GetItemWithError(st.get(), sid.get())));
         if (s) {
-          if (!set(s.get(), N.last_access, j.get()) || !set(s.get(), N.last_access_t, now) ||
-              !incr(s.get(), N.count))
-            return nullptr;
-          Ref pf(PyObject_GetAttr(s.get(), N.pf));
-          if (!pf) return nullptr;
-          int hit = PyObject_IsTrue(pf.get());
-          if (hit < 0) return nullptr;
-          if (hit && (!set(s.get(), N.pf, Py_False) || !incr(cur.get(), N.prefetch_hits))) return nullptr;
+          int hit;
+          if (const SlotMap* m = rec_slots(s.get())) {
+            m->put(s.get(), kRecLast, j.get());
+            m->put(s.get(), kRecLastT, now);
+            if (!incr_slot(m, s.get(), kRecCount)) return nullptr;
+            PyObject* pf = m->get(s.get(), kRecPf);
+            hit = pf == Py_True ? 1 : pf == Py_False ? 0 : pf ? PyObject_IsTrue(pf) : -1;
+            if (hit < 0) {
+              if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "parse_operators: a record's pf is not set");
+              return nullptr;
+            }
+            if (hit) m->put(s.get(), kRecPf, Py_False);
+          } else {
+            if (PyErr_Occurred()) return nullptr;
+            if (!set(s.get(), N.last_access, j.get()) || !set(s.get(), N.last_access_t, now) ||
+                !incr(s.get(), N.count))
+              return nullptr;
+            Ref pf(PyObject_GetAttr(s.get(), N.pf));
+            if (!pf) return nullptr;
+            hit = PyObject_IsTrue(pf.get());
+            if (hit < 0 || (hit && !set(s.get(), N.pf, Py_False))) return nullptr;
+          }
+          if (hit && !incr(cur.get(), N.prefetch_hits)) return nullptr;
         } else {
           if (PyErr_Occurred()) return nullptr;
           PyObject* b = PyDict_GetItemWithError(born.get(), sid.get());
@@ -348,7 +432,12 @@ PyObject* parse_operators(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
             if (PyErr_Occurred()) return nullptr;
             continue;
           }
-          if (!set(b, N.last_access, j.get()) || !incr(b, N.count)) return nullptr;
+          if (bslots && Py_TYPE(b) == bslots->type) {
+            bslots->put(b, kBornLast, j.get());
+            if (!incr_slot(bslots, b, kBornCount)) return nullptr;
+          } else if (!set(b, N.last_access, j.get()) || !incr(b, N.count)) {
+            return nullptr;
+          }
         }
         if (PyList_Append(accessed.get(), sid.get()) != 0) return nullptr;
       }
@@ -391,11 +480,17 @@ PyObject* parse_operators(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         if (gp < 0) return nullptr;
         if (gp) kind = N.grad;
         Ref b(bare(born_type));
-        if (!b || !set(b.get(), N.nbytes, nb) || !set(b.get(), N.kind, kind) || !set(b.get(), N.saved, saved) ||
-            !set(b.get(), N.fresh, fresh) || !set(b.get(), N.pos, pos_obj.get()) ||
-            !set(b.get(), N.last_access, N.minus1) || !set(b.get(), N.count, N.zero) ||
-            !set(b.get(), N.dead, Py_False) || PyDict_SetItem(born.get(), sid, b.get()) != 0)
+        if (!b) return nullptr;
+        if (bslots) {  // _Born.__init__'s assignments
+          PyObject* v[kBornN] = {nb, kind, saved, fresh, pos_obj.get(), N.minus1, N.zero, Py_False};
+          for (int f = 0; f < kBornN; ++f) bslots->put(b.get(), f, v[f]);
+        } else if (!set(b.get(), N.nbytes, nb) || !set(b.get(), N.kind, kind) || !set(b.get(), N.saved, saved) ||
+                   !set(b.get(), N.fresh, fresh) || !set(b.get(), N.pos, pos_obj.get()) ||
+                   !set(b.get(), N.last_access, N.minus1) || !set(b.get(), N.count, N.zero) ||
+                   !set(b.get(), N.dead, Py_False)) {
           return nullptr;
+        }
+        if (PyDict_SetItem(born.get(), sid, b.get()) != 0) return nullptr;
       }
       if (!is_fresh) {
         if (!append_at(pre.get(), pos_obj.get(), sid)) return nullptr;
@@ -415,12 +510,19 @@ PyObject* parse_operators(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       bool told = false;
       Ref entry;
       if (b) {
-        Ref was(PyObject_GetAttr(b, N.dead));
-        if (!was) return nullptr;
+        const bool fast = bslots && Py_TYPE(b) == bslots->type;
+        Ref was(fast ? Py_XNewRef(bslots->get(b, kBornDead)) : PyObject_GetAttr(b, N.dead));
+        if (!was) {
+          if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "parse_operators: a birth's dead is not set");
+          return nullptr;
+        }
         int d = PyObject_IsTrue(was.get());
         if (d < 0) return nullptr;
         if (!d) {
-          if (!set(b, N.dead, Py_True)) return nullptr;
+          if (fast)
+            bslots->put(b, kBornDead, Py_True);
+          else if (!set(b, N.dead, Py_True))
+            return nullptr;
           Ref pos_obj(PyLong_FromLongLong(position));
           if (!pos_obj) return nullptr;
           entry.reset(PyTuple_Pack(3, sid, pos_obj.get(), b));
