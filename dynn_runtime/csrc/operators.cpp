@@ -3,10 +3,10 @@
 // Python objects and the same writes on the manager's records, in the same order.
 //
 // Invariants (each is the Python loop's, which stays the reference: NativeSource.operators_in_c):
-//  1. Every object the loop makes is an ordinary instance of the Python class (Op, _Born): made by
-//     the class's tp_new (object.__new__) and given its fields by attribute assignment, as
-//     Op.__init__ and _Born.__init__ assign them, so it compares, pickles and prints as one the
-//     Python loop makes.
+//  1. Every object the loop makes is an ordinary instance of the Python class: an Op is made by
+//     calling the class (its dataclass __init__), a _Born by its tp_new (object.__new__) with the
+//     slots _Born.__init__ assigns written in place, so each compares, pickles and prints as one
+//     the Python loop makes.
 //  2. An operator's busy set is made as `set(ins).union(outs)` makes it (a set of the inputs, copied,
 //     then the outputs added one by one): its iteration order, which orders `accessed`, is the
 //     Python loop's.
@@ -235,7 +235,6 @@ PyObject* parse_operators(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                                      "phase codes, Op, _Born, internal_assert, ABSENT)");
     return nullptr;
   }
-  auto* op_type = reinterpret_cast<PyTypeObject*>(op_cls);
   auto* born_type = reinterpret_cast<PyTypeObject*>(born_cls);
   const SlotMap* bslots = born_slots(born_type);  // nullptr: _Born without these slots, the generic protocol
 
@@ -367,15 +366,11 @@ PyObject* parse_operators(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
           path.reset(Py_NewRef(N.empty));
         }
       }
-      Ref op(bare(op_type));
+      // Op's fields positional, in declaration order (invariant 1)
+      PyObject* fields[12] = {name.get(), iv.get(), phase.get(), path.get(), ins.get(), outs.get(),
+                              writes.get(), allocs.get(), N.zero_f, N.zero, N.zero, node};
+      Ref op(PyObject_Vectorcall(op_cls, fields, 12, nullptr));
       if (!op) return nullptr;
-      if (!set(op.get(), N.name, name.get()) || !set(op.get(), N.idiom, iv.get()) ||
-          !set(op.get(), N.phase, phase.get()) || !set(op.get(), N.module, path.get()) ||
-          !set(op.get(), N.inputs, ins.get()) || !set(op.get(), N.outputs, outs.get()) ||
-          !set(op.get(), N.writes, writes.get()) || !set(op.get(), N.allocs, allocs.get()) ||
-          !set(op.get(), N.duration_s, N.zero_f) || !set(op.get(), N.flops, N.zero) ||
-          !set(op.get(), N.nbytes, N.zero) || !set(op.get(), N.node, node))
-        return nullptr;
       if (PyList_Append(ops.get(), op.get()) != 0) return nullptr;
       {  // invariant 2
         Ref s_in(PySet_New(ins.get()));
