@@ -3,7 +3,8 @@
 Usage: ``python tools/overhead_pair.py FAMILY[,FAMILY...] [--steps N] [--configs none,lru,lru@0.5]
 [--profile CONFIG] [--rounds R]`` (``small`` presets; a family may be ``examples/my_workload.py:build``;
 a configuration is a policy name, ``pilot-py`` for the pilot with its bulk loop in Python, ``pilot-rec`` for the
-pilot with the runtime recording every storage a batch sees born (``records_in_batch``), ``lru-py`` for lru
+pilot with the runtime recording every storage a batch sees born (``records_in_batch``), ``pilot-pyparse`` for the
+pilot with the runtime's parse of its batches in Python (``operators_in_c = False``), ``lru-py`` for lru
 with its order kept in Python, ``@F`` a budget).
 
 Two copies of the model start from the same weights and train on the same batches: one under a
@@ -81,7 +82,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
 
         policy = PilotPolicy()
         policy.native_pack = False
-    elif policy == "pilot-rec":  # the runtime's reference bulk path: a record for every birth
+    elif policy in ("pilot-rec", "pilot-pyparse"):  # the runtime's reference bulk paths
         from dynn_runtime.pilot.policy import PilotPolicy
 
         policy = PilotPolicy()
@@ -94,6 +95,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     m_opt, a_opt = make_optimizer(wl, m_model.parameters()), make_optimizer(wl, a_model.parameters())
     mm = dr.MemoryManager(budget, policy=policy, device="cpu", events="native")
     mm.records_in_batch = config.startswith("pilot-rec")
+    mm.operators_in_c = not config.startswith("pilot-pyparse")
     begin, end, hooks = [], [], []
     mm._opt_pre = _timed(mm._opt_pre, hooks)
     mm._opt_post = _timed(mm._opt_post, hooks)

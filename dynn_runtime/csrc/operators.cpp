@@ -15,7 +15,9 @@
 //     (_drop_stale_hosts), a collective (_record_batch_born, _hold_for_collective), a first-seen
 //     operator name (_idiom_of), a corrupt log (internal_assert).
 //  4. The log is the list of int64 words take_log gave (events.cpp's layout); the ints of the
-//     records' tuples are the list's own objects.
+//     records' tuples are the list's own objects. A word that starts no record raises the Python
+//     loop's internal error; a record that runs past the log's end raises one too (where the Python
+//     loop would fail to unpack it, or read it short).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
@@ -274,9 +276,12 @@ PyObject* parse_operators(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Ref events(PyList_New(0)), dead(PyList_New(0)), born(PyDict_New()), tl(PyList_New(0));
   if (!events || !dead || !born || !tl) return nullptr;
 
-  // log.tolist() may be mutated by nothing here: its items are read through this array
-  PyObject* const* items = PySequence_Fast_ITEMS(log);
-  const Py_ssize_t n = PyList_GET_SIZE(log);
+  // the words read through a tuple of the list's items: the Python code the rare cases run cannot
+  // move them
+  Ref words(PyList_AsTuple(log));
+  if (!words) return nullptr;
+  PyObject* const* items = &PyTuple_GET_ITEM(words.get(), 0);
+  const Py_ssize_t n = PyTuple_GET_SIZE(words.get());
   Py_ssize_t i = 0;
   while (i < n) {
     int64_t tag;
