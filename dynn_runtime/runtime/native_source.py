@@ -468,9 +468,10 @@ class NativeSource:
         its death told). The records of the storages that died in the batch are forgotten after
         that call, so the policy's view still answers for them (sids are never reused, so no birth
         in the batch can meet a dead record). ``records_in_batch`` makes every birth's record at
-        once (the reference the tests compare with). ``operators_in_c``: the loop over the batch runs
-        in ``dynn_runtime._C`` (``parse_operators``, csrc/operators.cpp), which makes the same objects
-        and writes; off, the Python loop here (the reference)."""
+        once (the reference the tests compare with). ``operators_in_c``: the loop over the batch, the
+        births' records and ``recordless`` entries run in ``dynn_runtime._C`` (``parse_operators``;
+        ``forget_dead`` after the policy's call; csrc/operators.cpp), which make the same objects and
+        writes in the same order; off, the Python code here (the reference)."""
         if self.records_in_batch:
             self._native_operators_recorded(log)
             return
@@ -592,16 +593,6 @@ class NativeSource:
         self._last_busy = busy
         self._last_outs = last_outs
         self._last_name = name
-        self._tell_operators(events, dead, born, tl, phase0, now)
-
-    def _tell_operators(self, events: list[tuple], dead: list[tuple[int, int, _Born | None]],
-                        born: dict[int, _Born], tl: list[int], phase0: str, now: float) -> None:
-        """The end of :meth:`_native_operators`'s batch, after its loop: the timeline's words, the
-        records of the storages born and alive, the table of those born and dead, the policy's call,
-        and then the deaths forgotten."""
-        st = self.st
-        cur = self._cur
-        saved_pending, grad_pending = self._saved_pending, self._grad_pending
         if tl:
             self._timeline.extend_words(self._step_index, tl)
         recordless = self.recordless
