@@ -3,7 +3,8 @@ source: thread CPU time of managed steps with the policy's boolean ATTR on and o
 manager, each after a PyTorch alone step (outside mm.step). ATTR: ``batch_kernel`` (default: the bulk call's runs in
 one kernel call, or one kernel call per operator) or ``native_pack`` (the runs' records packed by the C module, or
 by the Python loop); or an attribute of the manager (``records_in_batch``: every storage a batch sees born
-recorded, or only those that outlive it)."""
+recorded, or only those that outlive it; ``operators_in_c``: the runtime's parse of a batch in C, or by its
+Python loop)."""
 from __future__ import annotations
 
 import gc

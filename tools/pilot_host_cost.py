@@ -32,7 +32,9 @@ kernel call (``dynn_pilot_operators``) and one kernel call per operator (``batch
 on alternate steps of one manager. ``--paired-pack``: the same, the runs' records packed by the C
 module (``pilot/kernel/pack.c``) and by the Python loop (``native_pack = False``). ``--paired-records``:
 the same, the runtime making no record for a storage born and dead in a batch, and one for every birth
-(``MemoryManager.records_in_batch``, the reference).
+(``MemoryManager.records_in_batch``, the reference). ``--paired-parse``: the same, the runtime's parse of
+each batch in C (``_C.parse_operators``) and by the Python loop (``MemoryManager.operators_in_c = False``, the
+reference).
 """
 
 from __future__ import annotations
@@ -167,16 +169,17 @@ def _work() -> tuple[Any, torch.nn.Module]:
 
 
 def measure_paired(reps: int, kernel: bool = False, pack: bool = False,
-                   records: bool = False, defer: bool = False) -> tuple[int, float, float]:
+                   records: bool = False, defer: bool = False, parse: bool = False) -> tuple[int, float, float]:
     """One manager, one pilot: every repetition runs PyTorch alone, a step told in bulk, PyTorch alone
     and a step told per operator (the order alternating), so both sides meet the same load.
     (operators per step, median us per operator over PyTorch alone in bulk, and per operator).
     ``kernel``: both sides in bulk, the runs in one kernel call against one call per operator;
     ``pack``: both sides in bulk, the runs packed in C against in Python; ``records``: both sides in
     bulk, no record for the storages born and dead in a batch against a record for every birth;
-    ``defer``: idle decision points deferred against every one run."""
+    ``defer``: idle decision points deferred against every one run; ``parse``: both sides in bulk, the
+    batch parsed in C against by the Python loop."""
     work, lin = _work()
-    pol = (PilotPolicy() if records else _PackSwitchable() if pack else _KernelSwitchable() if kernel
+    pol = (PilotPolicy() if records or parse else _PackSwitchable() if pack else _KernelSwitchable() if kernel
            else _DeferSwitchable() if defer else _Switchable())
     mm = MemoryManager(1 << 50, policy=pol, device="cpu", events="native")
     mm.attach(lin)
@@ -192,6 +195,8 @@ def measure_paired(reps: int, kernel: bool = False, pack: bool = False,
                 p = time.thread_time() - t0
                 if records:
                     mm.records_in_batch = not bulk
+                elif parse:
+                    mm.operators_in_c = bulk
                 else:
                     pol.bulk = bulk
                 with mm.step():
@@ -252,6 +257,9 @@ def main() -> None:
     ap.add_argument("--paired-defer", action="store_true",
                     help="only the pilot told in bulk, its idle decision points deferred and every one run on "
                          "alternate steps of one manager")
+    ap.add_argument("--paired-parse", action="store_true",
+                    help="only the pilot told in bulk, the runtime's parse of its batches in C and by the Python loop "
+                         "on alternate steps of one manager")
     args = ap.parse_args()
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad:
@@ -261,6 +269,11 @@ def main() -> None:
         ops, deferred, every = measure_paired(args.reps, defer=True)
         print(f"pilot told in bulk, {ops} operators per step: +{deferred:.1f} us/op with idle decision points "
               f"deferred, +{every:.1f} us/op with every one run (median over PyTorch alone, paired step by step)")
+        return
+    if args.paired_parse:
+        ops, c, py = measure_paired(args.reps, parse=True)
+        print(f"pilot told in bulk, {ops} operators per step: +{c:.1f} us/op with the batches parsed in C, "
+              f"+{py:.1f} us/op parsed by the Python loop (median over PyTorch alone, paired step by step)")
         return
     if args.paired_records:
         ops, light, full = measure_paired(args.reps, records=True)

@@ -1417,13 +1417,15 @@ void arm_test_oom(int64_t n) {
 
 }  // namespace
 
-void define_collector(py::module_& m);  // collector.cpp
+void define_collector(py::module_& m);     // collector.cpp
+bool add_operator_parse(PyObject* module);  // operators.cpp
 
 }  // namespace dynn
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 7;
+  m.attr("ABI") = 8;
+  if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
   m.attr("LOG_FREE") = dynn::kFree;

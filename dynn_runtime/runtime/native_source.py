@@ -74,6 +74,10 @@ class _Born:
         self.dead = False
 
 
+# what _C.parse_operators reads besides the manager (csrc/operators.cpp)
+_PARSE_CTX = (OPERATOR, TOUCH_ALLOC, TOUCH_FREE, _PHASES, _PHASE_CODES, Op, _Born, internal_assert, ABSENT)
+
+
 class NativeSource:
     """Faults, decisions and the log of the native event source."""
 
@@ -83,6 +87,9 @@ class NativeSource:
     #: what a step keeps per operator is taken out of Python's cyclic collector (False: left in it, the
     #: comparison of ``tools/pilot_batch_pair.py FAMILY N --switch untrack_history``)
     untrack_history = True
+    #: the pilot's bulk path reads its batch in C (``_C.parse_operators``) where the extension is
+    #: built; off, the Python loop of :meth:`_native_operators` (the reference)
+    operators_in_c = True
 
     def _native_fault(self, sids: list[int], ins: list[int], name: str) -> None:
         try:
@@ -483,10 +490,29 @@ class NativeSource:
         its death told). The records of the storages that died in the batch are forgotten after
         that call, so the policy's view still answers for them (sids are never reused, so no birth
         in the batch can meet a dead record). ``records_in_batch`` makes every birth's record at
-        once (the reference the tests compare with)."""
+        once (the reference the tests compare with). ``operators_in_c``: the loop over the batch, the
+        births' records and ``recordless`` entries run in ``dynn_runtime._C`` (``parse_operators``;
+        ``forget_dead`` after the policy's call; csrc/operators.cpp), which make the same objects and
+        writes in the same order; off, the Python code here (the reference)."""
         if self.records_in_batch:
             self._native_operators_recorded(log)
             return
+        if self.operators_in_c:
+            mod = native_module()
+            if mod is not None:
+                phase0 = self.phase
+                events, dead, tl = mod.parse_operators(self, log, time.perf_counter() - self._t0, _PARSE_CTX)
+                if tl:
+                    self._timeline.extend_words(self._step_index, tl)
+                cur = self._cur
+                t1 = time.perf_counter()
+                try:
+                    if events:
+                        self.policy.on_operators(events, phase0)
+                finally:
+                    cur.policy_seconds += time.perf_counter() - t1
+                    mod.forget_dead(self, dead, _PARSE_CTX)
+                return
         st = self.st
         names = self._names
         ops = self._ops

@@ -3,6 +3,8 @@ the events the per-operator path tells it, in the same order and with the same a
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -166,3 +168,190 @@ def test_a_batch_without_the_records_of_its_short_lived_storages_tells_what_the_
     assert any(kind == "activation" and saved for _, _, kind, saved in new.dead_labels)
     assert _numbered(new_mm[0], new) == _numbered(ref_mm[0], ref)
     assert not new_mm[0].recordless
+
+
+class _Watched(_Labelled):
+    """:class:`_Labelled` that also records, at each call, what the manager holds of its batch:
+    the recordless table's entries (every field), the records' access fields (the time of the last
+    access taken out: it is the clock's), the state the next batch starts from (position, phase,
+    last operator's name, busy set, outputs), the positions' births, and the Op records' fields."""
+
+    def __init__(self, bulk: bool) -> None:
+        super().__init__(bulk)
+        self.mm = None
+        self.calls: list[tuple] = []
+
+    def on_operators(self, events, phase):
+        mm = self.mm
+        ops = [ev[2] for ev in events if ev[0] == OPERATOR]
+        self.calls.append((
+            phase,
+            [(sid, type(b), b.nbytes, b.kind, b.saved, b.fresh, b.pos, b.last_access, b.count, b.dead)
+             for sid, b in mm.recordless.items()],
+            [(sid, s.kind, s.saved, s.nbytes, s.last_access, s.count, s.pf, s.born_pos) for sid, s in mm.st.items()],
+            (mm.position, mm.phase, mm._last_name, tuple(sorted(mm._last_busy)), tuple(mm._last_outs)),
+            {k: list(v) for k, v in mm._pre.items()},
+            ops,
+            [ev if ev[0] != OPERATOR else (ev[0], ev[1], list(ev[3])) for ev in events],
+            mm._cur.prefetch_hits,
+        ))
+        super().on_operators(events, phase)
+
+
+def _train_watched(family: str, in_c: bool) -> tuple:
+    """Three tiny steps of ``family`` under :class:`_Watched` with the batch read in C or by the
+    Python loop: the losses, what it saw at each call, the history, the records and the timeline
+    left, the number of calls."""
+    from dynn_runtime.workload import load_workload, make_optimizer, train_step
+
+    # the observer's node word of the step's first operator is the thread's last autograd node,
+    # which the first graph of a process does not have yet: one made here puts both runs alike
+    (torch.ones(1, requires_grad=True) * 2).sum().backward()
+    wl = load_workload(family, preset="tiny", seed=0)
+    torch.manual_seed(0)
+    model = wl.model
+    opt = make_optimizer(wl, model.parameters())
+    pol = _Watched(bulk=True)
+    mm = dr.MemoryManager(1 << 40, policy=pol, device="cpu", events="native").attach(model, opt)
+    mm.operators_in_c = in_c
+    pol.mm = mm
+    losses = []
+    # the cyclic collector frees what it finds (the storages of a model's reference cycles) where
+    # its thresholds fall, which the two parses' allocations move: off, every death is the program's
+    gc.collect()
+    gc.disable()
+    try:
+        for step in range(3):
+            with mm.step():
+                losses.append(train_step(wl, model, opt, wl.make_batch(step)).item())
+        assert mm.stats()["event_source"] == "native"
+    finally:
+        gc.enable()
+        mm.detach()
+    # Storage ids are the observer's own count from 1, so two runs' ids are alike; the order of
+    # deaths next to each other in the log is not always (the program's), so a run of deaths is
+    # compared as a set. Autograd nodes are numbered as first met (their count is the process's).
+    nodes: dict[int, int] = {-1: -1}
+
+    def op_fields(o):
+        return (type(o), len(vars(o)), o.name, o.idiom, o.phase, o.module, o.inputs, o.outputs, o.writes, o.allocs,
+                o.duration_s, o.flops, o.nbytes, nodes.setdefault(o.node, len(nodes)))
+
+    def deaths_sorted(events):
+        out: list = []
+        run: list = []
+        for ev in events:
+            if ev[0] == TOUCH_FREE:
+                run.append(ev)
+                continue
+            out += sorted(run)
+            run = []
+            out.append(ev)
+        return out + sorted(run)
+
+    calls = [(phase, recordless, table, state, pre, [op_fields(o) for o in ops], deaths_sorted(events), hits)
+             for phase, recordless, table, state, pre, ops, events, hits in pol.calls]
+    history = [([op_fields(o) for o in it.ops], {k: sorted(v) for k, v in it.frees.items()}, it.pre_allocs)
+               for it in mm.history]
+    table = [(sid, s.kind, s.saved, s.nbytes, s.born_pos, s.last_access, s.count) for sid, s in mm.st.items()]
+    return losses, calls, (history, table, list(mm._timeline)), len(pol.calls)
+
+
+@pytest.mark.parametrize("family", ["moe", "tree_lstm", "evoformer"])
+def test_the_c_parse_of_a_batch_is_the_python_loop(family):
+    """_C.parse_operators makes what NativeSource._native_operators's Python loop makes, on live
+    training: the events told, the Op records field for field (ordinary Op instances), the records'
+    access fields, the recordless table during the call, the state the next batch starts from, the
+    history and the timeline."""
+    ref = _train_watched(family, in_c=False)
+    got = _train_watched(family, in_c=True)
+    assert got[3] > 3 and any(call[1] for call in got[1])  # batches told, some with storages born and dead
+    for k, (a, b) in enumerate(zip(got[1], ref[1], strict=True)):
+        assert a == b, f"call {k}"
+    assert got[2] == ref[2]
+    assert got[0] == ref[0]
+
+
+def test_a_corrupt_log_is_the_same_clear_error_in_c():
+    """A batch with a word that starts no record: both parses raise the runtime's internal error,
+    naming the tag and the word."""
+    assert native_module().parse_operators is not None
+    errors = []
+    for in_c in (False, True):
+        pol = _Told(bulk=True)
+        keep: list = []
+        mm = dr.MemoryManager(1 << 40, policy=pol, device="cpu", events="native")
+        mm.operators_in_c = in_c
+        keep.append(mm)
+        x = torch.randn(4, 4)
+        mm.attach(torch.nn.Linear(4, 4))
+        try:
+            with mm.step():
+                torch.relu(x)
+                with pytest.raises(AssertionError) as info:
+                    mm._native_operators([2, 10**9, 64, 1, 9, 1])
+                errors.append(str(info.value))
+        finally:
+            mm.detach()
+    assert errors[0] == errors[1]
+    assert "corrupt native event log (tag 9 at word 4)" in errors[1]
+
+
+def _pilot_under_budget(family: str, in_c: bool) -> tuple:
+    """Three tiny steps of ``family`` under the pilot at 3/4 of its peak, the batch read in C or by
+    the Python loop: the losses, every move, the prefetches' hits per step, the calls that dropped
+    host copies of written storages, and the history's operators."""
+    from dynn_runtime.pilot.policy import PilotPolicy
+    from dynn_runtime.workload import load_workload, make_optimizer, train_step
+
+    wl = load_workload(family, preset="tiny", seed=0)
+    torch.manual_seed(0)
+    model = wl.model
+    opt = make_optimizer(wl, model.parameters())
+    pol = PilotPolicy(backend="native")
+    moves: list[tuple] = []
+    victims, after_op = pol.victims, pol.after_op
+
+    def record_victims(need, exclude):
+        for sid in victims(need, exclude):
+            moves.append((pol.view.position, "evict", sid))
+            yield sid
+
+    def record_after_op(position):
+        actions = after_op(position)
+        moves.extend((position, a.kind, a.sid) for a in actions)
+        return actions
+
+    pol.victims, pol.after_op = record_victims, record_after_op
+    mm = dr.MemoryManager("3/4", policy=pol, device="cpu", events="native").attach(model, opt)
+    mm.operators_in_c = in_c
+    dropped: list[tuple] = []
+    drop = mm._drop_stale_hosts
+
+    def record_drop(sids):
+        before = sum(s.host is not None for s in mm.st.values())
+        drop(sids)
+        if sum(s.host is not None for s in mm.st.values()) != before:
+            dropped.append((mm.position, tuple(sids)))
+
+    mm._drop_stale_hosts = record_drop
+    losses = []
+    try:
+        for step in range(3):
+            with mm.step():
+                losses.append(train_step(wl, model, opt, wl.make_batch(step)).item())
+        assert mm.stats()["event_source"] == "native"
+    finally:
+        mm.detach()
+    ops = [[(o.name, o.phase, o.module, o.inputs, o.outputs, o.writes, o.allocs) for o in it.ops] for it in mm.history]
+    return losses, moves, [s.prefetch_hits for s in mm.steps], dropped, ops
+
+
+@pytest.mark.parametrize("family", ["evoformer", "moe"])
+def test_the_c_parse_makes_the_pilots_moves_under_a_budget(family):
+    """Under a budget the records' access fields and prefetch hits the C parse writes are what the
+    pilot decides from: the same moves, hits, host copies dropped and losses as the Python loop."""
+    ref = _pilot_under_budget(family, in_c=False)
+    got = _pilot_under_budget(family, in_c=True)
+    assert ref[1] and sum(ref[2]) > 0 and ref[3]  # moves made, prefetches used, host copies dropped
+    assert got == ref
