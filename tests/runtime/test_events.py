@@ -653,18 +653,18 @@ def _history_of_two_steps(events: str) -> list:
     """Two managed steps of a small MLP after autograd work outside them: per step, each operator's
     name, phase and node (relative to the step's first node), and the deaths by position."""
     model, opt = _mlp()
+    x = torch.randn(16, 32)
     (torch.ones(2, requires_grad=True) * 3).sum().backward()  # nodes made before the manager
     mm = dr.MemoryManager(1 << 40, device="cpu", events=events, record_every_op=True).attach(model, opt)
     mm.history_len = 4
-    x = torch.randn(16, 32)
     try:
         for _ in range(2):
-            (torch.ones(2, requires_grad=True) * 3).sum().backward()  # ... and between the steps
             with mm.step():
                 x2 = x * 1.0  # makes no node: its node word must be -1
                 model(x2).square().mean().backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+            (torch.ones(2, requires_grad=True) * 3).sum().backward()  # ... and between the steps
     finally:
         mm.detach()
     out = []
