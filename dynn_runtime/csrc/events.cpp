@@ -70,10 +70,13 @@
 //      outputs that are not inputs) at its kOp record, a death at its kFree record. Deaths reach the
 //      order whether or not it is live, so it never holds a storage the table has forgotten.
 //  14. The log's order is a function of the program's operations only, never of addresses: records
-//      come as the operators ran; of the deaths logged between two operator records, those release_cb
-//      reported (covered storages) come in the order their data was freed, and each sweep's after
-//      them: the storages it found dead (exposed storages: CUDA, or data given up while away), in
-//      ascending storage id. Storage ids count from 1 in the order the observer first saw each.
+//      come as the operators ran, and deaths in batches where the program's operations put them (a
+//      drain before each operator's record and wherever Python reads `used`, a sweep every
+//      `sweep_every` operators and wherever Python asks). A drain logs the deaths release_cb reported
+//      (covered storages) in the order their data was freed; a sweep drains, then logs the storages
+//      its walk of the table found dead (exposed ones: CUDA data, data given up while away, data the
+//      allocator does not own) in ascending storage id. Storage ids count from 1 in the order the
+//      observer first saw each storage.
 //  15. An operator's node word is the autograd node it belongs to, or -1: in backward, the node the
 //      engine is running (-1 for AccumulateGrad, whose sequence number is UINT64_MAX); in forward,
 //      the node it made (autograd makes it below the key, while the kernel runs, so the thread's
