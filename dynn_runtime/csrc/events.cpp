@@ -69,6 +69,22 @@
 //      kAlloc record, an operator's allocations and then its storages (inputs in argument order, then
 //      outputs that are not inputs) at its kOp record, a death at its kFree record. Deaths reach the
 //      order whether or not it is live, so it never holds a storage the table has forgotten.
+//  14. The log's order is a function of the program's operations only, never of addresses: records
+//      come as the operators ran, and deaths in batches where the program's operations put them (a
+//      drain before each operator's record and wherever Python reads `used`, a sweep every
+//      `sweep_every` operators and wherever Python asks). A drain logs the deaths release_cb reported
+//      (covered storages) in the order their data was freed; a sweep drains, then logs the storages
+//      its walk of the table found dead (exposed ones: CUDA data, data given up while away, data the
+//      allocator does not own) in ascending storage id. Storage ids count from 1 in the order the
+//      observer first saw each storage.
+//  15. An operator's node word is the autograd node it belongs to, or -1: in backward, the node the
+//      engine is running (-1 for AccumulateGrad, whose sequence number is UINT64_MAX); in forward,
+//      the node it made (autograd makes it below the key, while the kernel runs, so the thread's
+//      sequence counter has moved past it), judged against the last node this thread had made when
+//      the observer started or the step began. A node made before, or by work the key does not see
+//      (the manager's own runs under no_grad), is never an operator's, so a step's node words do not
+//      depend on what ran before it. trace/recorder.py's AutogradNodes, which the Python event
+//      source and the trace recorder use, keeps the same rule.
 
 #include <ATen/ATen.h>
 #include <ATen/Operators.h>
@@ -333,6 +349,7 @@ class Observer {
     covered::listen(true);
     was_included_ = c10::impl::tls_is_dispatch_key_included(kKey);
     c10::impl::tls_set_dispatch_key_included(kKey, true);
+    last_node_ = thread_last_node();  // invariant 15
     started_ = true;
   }
 
@@ -376,6 +393,7 @@ class Observer {
   void set_in_step(bool v) {
     in_step_ = v;
     if (v) {
+      last_node_ = thread_last_node();  // invariant 15: nodes made before the step are not its operators'
       position_ = 0;
       last_decide_ = 0;
       peak_ = used_;
@@ -446,13 +464,17 @@ class Observer {
     return e != nullptr && !(*e)->weak.expired();
   }
 
-  // Forget storages that died; logs a kFree record for each. Returns how many.
+  // Forget storages that died; logs a kFree record for each. Returns how many. The table is keyed by
+  // address, so its iteration order is the allocator's, which differs from one process to the next:
+  // the deaths it finds are logged by storage id (invariant 14).
   int64_t sweep() {
     drain();
     dead_.clear();
     table_.for_each([&](uint64_t, Entry* e) {
       if (e->weak.expired()) dead_.push_back(e);
     });
+    if (dead_.size() > 1)
+      std::sort(dead_.begin(), dead_.end(), [](const Entry* a, const Entry* b) { return a->sid < b->sid; });
     for (Entry* e : dead_) forget(e);
     return static_cast<int64_t>(dead_.size());
   }
@@ -628,6 +650,9 @@ class Observer {
   }
 
   static uint64_t key(const c10::StorageImpl* impl) { return reinterpret_cast<uintptr_t>(impl); }
+
+  // The sequence number of the last autograd node this thread made, -1 before its first.
+  static int64_t thread_last_node() { return static_cast<int64_t>(at::sequence_number::peek()) - 1; }
 
   // Forgets a storage that died; logs a kFree record.
   void forget(Entry* e) {
@@ -1045,13 +1070,14 @@ class Observer {
     std::vector<int64_t>& outs = ctx.outs;
     std::vector<int64_t>& allocs = ctx.allocs;
     // the autograd node: in backward the one running; in forward the one this op created, if any
+    // (invariant 15)
     int64_t node = -1;
     const int64_t phase = current_phase();
     if (auto cur = torch::autograd::get_current_node()) {
       const uint64_t q = cur->sequence_nr();
       node = q < (uint64_t(1) << 62) ? static_cast<int64_t>(q) : -1;
     } else {
-      const int64_t q = static_cast<int64_t>(at::sequence_number::peek()) - 1;
+      const int64_t q = thread_last_node();
       if (q > last_node_) {
         last_node_ = q;
         node = q;

@@ -209,6 +209,7 @@ class Steps:
         self._oracle_map = {}
         self._in_step = True
         self._engaged = False
+        self._nodes.begin()  # a step's operators' autograd nodes are those it made (AutogradNodes)
         if obs is not None:
             obs.set_in_step(True)
             obs.set_seen_backward(False)

@@ -63,12 +63,21 @@ class AutogradNodes:
 
     Backward runs the node of each forward operator, so the pair maps a backward operator to the
     forward operator whose gradient it computes (the pilot's *mirror*, docs/pilot.md).
+
+    "Created" is judged against the last node the thread had made when this object was made or
+    :meth:`begin` last ran (at each step's or iteration's start): a node made before, or by work
+    outside the mode, is never an operator's, so an iteration's nodes do not depend on what ran
+    before it. The native event source keeps the same rule (csrc/events.cpp, invariant 15).
     """
 
     __slots__ = ("_last",)
 
     def __init__(self) -> None:
-        self._last = -1
+        self.begin()
+
+    def begin(self) -> None:
+        """From now on, only nodes made after this call are an operator's."""
+        self._last = torch._C._autograd._get_sequence_nr() - 1
 
     def __call__(self) -> int:
         node = torch._C._current_autograd_node()
@@ -263,6 +272,7 @@ class TraceRecorder(TorchDispatchMode):
             self.records.extend(self._pending_pre)
             self._pending_pre = []
         self._active = True
+        self._nodes.begin()
         self._modules.install()
         self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._saved_ctx.__enter__()

@@ -204,9 +204,6 @@ def _train_watched(family: str, in_c: bool) -> tuple:
     left, the number of calls."""
     from dynn_runtime.workload import load_workload, make_optimizer, train_step
 
-    # the observer's node word of the step's first operator is the thread's last autograd node,
-    # which the first graph of a process does not have yet: one made here puts both runs alike
-    (torch.ones(1, requires_grad=True) * 2).sum().backward()
     wl = load_workload(family, preset="tiny", seed=0)
     torch.manual_seed(0)
     model = wl.model
@@ -228,30 +225,18 @@ def _train_watched(family: str, in_c: bool) -> tuple:
     finally:
         gc.enable()
         mm.detach()
-    # Storage ids are the observer's own count from 1, so two runs' ids are alike; the order of
-    # deaths next to each other in the log is not always (the program's), so a run of deaths is
-    # compared as a set. Autograd nodes are numbered as first met (their count is the process's).
+    # Storage ids are the observer's own count from 1 and the log's order is the program's
+    # (events.cpp, invariant 14), so two runs' ids and deaths are alike. Autograd nodes are numbered
+    # as first met (their count is the process's).
     nodes: dict[int, int] = {-1: -1}
 
     def op_fields(o):
         return (type(o), len(vars(o)), o.name, o.idiom, o.phase, o.module, o.inputs, o.outputs, o.writes, o.allocs,
                 o.duration_s, o.flops, o.nbytes, nodes.setdefault(o.node, len(nodes)))
 
-    def deaths_sorted(events):
-        out: list = []
-        run: list = []
-        for ev in events:
-            if ev[0] == TOUCH_FREE:
-                run.append(ev)
-                continue
-            out += sorted(run)
-            run = []
-            out.append(ev)
-        return out + sorted(run)
-
-    calls = [(phase, recordless, table, state, pre, [op_fields(o) for o in ops], deaths_sorted(events), hits)
+    calls = [(phase, recordless, table, state, pre, [op_fields(o) for o in ops], events, hits)
              for phase, recordless, table, state, pre, ops, events, hits in pol.calls]
-    history = [([op_fields(o) for o in it.ops], {k: sorted(v) for k, v in it.frees.items()}, it.pre_allocs)
+    history = [([op_fields(o) for o in it.ops], dict(it.frees), it.pre_allocs)
                for it in mm.history]
     table = [(sid, s.kind, s.saved, s.nbytes, s.born_pos, s.last_access, s.count) for sid, s in mm.st.items()]
     return losses, calls, (history, table, list(mm._timeline)), len(pol.calls)

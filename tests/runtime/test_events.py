@@ -232,6 +232,124 @@ def test_a_death_on_another_thread_is_known_too_and_foreign_memory_is_swept():
     del base  # freed with the allocator's own deleter after the observer stopped
 
 
+def _frees(log: bytes) -> list[int]:
+    """The sids of the kFree records of a raw log, in log order."""
+    w = struct.unpack(f"{len(log) // 8}q", log)
+    out, i = [], 0
+    while i < len(w):
+        if w[i] == C.LOG_OP:
+            i += 9 + sum(w[i + 5:i + 9])
+        elif w[i] == C.LOG_ALLOC:
+            i += 4
+        else:
+            out.append(w[i + 1])
+            i += 2
+    return out
+
+
+def test_the_deaths_a_sweep_finds_are_logged_by_storage_id():
+    """Storages whose deaths only a sweep finds (numpy owns their data) are logged in ascending
+    storage id, whatever order they died in and wherever their StorageImpls lie (the table is keyed
+    by address): the log is a function of the program's operations (events.cpp, invariant 14)."""
+    import numpy as np
+
+    ob = C.Observer("cpu")
+    ob.start(None, None)
+    try:
+        ob.set_in_step(True)
+        foreign = [torch.from_numpy(np.ones(16, dtype=np.float32)) for _ in range(40)]
+        for f in foreign:
+            f.mul_(2)
+        del f
+        sids = [ob.sid_of(t) for t in foreign]
+        assert ob.exposed == 40 and len(set(sids)) == 40
+        ob.take_log()
+        for k in (*range(1, 40, 2), *range(38, -1, -2)):  # odd ones first, then the even ones backwards
+            foreign[k] = None
+        ob.sweep()
+        log, _ = ob.take_log()
+    finally:
+        ob.stop()
+    assert _frees(log) == sorted(sids)
+
+
+def test_a_deaths_drained_order_is_the_order_they_died():
+    """Covered storages' deaths come as their data was freed, not by id or address."""
+    ob = C.Observer("cpu")
+    ob.start(None, None)
+    try:
+        ob.set_in_step(True)
+        ts = [torch.ones(64) for _ in range(12)]
+        sids = [ob.sid_of(t) for t in ts]
+        ob.take_log()
+        order = [5, 0, 11, 3, 7, 1, 9, 2, 10, 4, 8, 6]
+        for k in order:
+            ts[k] = None
+        torch.zeros(1).add_(1)
+        log, _ = ob.take_log()
+    finally:
+        ob.stop()
+    assert _frees(log) == [sids[k] for k in order]
+
+
+def _nodes(log: bytes) -> list[int]:
+    """The node word of every operator record in a raw log."""
+    w = struct.unpack(f"{len(log) // 8}q", log)
+    out, i = [], 0
+    while i < len(w):
+        if w[i] == C.LOG_OP:
+            out.append(w[i + 3])
+            i += 9 + sum(w[i + 5:i + 9])
+        else:
+            i += 4 if w[i] == C.LOG_ALLOC else 2
+    return out
+
+
+def test_an_operators_node_is_one_it_made_not_the_threads_last():
+    """An operator that makes no autograd node logs -1 also as a step's first, after the thread made
+    nodes before the step (events.cpp, invariant 15); one that makes a node logs it; the same
+    operators log the same relative nodes in a later step. The Python event source and the trace
+    recorder's AutogradNodes keep the same rule."""
+    from dynn_runtime.trace.recorder import AutogradNodes
+
+    w = torch.ones(3, requires_grad=True)
+
+    def step() -> None:
+        x = torch.ones(3)  # no node
+        y = (x * w).sum()  # mul and sum make one each
+        torch.zeros(2)  # no node
+        y.backward()
+
+    ob = C.Observer("cpu")
+    ob.start(None, None)
+    runs, names = [], []
+    try:
+        for _ in range(2):
+            (w * 2).sum().backward()  # nodes made before the step, outside it
+            names += ob.take_log()[1]
+            ob.set_in_step(True)
+            step()
+            log, new = ob.take_log()
+            names += new
+            ob.set_in_step(False)
+            runs.append([(names[op], n) for (op, _), n in zip(_ops(log), _nodes(log), strict=True)])
+    finally:
+        ob.stop()
+    fwd = [r[:4] for r in runs]
+    assert [n for _, n in fwd[0]][0] == -1 and [n for _, n in fwd[0]][3] == -1
+    assert fwd[0][1][1] >= 0 and fwd[0][2][1] == fwd[0][1][1] + 1
+    base = [fwd[k][1][1] for k in range(2)]
+    rel = [[(name, n if n < 0 else n - base[k]) for name, n in r] for k, r in enumerate(runs)]
+    assert rel[0] == rel[1]
+    nodes = AutogradNodes()
+    (w * 2).sum().backward()
+    nodes.begin()
+    torch.ones(3)
+    assert nodes() == -1
+    (torch.ones(3) * w).sum()
+    assert nodes() >= 0
+
+
 def test_a_kernel_that_raises_leaves_the_observer_consistent():
     ob = C.Observer("cpu")
     ob.start(None, None)
@@ -529,3 +647,41 @@ def test_an_extension_built_from_other_sources_is_not_used_and_the_reason_says_r
         monkeypatch.undo()
         events._loaded = False
         assert events.native_module() is C
+
+
+def _history_of_two_steps(events: str) -> list:
+    """Two managed steps of a small MLP after autograd work outside them: per step, each operator's
+    name, phase and node (relative to the step's first node), and the deaths by position."""
+    model, opt = _mlp()
+    x = torch.randn(16, 32)
+    (torch.ones(2, requires_grad=True) * 3).sum().backward()  # nodes made before the manager
+    mm = dr.MemoryManager(1 << 40, device="cpu", events=events, record_every_op=True).attach(model, opt)
+    mm.history_len = 4
+    try:
+        for _ in range(2):
+            with mm.step():
+                x2 = x * 1.0  # makes no node: its node word must be -1
+                model(x2).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            (torch.ones(2, requires_grad=True) * 3).sum().backward()  # ... and between the steps
+    finally:
+        mm.detach()
+    out = []
+    for it in mm.history:
+        base = min(o.node for o in it.ops if o.node >= 0)
+        out.append(([(o.name, o.phase, o.node if o.node < 0 else o.node - base) for o in it.ops],
+                    sorted(it.frees.items())))
+    return out
+
+
+@pytest.mark.parametrize("events", ["native", "python"])
+def test_a_steps_nodes_do_not_depend_on_what_ran_before_it(events):
+    """The operators of the first step of a manager and of a later one, each after autograd work
+    outside the step, log the same nodes: the first operator, which makes none, logs -1 (not the
+    thread's last node), and both steps and both runs alike."""
+    a = _history_of_two_steps(events)
+    b = _history_of_two_steps(events)
+    assert a[0][0][0] == ("aten::mul.Tensor", "forward", -1)
+    assert a[0][0] == a[1][0]
+    assert a == b

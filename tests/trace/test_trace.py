@@ -268,3 +268,31 @@ def test_cli_record_show_plot_export(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text("nope\n")
     assert main(["trace", "show", str(tmp_path / "bad.jsonl")]) == 2
     assert "line 1 is not valid JSON" in capsys.readouterr().err
+
+
+def test_an_iterations_nodes_do_not_depend_on_what_ran_before_it():
+    """An operator that makes no autograd node records none (no "q"), also as an iteration's first
+    after autograd work outside it; two iterations of the same ops record the same relative nodes."""
+    model = nn.Linear(4, 4)
+    rec = TraceRecorder(model)
+    x = torch.randn(2, 4)
+    its = []
+    for i in range(2):
+        (torch.ones(2, requires_grad=True) * 3).sum().backward()  # nodes made outside the iteration
+        rec.begin_iteration(i)
+        try:
+            with rec.phase("forward"):
+                x2 = x * 1.0  # makes no node
+                loss = model(x2).sum()
+            with rec.phase("backward"):
+                loss.backward()
+        finally:
+            ops = [r for r in rec.end_iteration() if r.get("t") == "O"]
+        model.zero_grad(set_to_none=True)
+        its.append(ops)
+    assert "q" not in its[0][0]
+    rel = []
+    for ops in its:
+        base = min(r["q"] for r in ops if "q" in r)
+        rel.append([r.get("q", -1) - base if "q" in r else -1 for r in ops])
+    assert rel[0] == rel[1] and any(q >= 0 for q in rel[0])
