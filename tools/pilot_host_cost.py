@@ -110,48 +110,6 @@ class _Switchable(PilotPolicy):
         return self.bulk and super().operators_in_bulk()
 
 
-class _KernelSwitchable(PilotPolicy):
-    """The pilot told in bulk, its runs in one kernel call or one per operator as set before each step."""
-
-    name = "pilot-kernel-switchable"
-
-    @property
-    def bulk(self) -> bool:
-        return self.batch_kernel
-
-    @bulk.setter
-    def bulk(self, on: bool) -> None:
-        self.batch_kernel = on
-
-
-class _PackSwitchable(PilotPolicy):
-    """The pilot told in bulk, its runs packed by the C module or by the Python loop as set before each step."""
-
-    name = "pilot-pack-switchable"
-
-    @property
-    def bulk(self) -> bool:
-        return self.native_pack
-
-    @bulk.setter
-    def bulk(self, on: bool) -> None:
-        self.native_pack = on
-
-
-class _DeferSwitchable(PilotPolicy):
-    """The pilot told in bulk, its idle decision points deferred or run as set before each step."""
-
-    name = "pilot-defer-switchable"
-
-    @property
-    def bulk(self) -> bool:
-        return self.defer_idle
-
-    @bulk.setter
-    def bulk(self, on: bool) -> None:
-        self.defer_idle = on
-
-
 def _work() -> tuple[Any, torch.nn.Module]:
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
@@ -179,9 +137,12 @@ def measure_paired(reps: int, kernel: bool = False, pack: bool = False,
     ``defer``: idle decision points deferred against every one run; ``parse``: both sides in bulk, the
     batch parsed in C against by the Python loop."""
     work, lin = _work()
-    pol = (PilotPolicy() if records or parse else _PackSwitchable() if pack else _KernelSwitchable() if kernel
-           else _DeferSwitchable() if defer else _Switchable())
+    pol = _Switchable() if not (kernel or pack or records or defer or parse) else PilotPolicy()
     mm = MemoryManager(1 << 50, policy=pol, device="cpu", events="native")
+    # the switch set before each step: (its owner, attribute, the value for the first side)
+    owner, attr, first = ((pol, "batch_kernel", True) if kernel else (pol, "native_pack", True) if pack
+                          else (mm, "records_in_batch", False) if records else (pol, "defer_idle", True) if defer
+                          else (mm, "operators_in_c", True) if parse else (pol, "bulk", True))
     mm.attach(lin)
     diff: dict[bool, list[float]] = {True: [], False: []}
     try:
@@ -193,12 +154,7 @@ def measure_paired(reps: int, kernel: bool = False, pack: bool = False,
                 t0 = time.thread_time()
                 work()
                 p = time.thread_time() - t0
-                if records:
-                    mm.records_in_batch = not bulk
-                elif parse:
-                    mm.operators_in_c = bulk
-                else:
-                    pol.bulk = bulk
+                setattr(owner, attr, bulk == first)
                 with mm.step():
                     t0 = time.thread_time()
                     work()

@@ -366,7 +366,8 @@ class Simulator(IterationView, Residency):
         saved_policy, self.policy = self.policy, policy
         try:
             policy.attach(self)
-            bound_before = bool(self.history) and self.history[-1].footprint_peak(self.trace) > self.budget
+            # only where a policy acts (``none`` stands in otherwise): a walk over the previous iteration
+            bound_before = managed and bool(self.history) and self.history[-1].footprint_peak(self.trace) > self.budget
             policy.begin_iteration(self.it.index, IterationContext(history=self.history, trace=self.trace,
                                                                    iteration=self.it, bound_before=bound_before))
             reason = ""
