@@ -9,10 +9,11 @@ over PyTorch alone (thread CPU time: the median of per-repetition differences, a
 managed minus the minimum PyTorch alone, which other processes on a shared machine disturb
 less). Variants (default: all):
 
-- ``pilot``: the pilot as shipped (a batch told in one ``on_operators`` call where no ``after_op``
-  of it would act; the fused ``on_operator`` per operator inside; its decision points deferred, as
-  nothing reads them with nothing moved);
-- ``pilot-every``: the same with every decision point run (``defer_idle=False``);
+- ``pilot``: the pilot as shipped (with nothing moved it sits every step out: ``Policy.idle_step``,
+  no operator told);
+- ``pilot-every``: the pilot told every step, every decision point run (``defer_idle=False``): a
+  batch told in one ``on_operators`` call where no ``after_op`` of it would act, the fused
+  ``on_operator`` per operator inside;
 - ``per-operator``: the pilot told per operator (``on_operator`` and ``after_op`` calls: the path
   the runtime takes while something this policy evicted is away);
 - ``python-fused``: the fused ``on_operator`` with its per-storage writes in Python (the native
@@ -26,8 +27,8 @@ less). Variants (default: all):
 
 Results are timing only: the stubbed variants make no sensible decisions.
 
-``--paired-defer``: the pilot with its idle decision points deferred and with every one run
-(``defer_idle``) on alternate steps of one manager. ``--paired-kernel``: the pilot's batches told in bulk on every step, their runs of operators in one
+``--paired-defer``: the pilot as shipped (sitting the idle steps out) and told every step with
+every decision point run (``defer_idle``) on alternate steps of one manager. ``--paired-kernel``: the pilot's batches told in bulk on every step, their runs of operators in one
 kernel call (``dynn_pilot_operators``) and one kernel call per operator (``batch_kernel = False``)
 on alternate steps of one manager. ``--paired-pack``: the same, the runs' records packed by the C
 module (``pilot/kernel/pack.c``) and by the Python loop (``native_pack = False``). ``--paired-records``:
@@ -95,9 +96,13 @@ class _ParseOnly(PilotPolicy):
         return []  # still overridden: the runtime reads the log every 32 operators, as for the pilot
 
 
-VARIANTS = {"pilot": PilotPolicy, "pilot-every": lambda: PilotPolicy(defer_idle=False), "per-operator": _PerOperator, "python-fused": _PythonFused, "per-notification": _PerNotification, "no-op-update": _NoOpUpdate,
-            "parse-only": _ParseOnly, "lru": lambda: "lru", "lru-py": lambda: LRUPolicy(native_order=False),
-            "none": lambda: "none"}
+# the pilot's stubbed variants are told every step (``defer_idle=False``): with nothing moved the
+# shipped pilot sits every step out and would measure none of what they change
+VARIANTS = {"pilot": PilotPolicy, "pilot-every": lambda: PilotPolicy(defer_idle=False),
+            **{name: (lambda cls=cls: cls(defer_idle=False)) for name, cls in (
+                ("per-operator", _PerOperator), ("python-fused", _PythonFused),
+                ("per-notification", _PerNotification), ("no-op-update", _NoOpUpdate), ("parse-only", _ParseOnly))},
+            "lru": lambda: "lru", "lru-py": lambda: LRUPolicy(native_order=False), "none": lambda: "none"}
 
 
 class _Switchable(PilotPolicy):
@@ -134,10 +139,13 @@ def measure_paired(reps: int, kernel: bool = False, pack: bool = False,
     ``kernel``: both sides in bulk, the runs in one kernel call against one call per operator;
     ``pack``: both sides in bulk, the runs packed in C against in Python; ``records``: both sides in
     bulk, no record for the storages born and dead in a batch against a record for every birth;
-    ``defer``: idle decision points deferred against every one run; ``parse``: both sides in bulk, the
+    ``defer``: the shipped pilot (it sits the idle steps out) against one told every step with every
+    decision point run; ``parse``: both sides in bulk, the
     batch parsed in C against by the Python loop."""
     work, lin = _work()
-    pol = _Switchable() if not (kernel or pack or records or defer or parse) else PilotPolicy()
+    # told every step (defer_idle=False), but for ``defer``, whose switch it is
+    pol = _Switchable(defer_idle=False) if not (kernel or pack or records or defer or parse) else PilotPolicy(
+        defer_idle=False)
     mm = MemoryManager(1 << 50, policy=pol, device="cpu", events="native")
     # the switch set before each step: (its owner, attribute, the value for the first side)
     owner, attr, first = ((pol, "batch_kernel", True) if kernel else (pol, "native_pack", True) if pack
@@ -211,8 +219,8 @@ def main() -> None:
                     help="only the pilot told in bulk, the runtime without and with records for the storages born "
                          "and dead in a batch on alternate steps of one manager")
     ap.add_argument("--paired-defer", action="store_true",
-                    help="only the pilot told in bulk, its idle decision points deferred and every one run on "
-                         "alternate steps of one manager")
+                    help="only the pilot, as shipped (sitting idle steps out) and told every step with every "
+                         "decision point run, on alternate steps of one manager")
     ap.add_argument("--paired-parse", action="store_true",
                     help="only the pilot told in bulk, the runtime's parse of its batches in C and by the Python loop "
                          "on alternate steps of one manager")
@@ -223,8 +231,9 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.paired_defer:
         ops, deferred, every = measure_paired(args.reps, defer=True)
-        print(f"pilot told in bulk, {ops} operators per step: +{deferred:.1f} us/op with idle decision points "
-              f"deferred, +{every:.1f} us/op with every one run (median over PyTorch alone, paired step by step)")
+        print(f"pilot, {ops} operators per step: +{deferred:.1f} us/op as shipped (idle steps sat out), "
+              f"+{every:.1f} us/op told every step with every decision point run (median over PyTorch alone, "
+              "paired step by step)")
         return
     if args.paired_parse:
         ops, c, py = measure_paired(args.reps, parse=True)

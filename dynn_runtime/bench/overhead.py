@@ -21,8 +21,9 @@ kernels it launched):
    a wrapper around the policy: the definition of :mod:`dynn_runtime.sim.hostcost`).
 3. **The pilot.** Per family: its decision points per step, seconds per decision point (its own
    inference, and the manager's ``policy_seconds`` over them) and its share of the step, from a
-   run with every decision point taken (``defer_idle=False``: as shipped, above the peak it defers
-   them, since nothing reads them there, and its column in 2. is that run).
+   run with every decision point taken (``defer_idle=False``: as shipped, above the peak it sits
+   every step out, since nothing would read what it computes there, ``Policy.idle_step``; its
+   column in 2. is that run, and the share of steps it sat out is reported).
 4. **Python's cyclic collector**, timed in every workload step on both sides (``gc.callbacks``): its
    seconds per step managed and alone, and the full (oldest-generation) collections among them. A
    full collection visits every tracked object of the process (the framework's included), and
@@ -448,6 +449,7 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any,
                 out.append({
                     "managed_s": dt, "managed_cpu_s": dt_cpu, "ops": s.ops, "stall_s": s.stall_seconds,
                     "copy_s": s.copy_seconds, "policy_s": s.policy_seconds, "evictions": s.evictions,
+                    "idle": float(s.idle),  # the policy sat the step out (Policy.idle_step)
                     "decision_points": pol.decision_points - before_dp,
                     # storages moved: evictions, demand fetches, prefetches asked for (an upper bound)
                     "moves": s.evictions + s.prefetch_misses + pol.prefetches - before_pf,
@@ -486,7 +488,7 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any,
                "plain_s": statistics.median(plain), **med,
                # means, not medians: a full collection lands in one step of several
                **{k: statistics.fmean(r[k] for r in rs) for k in ("gc_s", "gc_full_s", "gc_full", "plain_gc_s",
-                                                                    "plain_gc_full")}}
+                                                                    "plain_gc_full", "idle")}}
         # on the CPU copies are synchronous: stall_seconds includes them (copy_seconds is that part)
         rec["other_s"] = med["managed_s"] - med["plain_s"] - med["stall_s"] - med["policy_s"]
         rec["overhead_us_per_op"] = (med["managed_s"] - med["plain_s"]) / max(med["ops"], 1) * 1e6
@@ -632,16 +634,20 @@ def render_overhead_markdown(report: OverheadReport) -> str:
         pil = [r for r in pil if "pilot" in r]
         if pil:
             lines += ["", f"## The pilot ({source}, budget above the peak): per decision point and share of the step",
-                      "", "Every decision point run (`defer_idle=False`); as shipped the pilot defers them while "
-                      "nothing would read them (the last two columns).", "",
+                      "", "Every decision point run (`defer_idle=False`); as shipped the pilot sits out the steps "
+                      "in which nothing would read them (`Policy.idle_step`: told no operator) and defers the "
+                      "decision points of a step it is told before its first victim search (the last three "
+                      "columns).", "",
                       "| workload | decision points/step | inference us/decision | policy_seconds us/decision | "
-                      "policy share of step | inference share | ratio | as shipped: run/deferred per step | as shipped: ratio |",
-                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                      "policy share of step | inference share | ratio | as shipped: steps sat out | "
+                      "as shipped: run/deferred per step | as shipped: ratio |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
             for r in pil:
                 p = r["pilot"]
                 shipped = by.get((source, r["workload"], "pilot", "above peak"))
-                tail = (f"{shipped['pilot_decisions']:.0f}/{shipped['pilot_deferred_idle']:.0f} | {_pair(shipped)} |"
-                        if shipped else " | |")
+                tail = (f"{shipped.get('idle', 0.0) * 100:.0f}% | "
+                        f"{shipped['pilot_decisions']:.0f}/{shipped['pilot_deferred_idle']:.0f} | {_pair(shipped)} |"
+                        if shipped else " | | |")
                 lines.append(f"| {r['workload']} | {p['decisions_per_step']:.0f} | "
                              f"{p['inference_us_per_decision']:.1f} | {p['policy_us_per_decision']:.1f} | "
                              f"{p['share_of_step'] * 100:.1f}% | {p['inference_share_of_step'] * 100:.1f}% | "

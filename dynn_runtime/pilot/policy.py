@@ -273,6 +273,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         #: deferred since the last one that ran (in this iteration)
         self._searched = self._searched_before = False
         self._stale = False
+        #: the last iteration whose operators were told (begin_iteration: an idle step's are not)
+        self._walked: Any = None
         #: operators seen (on_op calls), for the per-operator term of ``host_cost``
         self.ops = 0
         #: the decision point in flight on the worker (None: none), the worker's clock where
@@ -297,6 +299,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
 
     def attach(self, view: Any) -> None:
         super().attach(view)
+        self._walked = None
         model = self.model  # first use: load the weights now, not at import
         from . import kernel as native
 
@@ -360,9 +363,15 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             self._shadow.begin_iteration(index, context)
             self._exact.begin_iteration(self._shadow.timeline)
             self._last_access.clear()
+        # The iterations whose operators were told: an idle step read light (idle_step) has none in
+        # its history entry; the last one told stands in for it as the previous iteration.
+        told = [it for it in history if it.ops]
+        if history and not told and self._walked is not None and self._walked.index < history[-1].index:
+            told = [self._walked]
+        self._walked = told[-1] if told else None
         state = self._state
         state.native_index = self.native_pack
-        state.begin_iteration(index, history)
+        state.begin_iteration(index, told)
         state.pred[:] = np.nan  # nothing predicted yet this iteration
         self._pending = []
         self._heap = PyHeap() if self._kernel is None else self._kernel.new_heap()
@@ -510,6 +519,19 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                     away[s] = 0
                     skip_of[s] = small.small(sid)
         self.on_op(position, op)
+
+    def idle_step(self) -> bool:
+        """True where the iteration starts idle (:meth:`~.scheduling.Scheduling._idle`: ``defer_idle``,
+        no victim search in the previous iteration, no fallback or online refit) with nothing of
+        this policy's away: then no decision point of it would run before the first victim search,
+        which rescores every live storage, so the runtime may tell the step's operators there, or
+        never if memory is never short (:meth:`Policy.idle_step`). A subclass whose ``after_op``
+        may act before that answers for itself."""
+        return self._idle() and not self._away.any()
+
+    @property
+    def idles_unbound(self) -> bool:  # type: ignore[override]
+        return bool(self.defer_idle and not self._rows)
 
     def operators_in_bulk(self) -> bool:
         """True where every ``after_op`` of the batch would return nothing and change nothing: the

@@ -26,6 +26,12 @@ next iteration, every decision point runs: under a budget that binds every itera
 decisions from the iteration after the first search on are those of ``defer_idle=False``, the
 reference (tests/pilot/test_pilot_idle.py).
 
+**Idle steps.** An iteration that starts idle (and with nothing of the policy's away) needs
+nothing from it before its first victim search, which catches up as above: the policy says so
+(``PilotPolicy.idle_step``) and the live runtime tells it the step's events only there, all at
+once, or never in a step where memory is never short (``Policy.idle_step``). The next iteration
+then indexes the last one the policy was told (``begin_iteration``).
+
 **Cost governor** (``max_share``): a decision point is put off while the inference time spent so
 far exceeds ``max_share`` of the elapsed device time (``view.now()``: simulated seconds in the
 simulator, wall seconds in the live runtime); a phase change's full rescoring waits for the next

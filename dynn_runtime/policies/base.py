@@ -249,6 +249,23 @@ class Policy:
     def begin_iteration(self, index: int, context: IterationContext = NO_CONTEXT) -> None:
         """An iteration starts; ``context`` carries what the mechanism knows (history, trace)."""
 
+    def idle_step(self) -> bool:
+        """Asked right after :meth:`begin_iteration`: True if nothing this policy would do in the
+        iteration matters until memory is first short (its first :meth:`victims` call): no
+        ``after_op`` of it would act before then, and what its notifications build is read only
+        by that call. The live runtime then reads the step's operator log only where it must (a
+        decision the budget forces, a fault, a hook that needs the table) and tells the policy
+        everything since the step began there, in order; a step that never needs one is read
+        light (as a step of a policy that never acts ahead): the policy is told the deaths of
+        the storages it knows and, at the next step's start, what the program holds, but not the
+        step's operators, whose ``history`` entry is then empty. Default: False."""
+        return False
+
+    #: whether :meth:`idle_step` holds at the start of an iteration that follows one in which memory
+    #: was never short: the simulator, which runs ``none`` in an iteration whose peak fits, charges
+    #: such a policy's iteration without its own per-operator cost (``HostCost.policy_per_op_s``)
+    idles_unbound: bool = False
+
     def close(self) -> None:
         """Called by the live manager at detach: work the policy runs on threads of its own (a
         background refit, a worker) completes and the threads end, so none outlives the run and

@@ -84,6 +84,9 @@ class StepStats:
     left_on_host: int = 0
     """Storages the program holds at the step's end that could not come back (the allocator ran out
     twice for one): they stay on the host, their copy valid, and come back at their next access."""
+    idle: bool = False
+    """The policy sat the step out (``Policy.idle_step``; memory was never short in it and nothing
+    needed the log read before its end): its operator log was read light, no operator told."""
 
     def add(self, other: StepStats) -> None:
         for k in ("ops", "bytes_offloaded", "bytes_prefetched", "bytes_fetched_on_demand", "evictions",
@@ -209,6 +212,7 @@ class Steps:
         self._oracle_map = {}
         self._in_step = True
         self._engaged = False
+        self._idle_step = False
         self._nodes.begin()  # a step's operators' autograd nodes are those it made (AutogradNodes)
         if obs is not None:
             obs.set_in_step(True)
@@ -252,10 +256,34 @@ class Steps:
             if obs is not None:
                 obs.reset_peak()
                 self._decisions0 = obs.decisions
+                # a policy with nothing to do until memory is short: no periodic turn, the log read
+                # where something needs it (Policy.idle_step; _victims ends it)
+                self._idle_step = (not self._measure_step and not self._measuring and not self.record_every_op
+                                   and self._trace is None and type(pol).after_op is not Policy.after_op
+                                   and pol.idle_step())
+                if self._idle_step:
+                    obs.set_decide_every(0)
+        if not self._idle_step:
+            self._listen_hints()
+
+    def _listen_hints(self) -> None:
         # A hint costs the workload a storage lookup per tensor here; only a policy that reads hints
-        # (overrides ``on_hint``) or a complete ``history`` (``record_every_op``) is worth that.
+        # (overrides ``on_hint``) or a complete ``history`` (``record_every_op``) is worth that. An
+        # idle step's hints would find the policy behind the log: it listens from its first victim
+        # search on (_victims).
         if self.record_every_op or type(self.policy).on_hint is not Policy.on_hint:
             hints._listen(self)
+
+    def _victims(self, short: int, exclude: set[int]) -> Any:
+        """The policy's victims (Residency.make_room); the first ends an idle step: the policy acts
+        from now on (its periodic turn, hints). Every caller read the log first, so the policy has
+        been told the step so far."""
+        if self._idle_step:
+            self._idle_step = False
+            if self._obs is not None:
+                self._obs.set_decide_every(self.decide_every)
+            self._listen_hints()
+        return self.policy.victims(short, exclude)
 
     def _end_step(self, ok: bool) -> None:
         hints._stop(self)
@@ -279,6 +307,8 @@ class Steps:
                 self._cur.peak_device_bytes = obs.peak
                 self._peak_pos = obs.peak_position
             self._cur.decision_points = obs.decisions - self._decisions0
+            self._cur.idle = self._idle_step and not self._engaged
+            self._idle_step = False
             if self.budget is not None and not self._measure_step:
                 self._overshoot(obs.peak - self.budget, f"the step's peak, operator position {obs.peak_position}")
             error, self._pending_error = self._pending_error, None  # raised once the step is closed

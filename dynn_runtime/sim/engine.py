@@ -43,7 +43,9 @@ Invariants the engine keeps (tests and docs/simulator.md name them in bold):
   an ``after_op()`` that returned actions: :attr:`SimResult.decision_points`) and by ``per_move_s``
   for each storage moved since (evicted, prefetched, fetched on demand: :attr:`SimResult.moves`).
   It is charged whether or not the manager engages, because the live manager sees every operator
-  either way. With zero figures the run is the host timeline's exactly.
+  either way; only the policy's own share (``policy_per_op_s``) waits, in an iteration the policy
+  sits out (``Policy.idle_step``), for its first victim search, where the operators before it are
+  charged it at once. With zero figures the run is the host timeline's exactly.
 
 Time: ``compute`` is the sum of operator times (measured on the profile's GPU, or the roofline of
 :func:`~dynn_runtime.sim.profiles.op_time` for traces recorded elsewhere); the iteration time is the
@@ -224,6 +226,7 @@ class Simulator(IterationView, Residency):
     # ---- making room: Residency.make_room's hooks, on the simulated clock ------------------------
     def _victims(self, short: int, exclude: set[int]) -> Any:
         self.decision_points += 1
+        self._searched = True
         return self.policy.victims(short, exclude)
 
     def _room_before(self, need: int) -> bool:
@@ -370,6 +373,10 @@ class Simulator(IterationView, Residency):
             bound_before = managed and bool(self.history) and self.history[-1].footprint_peak(self.trace) > self.budget
             policy.begin_iteration(self.it.index, IterationContext(history=self.history, trace=self.trace,
                                                                    iteration=self.it, bound_before=bound_before))
+            # an iteration the policy sits out until its first victim search: its own per-operator
+            # cost is not charged before it (HostCost.policy_per_op_s; the live runtime's idle step)
+            self._idle = policy.idle_step() if managed else saved_policy.idles_unbound
+            self._searched = False  # a victim search has run (_victims)
             reason = ""
             feasible = True
             try:
@@ -424,6 +431,7 @@ class Simulator(IterationView, Residency):
         floor = self.profile.op_overhead_s if self.dispatch_s is None else self.dispatch_s
         hc = self.host_cost
         dp_seen = mv_seen = 0  # host cost: decision points and moves already on the host clock
+        idle_ops = 0  # operators of an idle start, whose policy share is charged at the first search
         for j, op in enumerate(self.ops):
             self.position = j
             self.phase = op.phase
@@ -446,6 +454,12 @@ class Simulator(IterationView, Residency):
                 if hc is not None:  # host cost: the manager's work before this operator is issued
                     charge = hc.charge(1, self.decision_points - dp_seen, self.moves - mv_seen)
                     dp_seen, mv_seen = self.decision_points, self.moves
+                    if self._idle and self._searched:  # the idle start's operators, told at the search
+                        self._idle = False
+                        charge += idle_ops * hc.policy_per_op_s
+                    elif self._idle:
+                        charge -= hc.policy_per_op_s
+                        idle_ops += 1
                     h += charge
                     self.host_cost_s += charge
                 if h > self.t:  # the device has run dry: it waits for the host to issue this operator
@@ -478,7 +492,10 @@ class Simulator(IterationView, Residency):
         if host:
             self.policy_host = float(pol.host_seconds)
             if hc is not None:  # after the last operator: still host time
-                self.host_cost_s += hc.charge(0, self.decision_points - dp_seen, self.moves - mv_seen)
+                charge = hc.charge(0, self.decision_points - dp_seen, self.moves - mv_seen)
+                if self._idle and self._searched:
+                    charge += idle_ops * hc.policy_per_op_s
+                self.host_cost_s += charge
 
 
 def simulate(

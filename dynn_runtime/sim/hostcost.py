@@ -16,8 +16,13 @@ The simulator counts decision points and moves the same way (:attr:`SimResult.de
 :attr:`SimResult.moves`).
 
 A policy whose notifications cost more than ``lru``'s (the pilot's feature state, every operator)
-has that added to its ``per_op_s`` (``policy_per_op_s`` in the file): the live manager runs it even
-when nothing needs to move, so it is charged even where the simulator runs ``none`` (below the peak, the manager does not engage). Its
+has that added to its ``per_op_s`` (``policy_per_op_s`` in the file, and ``HostCost.policy_per_op_s``):
+the live manager runs it whenever the policy is told the step's operators, which is every step
+unless the policy sits it out (``Policy.idle_step``: the pilot while no victim search has run in the
+previous iteration nor yet in this one). So a simulated iteration that starts idle is charged it
+from its first victim search on, with the operators before it charged at that search (the live
+runtime tells them all there), and not at all in an iteration whose peak fits (the simulator runs
+``none`` there) for a policy that sits such iterations out (``Policy.idles_unbound``). Its
 work at its own decision points (the pilot's inference) is the policy's
 :attr:`Policy.host_seconds`, charged by its ``host_cost`` model (:func:`policy_options_for`) where
 the policy runs.
@@ -75,6 +80,10 @@ class HostCost:
     """Seconds per decision point (a ``victims()`` call, or an ``after_op()`` that returns actions)."""
     per_move_s: float = 0.0
     """Seconds per storage moved (eviction, prefetch, demand fetch), the copy itself not included."""
+    policy_per_op_s: float = 0.0
+    """The policy's own share of ``per_op_s`` (its notifications), which an iteration it sits out
+    does not pay (``Policy.idle_step``): charged per operator from its first victim search on, and
+    for the operators before it at that search."""
     source: str
     """Where the figures come from: an event source of the calibration (``python``, ``native``), or
     ``model`` for figures given by hand."""
@@ -83,10 +92,13 @@ class HostCost:
     figures given by hand."""
 
     def __post_init__(self) -> None:
-        for name in ("per_op_s", "per_decision_s", "per_move_s"):
+        for name in ("per_op_s", "per_decision_s", "per_move_s", "policy_per_op_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ConfigError(f"sim: HostCost.{name} must be a finite number of seconds >= 0, got {v!r}.")
+        if self.policy_per_op_s > self.per_op_s:
+            raise ConfigError(f"sim: HostCost.policy_per_op_s ({self.policy_per_op_s!r}) is a share of per_op_s "
+                              f"({self.per_op_s!r}) and cannot exceed it.")
 
     def charge(self, ops: int, decision_points: int, moves: int = 0) -> float:
         """Host seconds for ``ops`` operators, ``decision_points`` decision points and ``moves`` moves."""
@@ -94,7 +106,7 @@ class HostCost:
 
     def as_dict(self) -> dict[str, Any]:
         return {"per_op_s": self.per_op_s, "per_decision_s": self.per_decision_s, "per_move_s": self.per_move_s,
-                "source": self.source, "device": self.device}
+                "policy_per_op_s": self.policy_per_op_s, "source": self.source, "device": self.device}
 
 
 def load_calibration(path: str | Path | None = None) -> dict[str, Any]:
@@ -180,9 +192,9 @@ def host_cost_for(policy: str, source: str = "auto", calibration: dict[str, Any]
     dev = _device(data, device, source)
     src = _source(data, source, dev)
     row = calibration_table(data, dev)[src]
-    per_op = float(row["per_op_s"]) + float(row.get("policy_per_op_s", {}).get(policy, 0.0))
-    return HostCost(per_op_s=per_op, per_decision_s=float(row["per_decision_s"]),
-                    per_move_s=float(row.get("per_move_s", 0.0)), source=src, device=dev)
+    own = float(row.get("policy_per_op_s", {}).get(policy, 0.0))
+    return HostCost(per_op_s=float(row["per_op_s"]) + own, per_decision_s=float(row["per_decision_s"]),
+                    per_move_s=float(row.get("per_move_s", 0.0)), policy_per_op_s=own, source=src, device=dev)
 
 
 def policy_options_for(policy: str, source: str = "auto", calibration: dict[str, Any] | None = None,

@@ -57,19 +57,91 @@ class _PerIteration(PilotPolicy):
 
 @live
 @pytest.mark.parametrize("backend", ["native", "numpy"])
-def test_with_nothing_moved_no_decision_point_runs(backend):
-    """Above the peak nothing reads a decision point: none runs (every one is counted as deferred), and
-    with ``defer_idle=False`` the same points run; training is PyTorch alone's either way."""
-    shipped = PilotPolicy(backend=backend)
-    losses, moves = _run("tree_lstm", shipped, 1 << 40)
-    every = PilotPolicy(backend=backend, defer_idle=False)
-    every_losses, every_moves = _run("tree_lstm", every, 1 << 40)
+def test_with_nothing_moved_the_pilot_sits_every_step_out(backend):
+    """Above the peak memory is never short: every step starts idle (``Policy.idle_step``), the runtime
+    reads its log light and tells the pilot no operator, so no decision point is even due, and the
+    history keeps no operators; with ``defer_idle=False`` every step is told and its decision points
+    run. Training is PyTorch alone's either way."""
+    shipped, stats = PilotPolicy(backend=backend), []
+    losses, moves = _run("tree_lstm", shipped, 1 << 40, stats=stats)
+    every, every_stats = PilotPolicy(backend=backend, defer_idle=False), []
+    every_losses, every_moves = _run("tree_lstm", every, 1 << 40, stats=every_stats)
     assert moves == every_moves == []
-    assert shipped.decisions == shipped.candidates == shipped.catch_ups == 0
-    assert every.decisions > 3 and every.deferred_idle == 0
-    assert shipped.deferred_idle == every.decisions  # the same points, deferred instead of run
-    assert shipped.ops == every.ops
+    assert len(stats) == 3 and all(s.idle and s.decision_points == 0 for s in stats)
+    assert shipped.ops == shipped.decisions == shipped.deferred_idle == shipped.catch_ups == 0
+    assert shipped._walked is None  # no iteration's operators were told
+    assert not any(s.idle for s in every_stats)
+    assert every.ops > 300 and every.decisions > 3 and every.deferred_idle == 0
     assert losses == every_losses == _plain_losses("tree_lstm")
+
+
+class _Budgets(_PerIteration):
+    """Per iteration also the previous iteration the feature state indexed, and at the iteration's
+    first victim the operators told in it so far and the runtime's position."""
+
+    name = "pilot-budgets"
+
+    def begin_iteration(self, index: int, context: object = None) -> None:
+        super().begin_iteration(index, context)
+        self.iterations[-1].update(prev=self._state._prev_iter, history=list(context.history), ops=self.ops)
+
+    def victims(self, need_bytes: int, exclude: set[int]):  # noqa: ANN201
+        it = self.iterations[-1]
+        it.setdefault("told_at_search", (self.ops - it["ops"], self._state.position, self.view.position))
+        yield from super().victims(need_bytes, exclude)
+
+
+def _run_budgets(policy: PilotPolicy, budgets: list[int]) -> tuple[list[float], list]:
+    """moe (tiny) under ``policy``, one step per budget (bytes, set before the step); losses, stats."""
+    import dynn_runtime as dr
+    from dynn_runtime.workload import load_workload, make_optimizer, train_step
+
+    wl = load_workload("moe", preset="tiny", seed=0)
+    import torch
+
+    torch.manual_seed(0)
+    opt = make_optimizer(wl, wl.model.parameters())
+    mm = dr.MemoryManager(budgets[0], policy=policy, device="cpu", events="native").attach(wl.model, opt)
+    losses = []
+    try:
+        for step, budget in enumerate(budgets):
+            mm.budget = budget
+            with mm.step():
+                losses.append(train_step(wl, wl.model, opt, wl.make_batch(step)).item())
+        return losses, list(mm.steps)
+    finally:
+        mm.detach()
+
+
+@live
+def test_a_step_that_becomes_short_is_told_everything_before_its_first_victim():
+    """Budgets that bind, fit, fit, bind: the step after one that searched is told as it runs; the one
+    after a step without a search sits out (idle, its history entry without operators); a step that
+    then runs short is told every operator so far before its first victim (the same count at the
+    same position as a pilot that never sits out) and indexes the last iteration that was told as
+    its previous one. Training is PyTorch alone's bit for bit."""
+    _, peak_stats = _run_budgets(PilotPolicy(backend="native"), [1 << 40])
+    short = int(peak_stats[0].peak_device_bytes * 0.75)
+    budgets = [short, 1 << 40, 1 << 40, short, short]
+    pol, ref = _Budgets(backend="native"), _Budgets(backend="native", defer_idle=False)
+    losses, stats = _run_budgets(pol, budgets)
+    ref_losses, ref_stats = _run_budgets(ref, budgets)
+    assert [s.idle for s in stats] == [False, False, True, False, False]
+    assert not any(s.idle for s in ref_stats)
+    its = pol.iterations[-5:]
+    assert its[0].get("searched") and not its[1].get("searched") and its[3].get("searched")
+    # step 2 sat out: no operator told, its history entry has none; step 3 indexed step 1 instead
+    assert its[3]["ops"] == its[2]["ops"] and not its[3]["history"][-1].ops
+    assert its[3]["prev"] is its[3]["history"][-2] and its[3]["prev"].ops
+    assert ref.iterations[-2]["prev"] is ref.iterations[-2]["history"][-1]  # the reference: step 2
+    # step 3 was told every operator before its first victim, as the reference at the same point
+    told, state_pos, view_pos = its[3]["told_at_search"]
+    assert told > 50 and told == ref.iterations[-2]["told_at_search"][0]
+    assert state_pos == ref.iterations[-2]["told_at_search"][1]
+    assert view_pos == ref.iterations[-2]["told_at_search"][2]
+    assert any(kind == "evict" for _, kind, _ in its[3]["moves"])
+    assert losses == ref_losses
+    assert losses == _plain_losses("moe", steps=5)
 
 
 @live
@@ -216,3 +288,31 @@ def test_a_simulated_iteration_after_one_the_budget_bound_is_the_references(trac
     assert res.as_dict() == ref_res.as_dict()
     assert pol.deferred_idle == 0 and pol.catch_ups == 0
     assert pol.decisions == ref.decisions and (pol.decisions > 0) == (frac < 1)
+
+
+@pytest.mark.parametrize("frac", [2.0, 0.5])
+def test_a_simulated_iteration_the_pilot_sits_out_is_not_charged_its_share(trace, frac):
+    """The simulator charges the pilot's own per-operator cost (``HostCost.policy_per_op_s``) as the
+    live runtime spends it: not in an iteration whose peak fits (the pilot sits it out), and in the
+    first iteration under a budget for every operator, those before the first victim search at it;
+    ``defer_idle=False`` pays it everywhere."""
+    from dynn_runtime.sim.hostcost import HostCost
+
+    hc = HostCost(per_op_s=10e-6, per_decision_s=3e-6, per_move_s=1e-6, policy_per_op_s=8e-6, source="model")
+    budget = int(unmanaged_peak(trace, 0) * frac)
+    for defer in (True, False):
+        pol = PilotPolicy(defer_idle=defer, worker=False)
+        res = Simulator(trace, pol, budget, iteration=0, host_cost=hc).run()
+        full = hc.charge(res.ops, res.decision_points, res.moves)
+        assert res.managed == (frac < 1)
+        if defer and frac > 1:
+            assert res.host_cost_s == pytest.approx(full - res.ops * hc.policy_per_op_s)
+        else:
+            assert res.decision_points > 0 or frac > 1
+            assert res.host_cost_s == pytest.approx(full)
+    # the share of the operators before the first search lands there, not before them
+    flat = HostCost(per_op_s=10e-6, per_decision_s=3e-6, per_move_s=1e-6, source="model")
+    if frac < 1:
+        a = Simulator(trace, PilotPolicy(worker=False), budget, iteration=0, host_cost=hc).run()
+        b = Simulator(trace, PilotPolicy(worker=False), budget, iteration=0, host_cost=flat).run()
+        assert a.host_cost_s == pytest.approx(b.host_cost_s) and a.iter_time_s <= b.iter_time_s

@@ -167,9 +167,10 @@ def _entries(heap: object) -> list[tuple[float, int, int]]:
 
 
 def _run(family: str, policy: PilotPolicy, budget: object, steps: int = 3,
-         records_in_batch: bool = False) -> tuple[list[float], list]:
+         records_in_batch: bool = False, stats: list | None = None) -> tuple[list[float], list]:
     """``steps`` steps of ``family`` (tiny) under the native source; the losses and every move made.
-    ``records_in_batch``: the runtime records every storage a batch sees born (its reference path)."""
+    ``records_in_batch``: the runtime records every storage a batch sees born (its reference path).
+    ``stats``: extended with the manager's per-step ``StepStats``."""
     wl = load_workload(family, preset="tiny", seed=0)
     torch.manual_seed(0)
     model = wl.model
@@ -197,6 +198,8 @@ def _run(family: str, policy: PilotPolicy, budget: object, steps: int = 3,
                 loss = train_step(wl, model, opt, wl.make_batch(step))
             losses.append(loss.item())
         assert mm.stats()["event_source"] == "native"
+        if stats is not None:
+            stats.extend(mm.steps)
     finally:
         mm.detach()
     return losses, moves
@@ -269,7 +272,7 @@ def test_a_subclass_that_overrides_a_notification_gets_every_call():
         name = "pilot-counting"
 
         def __init__(self) -> None:
-            super().__init__()
+            super().__init__(defer_idle=False)  # above the peak: told every step
             self.allocs = self.accesses = 0
 
         def on_alloc(self, sid: int, position: int) -> None:
@@ -324,7 +327,7 @@ def test_the_batch_call_refuses_a_malformed_run():
 
     if not native.available():
         pytest.skip(native.reason())
-    pol = PilotPolicy(backend="native")
+    pol = PilotPolicy(backend="native", defer_idle=False)  # told the step: its batch state is built
     _run("moe", pol, 1 << 40, steps=1)
     kern, state = pol._kernel, pol._state
     t = kern.table(state)

@@ -77,7 +77,7 @@ def _train(policy, steps: int = 3, **kw):
 @pytest.mark.parametrize("policy", ["pilot", "record"])
 def test_a_step_history_is_out_of_the_collector_and_still_holds_its_records(policy):
     if policy == "pilot":
-        mm, _ = _train(PilotPolicy(backend="native"))
+        mm, _ = _train(PilotPolicy(backend="native", defer_idle=False))  # every step told
     else:
         mm, _ = _train("lru", record_every_op=True)
     assert mm.history
@@ -98,7 +98,7 @@ def test_a_step_history_is_out_of_the_collector_and_still_holds_its_records(poli
 
 
 def test_training_with_the_records_untracked_gives_pytorch_alone_losses():
-    _, managed = _train(PilotPolicy(backend="native"))
+    _, managed = _train(PilotPolicy(backend="native", defer_idle=False))
     torch.manual_seed(0)
     wl = load_workload("tree_lstm", preset="tiny", seed=0)
     opt = make_optimizer(wl, wl.model.parameters())
