@@ -275,6 +275,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         self._stale = False
         #: the last iteration whose operators were told (begin_iteration: an idle step's are not)
         self._walked: Any = None
+        #: the feature state's start of the iteration, put off while it starts idle (_wake)
+        self._asleep: tuple[int, list[Any]] | None = None
         #: operators seen (on_op calls), for the per-operator term of ``host_cost``
         self.ops = 0
         #: the decision point in flight on the worker (None: none), the worker's clock where
@@ -299,7 +301,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
 
     def attach(self, view: Any) -> None:
         super().attach(view)
-        self._walked = None
+        self._walked = self._asleep = None
         model = self.model  # first use: load the weights now, not at import
         from . import kernel as native
 
@@ -369,21 +371,9 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         if history and not told and self._walked is not None and self._walked.index < history[-1].index:
             told = [self._walked]
         self._walked = told[-1] if told else None
-        state = self._state
-        state.native_index = self.native_pack
-        state.begin_iteration(index, told)
-        state.pred[:] = np.nan  # nothing predicted yet this iteration
         self._pending = []
-        self._heap = PyHeap() if self._kernel is None else self._kernel.new_heap()
         self._off = []
         self._away[:] = 0
-        self._expected_len = self._state.expected_length()
-        if self._kernel is not None:
-            from .model import _log_bucket_reps
-
-            pt = self._pt
-            pt.set_logreps(_log_bucket_reps(self._expected_len))
-            pt.q.quantile, pt.q.recheck = self.quantile, self.recheck
         self._phase = -1
         self._last_decision = -(1 << 30)
         self._full_due = True
@@ -397,6 +387,29 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             self._job = None
             self.dropped += 1
         self._worker_free = 0.0
+        # An iteration that starts idle needs its state only at the first notification: its own
+        # start (the previous iteration's index, the arrays' reset) waits for it (_wake), and a step
+        # the runtime reads light never pays it. Nothing reads the state before a notification.
+        self._asleep = (index, told)
+        if not self.idle_step():
+            self._wake()
+
+    def _wake(self) -> None:
+        """The feature state's side of :meth:`begin_iteration`, where it was put off."""
+        index, told = self._asleep
+        self._asleep = None
+        state = self._state
+        state.native_index = self.native_pack
+        state.begin_iteration(index, told)
+        state.pred[:] = np.nan  # nothing predicted yet this iteration
+        self._heap = PyHeap() if self._kernel is None else self._kernel.new_heap()
+        self._expected_len = self._state.expected_length()
+        if self._kernel is not None:
+            from .model import _log_bucket_reps
+
+            pt = self._pt
+            pt.set_logreps(_log_bucket_reps(self._expected_len))
+            pt.q.quantile, pt.q.recheck = self.quantile, self.recheck
 
     def close(self) -> None:
         if self._job is not None and self._job.future is not None:
@@ -415,6 +428,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         return max(position, 0) + self._prior_rows[_PHASES.get(self.view.phase if phase is None else phase, 0)][cls]
 
     def on_alloc(self, sid: int, position: int) -> None:
+        if self._asleep is not None:
+            self._wake()
         v = None
         if self._shadow is not None:
             self._shadow.on_alloc(sid, position)
@@ -433,6 +448,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         self._skip[s] = self._small.small(sid)
 
     def on_access(self, sid: int, position: int) -> None:
+        if self._asleep is not None:
+            self._wake()
         # the provisional prediction is set in on_op, once the replayed next use is known;
         # the prior is computed there only for the storages that have none. Until then a storage
         # keeps its last prediction (one never predicted is kept: see predict)
@@ -461,11 +478,15 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         super().on_free(sid)
 
     def on_hint(self, hint: Any) -> None:
+        if self._asleep is not None:
+            self._wake()
         t0 = self._timer()
         self._state.hint(hint)
         self.bookkeeping_s += self._timer() - t0
 
     def on_label(self, sid: int) -> None:
+        if self._asleep is not None:  # told again with its labels when the state wakes (alloc)
+            return
         t0 = self._timer()
         self._state.label(sid)
         self.bookkeeping_s += self._timer() - t0
@@ -476,6 +497,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         entries, small-storage classes), without the per-notification calls. The plain calls
         where they do more: with ``fallback`` (its shadow predictors), or in a subclass that
         overrides ``on_alloc`` or ``on_access``."""
+        if self._asleep is not None:
+            self._wake()
         if not self._fused:
             super().on_operator(position, op, accessed)
             return
@@ -547,6 +570,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         what each ``after_op`` would do: poll the worker (operators_in_bulk: nothing else). On the
         native kernel, runs of forward operators and deaths go to it in one call
         (:meth:`_operators_native`)."""
+        if self._asleep is not None:
+            self._wake()
         try:
             self._bulk_phase = phase
             if (self._fused_native is not None and self.batch_kernel and self._shadow is None
@@ -1088,6 +1113,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             push(-v, sid, s)
 
     def on_op(self, position: int, op: Any) -> None:
+        if self._asleep is not None:
+            self._wake()
         self.ops += 1
         if self._exact is not None:
             self._exact.op(position, op)
@@ -1282,6 +1309,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         return scores[follow] if follow != "pilot" else pilot
 
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
+        if self._asleep is not None:
+            self._wake()
         if self._job is not None:
             self._poll()
         self._searching()  # the first search of the iteration: deferred decision points caught up first
@@ -1299,6 +1328,8 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             inner.close()  # its own finally puts back the entries it skipped, now, not at collection
 
     def after_op(self, position: int) -> list[Action]:
+        if self._asleep is not None:
+            self._wake()
         if self._job is not None:
             self._poll()
         actions = super().after_op(position)

@@ -232,6 +232,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._tell_labels = False
         self._engaged = False
         self._idle_step = False  # Steps._begin_step: the policy sits this step out until memory is short
+        self._held_at_start: list[int] | None = None  # ... and the storages held at its start, untold
         self._pending_error: BaseException | None = None
         self._last_busy: set[int] = set()
         self._last_outs: Sequence[int] = ()  # the last operator's outputs (made or written)

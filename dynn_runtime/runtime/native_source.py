@@ -245,6 +245,8 @@ class NativeSource:
         obs = self._obs
         if in_step and not light and not self._measure_step:
             self._engaged = True
+            if self._held_at_start is not None:  # an idle step's first full read (Steps._wake_policy)
+                self._wake_policy()
         if self._saved_unlogged:
             self._resolve_saved_unlogged()  # before the births they belong to are read
         if self._native_order and obs.recency_live:
@@ -258,7 +260,9 @@ class NativeSource:
         log = memoryview(words).cast("q")
         st = self.st
         pol = self.policy
-        tell = in_step and not self._measure_step
+        # the end of a step the policy sat out (light, never engaged) tells it no birth: the next
+        # step's start announces what is held (deaths still go to it, _forget_native)
+        tell = in_step and not self._measure_step and not (light and self._idle_step)
         measuring = in_step and self._measuring
         if (tell and not measuring and self._trace is None and not self.record_every_op
                 and tells_in_bulk(type(pol))):

@@ -234,19 +234,20 @@ class Steps:
             ctx = IterationContext(history=list(self.history), trace=self._trace)
             self.policy.begin_iteration(self._step_index, ctx)
             pol = self.policy
-            if type(pol).on_alloc is not Policy.on_alloc:  # what the program holds, told to a policy that listens
-                if tells_in_bulk(type(pol)):  # the same on_alloc(sid, -1) calls, in one on_touches
-                    held: list[int] = []
-                    add = held.extend
-                    for sid, s in self.st.items():
-                        if s.status is not ABSENT:
-                            add((TOUCH_ALLOC, sid, -1, s.nbytes))
-                    pol.on_touches(held)
-                else:
-                    on_alloc = pol.on_alloc
-                    for sid, s in list(self.st.items()):
-                        if s.status != ABSENT:
-                            on_alloc(sid, -1)
+            # what the program holds, told to a policy that listens: now, or where an idle step first
+            # needs the policy (_wake_policy)
+            held = ([sid for sid, s in self.st.items() if s.status is not ABSENT]
+                    if type(pol).on_alloc is not Policy.on_alloc else None)
+            # a policy with nothing to do until memory is short: no periodic turn, the log read where
+            # something needs it (Policy.idle_step; the first full read or victim search ends it)
+            self._idle_step = (obs is not None and not self._measure_step and not self._measuring
+                               and not self.record_every_op and self._trace is None
+                               and type(pol).after_op is not Policy.after_op and pol.idle_step())
+            if self._idle_step:
+                obs.set_decide_every(0)
+                self._held_at_start = held
+            elif held is not None:
+                self._announce(held)
             self._map_oracle_persistent()
             if not self._measure_step and self.used > self.budget:
                 # what the program holds between steps may exceed the budget (after the measuring
@@ -256,13 +257,6 @@ class Steps:
             if obs is not None:
                 obs.reset_peak()
                 self._decisions0 = obs.decisions
-                # a policy with nothing to do until memory is short: no periodic turn, the log read
-                # where something needs it (Policy.idle_step; _victims ends it)
-                self._idle_step = (not self._measure_step and not self._measuring and not self.record_every_op
-                                   and self._trace is None and type(pol).after_op is not Policy.after_op
-                                   and pol.idle_step())
-                if self._idle_step:
-                    obs.set_decide_every(0)
         if not self._idle_step:
             self._listen_hints()
 
@@ -274,12 +268,35 @@ class Steps:
         if self.record_every_op or type(self.policy).on_hint is not Policy.on_hint:
             hints._listen(self)
 
+    def _announce(self, held: list[int]) -> None:
+        """Tell the policy the storages ``held`` at the step's start (``on_alloc(sid, -1)``, or the
+        same calls in one ``on_touches`` for a policy that takes them in bulk)."""
+        pol, st = self.policy, self.st
+        if tells_in_bulk(type(pol)):
+            events: list[int] = []
+            add = events.extend
+            for sid in held:
+                add((TOUCH_ALLOC, sid, -1, st[sid].nbytes))
+            pol.on_touches(events)
+        else:
+            on_alloc = pol.on_alloc
+            for sid in held:
+                on_alloc(sid, -1)
+
+    def _wake_policy(self) -> None:
+        """An idle step needs the policy from now on (its log read in full, or a victim search): the
+        storages held at the step's start are told first, then what the caller tells."""
+        held, self._held_at_start = self._held_at_start, None
+        if held:
+            self._announce(held)
+
     def _victims(self, short: int, exclude: set[int]) -> Any:
         """The policy's victims (Residency.make_room); the first ends an idle step: the policy acts
-        from now on (its periodic turn, hints). Every caller read the log first, so the policy has
-        been told the step so far."""
+        from now on (its periodic turn, hints). Every caller in a step read the log first, so the
+        policy has been told the step so far (but a search at the step's start)."""
         if self._idle_step:
             self._idle_step = False
+            self._wake_policy()
             if self._obs is not None:
                 self._obs.set_decide_every(self.decide_every)
             self._listen_hints()
@@ -309,6 +326,7 @@ class Steps:
             self._cur.decision_points = obs.decisions - self._decisions0
             self._cur.idle = self._idle_step and not self._engaged
             self._idle_step = False
+            self._held_at_start = None  # never needed: the next step's start tells them again
             if self.budget is not None and not self._measure_step:
                 self._overshoot(obs.peak - self.budget, f"the step's peak, operator position {obs.peak_position}")
             error, self._pending_error = self._pending_error, None  # raised once the step is closed

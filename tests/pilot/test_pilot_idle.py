@@ -83,11 +83,12 @@ class _Budgets(_PerIteration):
 
     def begin_iteration(self, index: int, context: object = None) -> None:
         super().begin_iteration(index, context)
-        self.iterations[-1].update(prev=self._state._prev_iter, history=list(context.history), ops=self.ops)
+        self.iterations[-1].update(history=list(context.history), ops=self.ops)
 
     def victims(self, need_bytes: int, exclude: set[int]):  # noqa: ANN201
         it = self.iterations[-1]
         it.setdefault("told_at_search", (self.ops - it["ops"], self._state.position, self.view.position))
+        it.setdefault("prev", self._state._prev_iter)  # (the state's start waits for the first notification)
         yield from super().victims(need_bytes, exclude)
 
 
@@ -134,6 +135,7 @@ def test_a_step_that_becomes_short_is_told_everything_before_its_first_victim():
     assert its[3]["ops"] == its[2]["ops"] and not its[3]["history"][-1].ops
     assert its[3]["prev"] is its[3]["history"][-2] and its[3]["prev"].ops
     assert ref.iterations[-2]["prev"] is ref.iterations[-2]["history"][-1]  # the reference: step 2
+    assert all(it.get("searched") for it in ref.iterations[-2:])
     # step 3 was told every operator before its first victim, as the reference at the same point
     told, state_pos, view_pos = its[3]["told_at_search"]
     assert told > 50 and told == ref.iterations[-2]["told_at_search"][0]
@@ -310,9 +312,12 @@ def test_a_simulated_iteration_the_pilot_sits_out_is_not_charged_its_share(trace
         else:
             assert res.decision_points > 0 or frac > 1
             assert res.host_cost_s == pytest.approx(full)
-    # the share of the operators before the first search lands there, not before them
+    # the share of the operators before the first search lands there, not before them: the host
+    # clock is nowhere ahead of the flat charge's, so neither is the device (the pilot's own time
+    # charged by a model, so that both runs decide alike)
     flat = HostCost(per_op_s=10e-6, per_decision_s=3e-6, per_move_s=1e-6, source="model")
     if frac < 1:
-        a = Simulator(trace, PilotPolicy(worker=False), budget, iteration=0, host_cost=hc).run()
-        b = Simulator(trace, PilotPolicy(worker=False), budget, iteration=0, host_cost=flat).run()
+        a, b = (Simulator(trace, PilotPolicy(worker=False, host_cost=(0.0, 0.0, 0.0)), budget, iteration=0,
+                          host_cost=c).run() for c in (hc, flat))
         assert a.host_cost_s == pytest.approx(b.host_cost_s) and a.iter_time_s <= b.iter_time_s
+        assert (a.decision_points, a.moves) == (b.decision_points, b.moves)
