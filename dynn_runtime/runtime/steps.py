@@ -287,8 +287,9 @@ class Steps:
         """An idle step needs the policy from now on (its log read in full, or a victim search): the
         storages held at the step's start are told first, then what the caller tells."""
         held, self._held_at_start = self._held_at_start, None
-        if held:
-            self._announce(held)
+        if held:  # (one the table no longer has is not announced)
+            st = self.st
+            self._announce([sid for sid in held if sid in st])
 
     def _victims(self, short: int, exclude: set[int]) -> Any:
         """The policy's victims (Residency.make_room); the first ends an idle step: the policy acts
