@@ -10,7 +10,8 @@ in log order: births and deaths between operators, and each operator in one
 :meth:`~dynn_runtime.policies.base.Policy.on_operator` call (the separate calls of the Python
 source, where the policy does not fuse them); the whole batch in one
 :meth:`~dynn_runtime.policies.base.Policy.on_operators` call where the policy says no ``after_op``
-of it would act (:meth:`NativeSource._native_operators`), or in one
+of it would act (:meth:`NativeSource._native_operators`) or that it stops for those that may
+(:class:`_AfterOps`), or in one
 :meth:`~dynn_runtime.policies.base.Policy.on_touches` call for a policy that reads only recency.
 
 State: ``_obs``, ``_names``, ``_idiom_by_name``, ``_pending_error``, ``_last_busy``, ``_last_outs``, ``_last_name``,
