@@ -7,7 +7,9 @@ a configuration is a policy name, ``pilot-every`` for the pilot with every decis
 4k+1 and runs every one in steps 4k+2 and 4k+3 (both in both orders against PyTorch alone; the two
 halves reported apart), ``pilot-py`` for the pilot with its bulk loop in Python, ``pilot-rec`` for the
 pilot with the runtime recording every storage a batch sees born (``records_in_batch``), ``pilot-pyparse`` for the
-pilot with the runtime's parse of its batches in Python (``operators_in_c = False``), ``lru-py`` for lru
+pilot with the runtime's parse of its batches in Python (``operators_in_c = False``), ``pilot-perop`` for the
+pilot with the batches whose ``after_op`` calls may act told one operator at a time by the runtime's Python
+loop (``stops_in_c = False``), ``lru-py`` for lru
 with its order kept in Python, ``@F`` a budget).
 
 Two copies of the model start from the same weights and train on the same batches: one under a
@@ -94,7 +96,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         from dynn_runtime.pilot.policy import PilotPolicy
 
         policy = PilotPolicy(defer_idle=False)
-    elif policy in ("pilot-rec", "pilot-pyparse"):  # the runtime's reference bulk paths
+    elif policy in ("pilot-rec", "pilot-pyparse", "pilot-perop"):  # the runtime's reference bulk paths
         from dynn_runtime.pilot.policy import PilotPolicy
 
         policy = PilotPolicy()
@@ -108,6 +110,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     mm = dr.MemoryManager(budget, policy=policy, device="cpu", events="native")
     mm.records_in_batch = config.startswith("pilot-rec")
     mm.operators_in_c = not config.startswith("pilot-pyparse")
+    mm.stops_in_c = not config.startswith("pilot-perop")
     begin, end, hooks = [], [], []
     mm._opt_pre = _timed(mm._opt_pre, hooks)
     mm._opt_post = _timed(mm._opt_post, hooks)

@@ -1,10 +1,11 @@
-"""`python tools/pilot_batch_pair.py [FAMILY] [PAIRS] [--nogc] [--switch ATTR]`: `small`, the pilot above the peak on the native
-source: thread CPU time of managed steps with the policy's boolean ATTR on and off, alternating step by step in one
+"""`python tools/pilot_batch_pair.py [FAMILY] [PAIRS] [--nogc] [--switch ATTR] [--budget B]`: `small`, the pilot above the
+peak (or at budget B, e.g. ``1/2``) on the native source: thread CPU time of managed steps with the policy's boolean ATTR on and off, alternating step by step in one
 manager, each after a PyTorch alone step (outside mm.step). ATTR: ``batch_kernel`` (default: the bulk call's runs in
 one kernel call, or one kernel call per operator) or ``native_pack`` (the runs' records packed by the C module, or
 by the Python loop); or an attribute of the manager (``records_in_batch``: every storage a batch sees born
 recorded, or only those that outlive it; ``operators_in_c``: the runtime's parse of a batch in C, or by its
-Python loop)."""
+Python loop; ``stops_in_c``: a batch whose ``after_op`` calls may act parsed in C and told in one call that stops
+for them, or one operator at a time by the runtime's Python loop, whose time counts as its parse here)."""
 from __future__ import annotations
 
 import gc
@@ -22,21 +23,22 @@ family = sys.argv[1] if len(sys.argv) > 1 else "tree_lstm"
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 8
 nogc = "--nogc" in sys.argv
 switch = sys.argv[sys.argv.index("--switch") + 1] if "--switch" in sys.argv else "batch_kernel"
+budget = sys.argv[sys.argv.index("--budget") + 1] if "--budget" in sys.argv else 1 << 50
 torch.set_num_threads(1)
 wl = load_workload(family, preset="small", seed=0)
 torch.manual_seed(0)
 model = wl.model
 opt = make_optimizer(wl, model.parameters())
 pol = PilotPolicy(backend="native")
-mm = dr.MemoryManager(1 << 50, policy=pol, device="cpu", events="native").attach(model, opt)
+mm = dr.MemoryManager(budget, policy=pol, device="cpu", events="native").attach(model, opt)
 res = {True: [], False: []}
 inside = {True: [], False: []}
 _acc = [0.0]
 _orig = pol.on_operators
-def _timed(events, phase):
+def _timed(events, phase, *after):
     t0 = time.thread_time()
     try:
-        _orig(events, phase)
+        _orig(events, phase, *after)
     finally:
         _acc[0] += time.thread_time() - t0
 pol.on_operators = _timed
@@ -44,11 +46,11 @@ pol.on_operators = _timed
 # taken out
 _parse = [0.0]
 _orig_parse = mm._native_operators
-def _timed_parse(log):
+def _timed_parse(log, **stops):
     t0 = time.thread_time()
     before = _acc[0]
     try:
-        _orig_parse(log)
+        _orig_parse(log, **stops)
     finally:
         _parse[0] += time.thread_time() - t0 - (_acc[0] - before)
 mm._native_operators = _timed_parse

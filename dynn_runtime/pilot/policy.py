@@ -565,9 +565,53 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         return (self._fused and cls.on_operator is PilotPolicy.on_operator and cls.after_op is PilotPolicy.after_op
                 and not self._off and self._job is None and self.max_share is None and not self._away.any())
 
-    def on_operators(self, events: Sequence[tuple[Any, ...]], phase: str) -> None:
+    def stops_in_bulk(self) -> bool:
+        """True on the fused path where no subclass changes ``on_operator`` or ``after_op`` and no
+        governor reads the clock: :meth:`on_operators` then calls ``after`` at each operator
+        where :meth:`_after_op_acts` (and ``after_op`` returns nothing and changes nothing at
+        the others)."""
+        cls = type(self)
+        return (self._fused and cls.on_operator is PilotPolicy.on_operator and cls.after_op is PilotPolicy.after_op
+                and self.max_share is None)
+
+    def _after_op_acts(self, position: int) -> bool:
+        """Whether :meth:`after_op` at ``position`` may return an action or change this policy's
+        state: the negation of its early return (asleep, a worker's decision point to poll, or a
+        prefetch entry, stale or not, within ``lookahead`` of ``position``)."""
+        if self._asleep is not None or self._job is not None:
+            return True
+        off = self._off
+        if not off:
+            return False
+        la = self.lookahead
+        return la is None or not (off[0][0] - position > la)
+
+    def _stop_limit(self, nxt: int, first: int, op_idx: list[int], n: int) -> int:
+        """In a batch whose operator at position ``first + k`` is event ``op_idx[k]``: the index
+        just past the first operator from ``nxt`` on where :meth:`_after_op_acts` (the heaps and
+        the worker as they are now: it holds at every later position too), ``n + 1`` if none."""
+        k = nxt - first
+        if k >= len(op_idx):
+            return n + 1
+        if self._after_op_acts(nxt):
+            return op_idx[k] + 1
+        off = self._off
+        if not off:
+            return n + 1
+        nu, la = off[0][0], self.lookahead
+        last = first + len(op_idx) - 1
+        if nu - last > la:  # nu - p only falls as p grows (an infinite nu: never)
+            return n + 1
+        p = max(nxt, int(nu - la) - 1)  # at or before the first p with not (nu - p > la)
+        while nu - p > la:
+            p += 1
+        return op_idx[p - first] + 1
+
+    def on_operators(self, events: Sequence[tuple[Any, ...]], phase: str, after: Any = None) -> None:
         """The batch's notifications in order (the fused :meth:`on_operator` per operator), and
-        what each ``after_op`` would do: poll the worker (operators_in_bulk: nothing else). On the
+        what each ``after_op`` would do: poll the worker (operators_in_bulk: nothing else); with
+        ``after`` (:meth:`stops_in_bulk`), ``after(position, op)`` right after each operator
+        where :meth:`_after_op_acts`, the heaps and the worker as that operator left them. On the
         native kernel, runs of forward operators and deaths go to it in one call
         (:meth:`_operators_native`)."""
         if self._asleep is not None:
@@ -576,7 +620,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             self._bulk_phase = phase
             if (self._fused_native is not None and self.batch_kernel and self._shadow is None
                     and type(self).on_free is PilotPolicy.on_free):
-                self._operators_native(events)
+                self._operators_native(events, after)
                 return
             on_operator = self.on_operator
             native = self._operator_native if self._fused_native is not None else None
@@ -592,7 +636,10 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                         native(ev[1], op, ev[3])  # what on_operator picks for it
                     else:
                         on_operator(ev[1], op, ev[3])
-                    if self._job is not None:
+                    if after is not None:
+                        if self._after_op_acts(ev[1]):
+                            after(ev[1], op)
+                    elif self._job is not None:
                         self._poll()
                 elif tag == TOUCH_ALLOC:
                     self.on_alloc(ev[1], ev[2])
@@ -612,7 +659,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         finally:
             self._bulk_phase = None
 
-    def _operators_native(self, events: Sequence[tuple[Any, ...]]) -> None:
+    def _operators_native(self, events: Sequence[tuple[Any, ...]], after: Any = None) -> None:
         """:meth:`on_operators` on the native kernel: an operator of the state's phase past the
         iteration's first (the common kind; in backward, once the mirror is built, one that
         allocates nothing the mirror links) and a death are packed as records (Python keeps what
@@ -628,7 +675,12 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         worker after an operator (then :meth:`_after_update`). Where ``kernel/pack.c`` is built
         (``native_pack``), its ``walk`` does this loop's work for the operators that need none of
         these but a move of the mirror with no gradient to pass on (its links included) and for
-        the deaths, and the loop takes only the others."""
+        the deaths, and the loop takes only the others.
+
+        With ``after`` (:meth:`on_operators`), the run is handed over too after each operator
+        where :meth:`_after_op_acts`, and ``after`` called: the walk takes the events only up to
+        the next such operator (``limit``, found again after every decision point and every
+        ``after``: only they change the heaps or the worker)."""
         state = self._state
         small = self._small
         slot = state._slot
@@ -643,28 +695,51 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
             wctx = (self, state, sl, group, _NATIVE_IV, _PHASES, OPERATOR, TOUCH_FREE)
             if type(events) is not list:
                 events = list(events)
+        n_events = len(events)
+        limit = n_events + 1  # past the operator whose after_op may act next (none: n_events + 1)
+        if after is not None:
+            op_idx = [k for k, ev in enumerate(events) if ev[0] == OPERATOR]
+            first_op = events[op_idx[0]][1] if op_idx else 0
+            limit = self._stop_limit(first_op, first_op, op_idx, n_events)
+        seg = events if limit >= n_events else events[:limit]  # the walk's events (the same indices)
         # the records, and per operator its mark (the run's slots, not the slot map's, which is at the
         # run's end): a _Run, or kernel/pack.c's Run with the C packing
         freed: list[int] = []  # the dead storages that report their log_bytes, in order
         widest = 0
         timer = self._timer
         t0 = timer()
-        i, n_events = 0, len(events)
-        while i < n_events:
+        i = 0
+        while True:
+            if i == limit:  # the operator just told: its after_op may act
+                if run:
+                    self._run_native(run, freed, widest)
+                    widest = 0
+                self.bookkeeping_s += timer() - t0
+                _, position, op, _ = events[i - 1]
+                after(position, op)
+                limit = self._stop_limit(position + 1, first_op, op_idx, n_events)
+                seg = events if limit >= n_events else events[:limit]
+                t0 = timer()
+                continue
+            if i >= n_events:
+                break
             if walk is not None:
                 # the common events in C (kernel/pack.c's walk: this loop's work for them, the same writes
                 # in the same order); it stops before an event it leaves to this loop, or after an
                 # operator whose decision point is due
-                i, due, position, tick, widest = walk(events, i, ctx, wctx, prev_idx, run, freed, widest)
+                i, due, position, tick, widest = walk(seg, i, ctx, wctx, prev_idx, run, freed, widest)
                 if due:
                     self._run_native(run, freed, widest)
                     widest = 0
                     self.bookkeeping_s += timer() - t0
                     self._after_update(position, tick)
+                    if after is not None:
+                        limit = self._stop_limit(position, first_op, op_idx, n_events)
+                        seg = events if limit >= n_events else events[:limit]
                     t0 = timer()
                     continue
-                if i >= n_events:
-                    break
+                if i >= n_events or i == limit:
+                    continue  # the end, or the operator's after_op first
             ev = events[i]
             i += 1
             tag = ev[0]
@@ -686,7 +761,10 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                         self.on_operator(position, op, accessed)
                     else:
                         self._operator_native(position, op, accessed)
-                    if self._job is not None:
+                    if after is not None:  # its after_op: called at the loop's top where it may act
+                        limit = self._stop_limit(position, first_op, op_idx, n_events)
+                        seg = events if limit >= n_events else events[:limit]
+                    elif self._job is not None:
                         self._poll()
                     prev_idx = state._prev_idx  # the optimizer's plan, when it begins, indexes anew
                     t0 = timer()
@@ -742,6 +820,9 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                     widest = 0
                     self.bookkeeping_s += timer() - t0
                     self._after_update(position, tick)
+                    if after is not None:
+                        limit = self._stop_limit(position, first_op, op_idx, n_events)
+                        seg = events if limit >= n_events else events[:limit]
                     t0 = timer()
             elif tag == TOUCH_ALLOC:
                 if run:

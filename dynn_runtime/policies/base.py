@@ -371,7 +371,16 @@ class Policy:
         action or change its state. Asked by the live runtime's native source before each batch."""
         return False
 
-    def on_operators(self, events: Sequence[tuple[Any, ...]], phase: str) -> None:
+    def stops_in_bulk(self) -> bool:
+        """Whether the operators since the last decision point may be told in one
+        :meth:`on_operators` call with ``after`` where :meth:`operators_in_bulk` says False: the
+        policy then calls ``after(position, op)`` right after telling each operator whose
+        ``after_op`` may return an action or change its state, and at no other operator would
+        ``after_op`` do either. Asked by the live runtime's native source before each batch that
+        does not go in bulk. Default: False."""
+        return False
+
+    def on_operators(self, events: Sequence[tuple[Any, ...]], phase: str, after: Any = None) -> None:
         """The events of a batch (only after :meth:`operators_in_bulk` said True), in the order they
         happened: ``(OPERATOR, position, op, accessed)`` as :meth:`on_operator`'s arguments,
         ``(TOUCH_ALLOC, sid, position)`` a storage that appeared between operators (``on_alloc``),
@@ -379,11 +388,19 @@ class Policy:
         operator it is that operator's). The view's storages stay known until the call returns, the
         dead ones included; the view's ``phase`` and ``position`` are not those of each event.
 
-        This default makes those calls in that order (no ``after_op``: the policy said it would not
-        act); an override must leave the policy in the state they would."""
+        ``after`` (only after :meth:`stops_in_bulk` said True): the mechanism's
+        ``after(position, op)``, which runs ``after_op(position)`` and applies its actions with the
+        view as the per-operator calls show it there; the policy calls it right after telling each
+        operator whose ``after_op`` may act or change its state, and only there.
+
+        This default makes those calls in that order (no ``after_op`` without ``after``: the policy
+        said it would not act; with it, after every operator); an override must leave the policy in
+        the state they would."""
         for ev in events:
             if ev[0] == OPERATOR:
                 self.on_operator(ev[1], ev[2], ev[3])
+                if after is not None:
+                    after(ev[1], ev[2])
             elif ev[0] == TOUCH_ALLOC:
                 self.on_alloc(ev[1], ev[2])
             else:

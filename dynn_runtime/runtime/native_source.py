@@ -10,7 +10,8 @@ in log order: births and deaths between operators, and each operator in one
 :meth:`~dynn_runtime.policies.base.Policy.on_operator` call (the separate calls of the Python
 source, where the policy does not fuse them); the whole batch in one
 :meth:`~dynn_runtime.policies.base.Policy.on_operators` call where the policy says no ``after_op``
-of it would act (:meth:`NativeSource._native_operators`), or in one
+of it would act (:meth:`NativeSource._native_operators`) or that it stops for those that may
+(:class:`_AfterOps`), or in one
 :meth:`~dynn_runtime.policies.base.Policy.on_touches` call for a policy that reads only recency.
 
 State: ``_obs``, ``_names``, ``_idiom_by_name``, ``_pending_error``, ``_last_busy``, ``_last_outs``, ``_last_name``,
@@ -74,6 +75,45 @@ class _Born:
         self.dead = False
 
 
+class _AfterOps:
+    """The ``after`` of an ``on_operators`` call that stops (:meth:`NativeSource._native_operators`
+    with ``stops``): ``after(position, op)`` runs ``after_op(position)`` and applies its moves, as
+    the per-operator loop does after telling operator ``position``.
+
+    What that ``after_op`` and its moves read of the runtime is made what the loop shows there:
+    the deaths logged up to that operator forgotten (``forget_dead`` on the batch's ``dead`` up to
+    it, in log order, so ``_frees`` keeps the loop's order; the rest after the call), and the
+    position, phase and name of the operator (the prefetch's peak and overshoot notes), put back
+    to the batch's end after it. The rest of the batch's work is done already and is not read
+    there: a storage away at the batch's start is never accessed or written in the batch (the
+    access would have faulted, and a fault reads the log first), so its access fields and host
+    copy are the loop's; a birth's record (made before the call) is of a storage that is not
+    away; ``free_bytes`` reads the observer's count, which the parse does not change."""
+
+    __slots__ = ("mm", "mod", "dead", "k")
+
+    def __init__(self, mm: NativeSource, mod: object, dead: list) -> None:
+        self.mm = mm
+        self.mod = mod
+        self.dead = dead
+        self.k = 0  # dead[:k] forgotten
+
+    def __call__(self, position: int, op: Op) -> None:
+        mm, dead = self.mm, self.dead
+        k = m = self.k
+        while m < len(dead) and dead[m][1] <= position:  # logged before this operator's after_op
+            m += 1
+        if m > k:
+            self.mod.forget_dead(mm, dead[k:m], _PARSE_CTX)
+            self.k = m
+        pos, phase, name = mm.position, mm.phase, mm._last_name
+        mm.position, mm.phase, mm._last_name = position, op.phase, op.name
+        try:
+            mm._apply(mm.policy.after_op(position), set(op.inputs).union(op.outputs))
+        finally:
+            mm.position, mm.phase, mm._last_name = pos, phase, name
+
+
 # what _C.parse_operators reads besides the manager (csrc/operators.cpp)
 _PARSE_CTX = (OPERATOR, TOUCH_ALLOC, TOUCH_FREE, _PHASES, _PHASE_CODES, Op, _Born, internal_assert, ABSENT)
 
@@ -90,6 +130,11 @@ class NativeSource:
     #: the pilot's bulk path reads its batch in C (``_C.parse_operators``) where the extension is
     #: built; off, the Python loop of :meth:`_native_operators` (the reference)
     operators_in_c = True
+    #: a batch of a policy that :meth:`~dynn_runtime.policies.base.Policy.stops_in_bulk` (some of its
+    #: ``after_op`` calls may act) is read in C too and told in one ``on_operators`` call that stops
+    #: for those calls (:class:`_AfterOps`); off (or ``operators_in_c`` off), one ``on_operator`` and
+    #: one ``after_op`` per operator from the Python loop of :meth:`_native_parse_log` (the reference)
+    stops_in_c = True
 
     def _native_fault(self, sids: list[int], ins: list[int], name: str) -> None:
         try:
@@ -268,9 +313,14 @@ class NativeSource:
                 and tells_in_bulk(type(pol))):
             self._native_touches(log.tolist())
             return
-        if tell and not measuring and self._trace is None and pol.operators_in_bulk():
-            self._native_operators(log.tolist())
-            return
+        if tell and not measuring and self._trace is None:
+            if pol.operators_in_bulk():
+                self._native_operators(log.tolist())
+                return
+            if (self.stops_in_c and self.operators_in_c and not self.records_in_batch and pol.stops_in_bulk()
+                    and native_module() is not None):
+                self._native_operators(log.tolist(), stops=True)
+                return
         OP, ALLOC, FREE = _C_TAGS
         i, n = 0, len(log)
         while i < n:
@@ -479,7 +529,7 @@ class NativeSource:
             return self._obs.access_count(sid)
         return self.st[sid].count
 
-    def _native_operators(self, log: list[int]) -> None:
+    def _native_operators(self, log: list[int], stops: bool = False) -> None:
         """The in-step parse for a policy that reads operators and said the batch may be told in
         bulk (:meth:`~dynn_runtime.policies.base.Policy.operators_in_bulk`: no ``after_op`` of the
         batch would act): the runtime's own work per event is the per-operator path's, in log order
@@ -497,7 +547,12 @@ class NativeSource:
         once (the reference the tests compare with). ``operators_in_c``: the loop over the batch, the
         births' records and ``recordless`` entries run in ``dynn_runtime._C`` (``parse_operators``;
         ``forget_dead`` after the policy's call; csrc/operators.cpp), which make the same objects and
-        writes in the same order; off, the Python code here (the reference)."""
+        writes in the same order; off, the Python code here (the reference).
+
+        ``stops``: the policy :meth:`~dynn_runtime.policies.base.Policy.stops_in_bulk` (C parse only):
+        the call gets an ``after`` (:class:`_AfterOps`) that the policy calls after each operator
+        whose ``after_op`` may act, and which brings the view to what the per-operator loop shows
+        there before that ``after_op`` and its moves run."""
         if self.records_in_batch:
             self._native_operators_recorded(log)
             return
@@ -509,13 +564,17 @@ class NativeSource:
                 if tl:
                     self._timeline.extend_words(self._step_index, tl)
                 cur = self._cur
+                after = _AfterOps(self, mod, dead) if stops else None
                 t1 = time.perf_counter()
                 try:
                     if events:
-                        self.policy.on_operators(events, phase0)
+                        if after is None:
+                            self.policy.on_operators(events, phase0)
+                        else:
+                            self.policy.on_operators(events, phase0, after)
                 finally:
                     cur.policy_seconds += time.perf_counter() - t1
-                    mod.forget_dead(self, dead, _PARSE_CTX)
+                    mod.forget_dead(self, dead if after is None or not after.k else dead[after.k:], _PARSE_CTX)
                 return
         st = self.st
         names = self._names

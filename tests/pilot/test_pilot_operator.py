@@ -167,9 +167,12 @@ def _entries(heap: object) -> list[tuple[float, int, int]]:
 
 
 def _run(family: str, policy: PilotPolicy, budget: object, steps: int = 3,
-         records_in_batch: bool = False, stats: list | None = None) -> tuple[list[float], list]:
+         records_in_batch: bool = False, stats: list | None = None,
+         stops_in_c: bool = True) -> tuple[list[float], list]:
     """``steps`` steps of ``family`` (tiny) under the native source; the losses and every move made.
     ``records_in_batch``: the runtime records every storage a batch sees born (its reference path).
+    ``stops_in_c`` off: a batch whose ``after_op`` calls may act is told one operator at a time (the
+    runtime's reference loop).
     ``stats``: extended with the manager's per-step ``StepStats``."""
     wl = load_workload(family, preset="tiny", seed=0)
     torch.manual_seed(0)
@@ -191,6 +194,7 @@ def _run(family: str, policy: PilotPolicy, budget: object, steps: int = 3,
     policy.victims, policy.after_op = record_victims, record_after_op
     mm = dr.MemoryManager(budget, policy=policy, device="cpu", events="native").attach(model, opt)
     mm.records_in_batch = records_in_batch
+    mm.stops_in_c = stops_in_c
     losses = []
     try:
         for step in range(steps):
@@ -425,3 +429,80 @@ def test_batches_without_records_of_their_short_lived_storages_make_the_same_dec
     assert new_moves == moves
     assert (pilot.decisions, pilot.candidates, pilot.ops) == (base.decisions, base.candidates, base.ops)
     assert new_losses == losses == _plain_losses(family)
+
+
+class _Decisions(PilotPolicy):
+    """The pilot with its decision points recorded (position, rows scored there), and the calls that
+    told a batch in one call stopping for its ``after_op`` calls counted."""
+
+    name = "pilot-decisions"
+
+    def __init__(self, **options: object) -> None:
+        super().__init__(**options)
+        self.points: list[tuple[int, int]] = []
+        self.stopping_calls = self.after_ops = 0
+
+    def _decision(self, position: int) -> None:
+        before = self.candidates
+        super()._decision(position)
+        self.points.append((position, self.candidates - before))
+
+    def on_operators(self, events, phase, after=None):
+        self.stopping_calls += after is not None
+        if after is None:
+            return super().on_operators(events, phase)
+        def counted(position, op):
+            self.after_ops += 1
+            after(position, op)
+        return super().on_operators(events, phase, counted)
+
+
+@pytest.mark.parametrize(("family", "budget", "backend"), [
+    ("tree_lstm", "3/4", "native"), ("evoformer", "3/4", "native"), ("moe", "3/4", "native"), ("moe", "1/2", "native"),
+    ("moe", "3/4", "numpy")])
+def test_batches_that_stop_for_after_op_make_the_same_decisions(family, budget, backend):
+    """Under a binding budget (something the pilot evicted is away, so its ``after_op`` calls may act),
+    the runtime parses each batch in C and tells it in one ``on_operators`` call that stops for the
+    ``after_op`` calls that may act: the same moves in the same order at the same positions, the
+    same decision points scoring the same rows, and losses bit for bit PyTorch alone's, as the
+    runtime's per-operator loop (``stops_in_c`` off). With the numpy backend the pilot's Python
+    loop over the batch stops."""
+    ref, new = _Decisions(backend=backend), _Decisions(backend=backend)
+    ref_losses, ref_moves = _run(family, ref, budget, steps=4, stops_in_c=False)
+    losses, moves = _run(family, new, budget, steps=4)
+    assert ref.stopping_calls == 0 and new.stopping_calls > 20
+    assert 0 < new.after_ops < new.ops // 2  # most operators' after_op is provably idle, and skipped
+    assert any(kind == "prefetch" for _, kind, _ in moves) and any(kind == "evict" for _, kind, _ in moves)
+    assert moves == ref_moves
+    assert new.points == ref.points and len(new.points) > 20
+    assert (new.decisions, new.candidates, new.ops) == (ref.decisions, ref.candidates, ref.ops)
+    assert losses == ref_losses == _plain_losses(family, steps=4)
+
+
+def test_the_stop_limit_is_the_first_operator_whose_after_op_may_act():
+    """``_stop_limit`` against ``_after_op_acts`` tried at every position, over prefetch heaps
+    whose head falls before, inside and after a batch (NaN and infinity included), and with
+    no lookahead."""
+    import heapq
+    import math
+    import random
+
+    pol = PilotPolicy()
+    pol._asleep = pol._job = None
+    rng = random.Random(0)
+    op_idx = [0, 2, 3, 6, 7, 9]  # the batch's operators at events 0, 2, ...: positions 40..45
+    first, n = 40, 11
+    heads = [None, math.inf, math.nan, 0.0, 39.5, 40.0, 71.0, 72.0, 72.5, 74.999, 77.0, 78.0, 200.0]
+    heads += [rng.uniform(30, 90) for _ in range(40)]
+    for lookahead in (32, 0, None):
+        pol.lookahead = lookahead
+        for head in heads:
+            pol._off = [] if head is None else [(head, 1)]
+            heapq.heapify(pol._off)
+            for nxt in range(first, first + len(op_idx) + 1):
+                want = next((op_idx[p - first] + 1 for p in range(nxt, first + len(op_idx))
+                             if pol._after_op_acts(p)), n + 1)
+                assert pol._stop_limit(nxt, first, op_idx, n) == want, (lookahead, head, nxt)
+    pol.lookahead, pol._off = 32, [(1000.0, 1)]
+    pol._job = object()  # a worker's decision point to poll: every operator
+    assert pol._stop_limit(41, first, op_idx, n) == 3

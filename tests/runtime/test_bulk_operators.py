@@ -340,3 +340,50 @@ def test_the_c_parse_makes_the_pilots_moves_under_a_budget(family):
     got = _pilot_under_budget(family, in_c=True)
     assert ref[1] and sum(ref[2]) > 0 and ref[3]  # moves made, prefetches used, host copies dropped
     assert got == ref
+
+
+class _Stopping(_Told):
+    """Asks for batches that stop for its ``after_op`` (every operator: the interface's default
+    ``on_operators``) and records what its view says there: the position, phase and last operator,
+    and whether every storage told dead is forgotten."""
+
+    name = "test-stopping"
+
+    def __init__(self, stops: bool) -> None:
+        super().__init__(bulk=False)
+        self.stops = stops
+        self.afters: list[tuple] = []
+        self.dead: set[int] = set()
+
+    def stops_in_bulk(self) -> bool:
+        return self.stops
+
+    def on_operators(self, events, phase, after=None):
+        self.batches += 1
+        Policy.on_operators(self, events, phase, after)
+
+    def on_free(self, sid):
+        self.dead.add(sid)
+        super().on_free(sid)
+
+    def after_op(self, position):
+        view = self.view
+        self.afters.append((position, view.position, view.phase, view._last_name,
+                            not any(sid in view.st for sid in self.dead)))
+        return []
+
+
+def test_a_batch_that_stops_for_after_op_shows_the_per_operator_view():
+    """Told a batch in one call that stops for ``after_op`` (``stops_in_bulk``), a policy gets the
+    per-operator path's notifications in the same order, and at each ``after_op`` its view shows
+    what the per-operator loop shows there: that operator's position, phase and name, and every
+    storage that died before it forgotten."""
+    per_op, stopping = _Stopping(stops=False), _Stopping(stops=True)
+    expected = _run(per_op)
+    got = _run(stopping)
+    assert per_op.batches == 0 and stopping.batches > 5
+    assert sum(ev[0] == "op" for ev in got) > 200 and any(ev[0] == "free" for ev in got)
+    assert got == expected
+    assert len(stopping.afters) == sum(ev[0] == "op" for ev in got)
+    assert stopping.afters == per_op.afters
+    assert all(a[4] for a in stopping.afters)
