@@ -65,6 +65,13 @@ TRANSITIONS: dict[Status, frozenset[Status]] = {
 HOLDS_DEVICE = frozenset({S.RESIDENT, S.OFFLOADING, S.FETCHING})
 IN_FLIGHT = frozenset({S.OFFLOADING, S.FETCHING})
 AWAY = frozenset({S.HOST, S.DROPPED})
+#: per legal transition, what :meth:`Residency.set_status` does to the counts, derived from the sets
+#: above: ``_STEPS[old][new]`` = (device bytes: +1 entering HOLDS_DEVICE, -1 leaving, 0; away bytes: the
+#: same for AWAY); a transition not in TRANSITIONS has no entry
+_STEPS: dict[Status, dict[Status, tuple[int, int]]] = {
+    old: {new: ((new in HOLDS_DEVICE) - (old in HOLDS_DEVICE), (new in AWAY) - (old in AWAY)) for new in news}
+    for old, news in TRANSITIONS.items()
+}
 #: kinds that live across iterations: their next access after the last one is the next iteration's first
 PERSISTENT_KINDS = frozenset({"param", "buffer", "opt_state"})
 
@@ -129,16 +136,14 @@ class Residency:
     def set_status(self, s: Record, new: Status) -> None:
         """Move ``s`` to ``new`` (invariant 1) and keep the device-byte count and the in-flight sets."""
         old = s.status
-        if new not in TRANSITIONS[old]:  # (the message is built only then: this runs for every birth and death)
+        step = _STEPS[old].get(new)
+        if step is None:  # (the message is built only then: this runs for every birth, death and move)
             internal_assert(False, f"residency: illegal transition {old.value} -> {new.value} for storage {s.sid}")
-        held_before = old in HOLDS_DEVICE
-        held_after = new in HOLDS_DEVICE
-        if held_after != held_before:
-            self._account(s.nbytes if held_after else -s.nbytes)
-        if old in AWAY:
-            self.away -= s.nbytes
-        if new in AWAY:
-            self.away += s.nbytes
+        held, away = step
+        if held:
+            self._account(s.nbytes if held > 0 else -s.nbytes)
+        if away:
+            self.away += s.nbytes if away > 0 else -s.nbytes
         if old is S.OFFLOADING:
             self.pending -= s.nbytes
             del self.offloading[s.sid]
