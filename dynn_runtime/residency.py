@@ -62,6 +62,9 @@ TRANSITIONS: dict[Status, frozenset[Status]] = {
     S.FETCHING: frozenset({S.RESIDENT, S.ABSENT}),
     S.DROPPED: frozenset({S.RESIDENT, S.ABSENT}),
 }
+# The members as module constants: ``Status.X`` is a class attribute lookup through the enum's
+# metaclass, several times a plain global's, and the state machine runs for every birth, death and move.
+_ABSENT, _RESIDENT, _OFFLOADING, _FETCHING = S.ABSENT, S.RESIDENT, S.OFFLOADING, S.FETCHING
 HOLDS_DEVICE = frozenset({S.RESIDENT, S.OFFLOADING, S.FETCHING})
 IN_FLIGHT = frozenset({S.OFFLOADING, S.FETCHING})
 AWAY = frozenset({S.HOST, S.DROPPED})
@@ -97,7 +100,7 @@ class Record:
         self.nbytes = nbytes
         self.kind = kind
         self.saved = saved
-        self.status = S.ABSENT  # changed only by Residency.set_status (invariant 1)
+        self.status = _ABSENT  # changed only by Residency.set_status (invariant 1)
         self.host_valid = False  # the host holds a copy of the current bytes (not written since)
         self.last_access = -1
         self.last_access_t = 0.0
@@ -144,18 +147,18 @@ class Residency:
             self._account(s.nbytes if held > 0 else -s.nbytes)
         if away:
             self.away += s.nbytes if away > 0 else -s.nbytes
-        if old is S.OFFLOADING:
+        if old is _OFFLOADING:
             self.pending -= s.nbytes
             del self.offloading[s.sid]
-        elif old is S.FETCHING:
+        elif old is _FETCHING:
             del self.fetching[s.sid]
-        if new is S.OFFLOADING:
+        if new is _OFFLOADING:
             self.pending += s.nbytes
             self.offloading[s.sid] = s
-        elif new is S.FETCHING:
+        elif new is _FETCHING:
             self.fetching[s.sid] = s
         s.status = new
-        if new is S.RESIDENT and old is not S.ABSENT:
+        if new is _RESIDENT and old is not _ABSENT:
             self.policy.on_return(s.sid)
         self._status_changed(s, old, new)
 
@@ -248,7 +251,7 @@ class Residency:
         return "absent" if s is None else s.status._value_
 
     def resident(self) -> Iterator[int]:
-        return (sid for sid, s in list(self.st.items()) if s.status is S.RESIDENT)
+        return (sid for sid, s in list(self.st.items()) if s.status is _RESIDENT)
 
     def offloaded(self) -> Iterator[int]:
         return (sid for sid, s in list(self.st.items()) if s.status in AWAY)
