@@ -262,8 +262,8 @@ class NativeSource:
         read the log already in this step, the observer logged nothing since (a fault right after a
         decision, a second look before a victim search), and no first full read of the step is due."""
         obs = self._obs
-        return (self.skip_empty_parse and self._recency_read == self._step_index and obs.recency_live
-                and not self._saved_unlogged and not obs.log_pending() and obs.position == self.position
+        return (self.skip_empty_parse and self._recency_read == self._step_index and not self._saved_unlogged
+                and not obs.log_pending() and obs.recency_live and obs.position == self.position
                 and (self._engaged and self._held_at_start is None
                      or not (in_step and not light and not self._measure_step)))
 
