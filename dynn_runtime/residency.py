@@ -62,9 +62,19 @@ TRANSITIONS: dict[Status, frozenset[Status]] = {
     S.FETCHING: frozenset({S.RESIDENT, S.ABSENT}),
     S.DROPPED: frozenset({S.RESIDENT, S.ABSENT}),
 }
+# The members as module constants: ``Status.X`` is a class attribute lookup through the enum's
+# metaclass, several times a plain global's, and the state machine runs for every birth, death and move.
+_ABSENT, _RESIDENT, _OFFLOADING, _FETCHING = S.ABSENT, S.RESIDENT, S.OFFLOADING, S.FETCHING
 HOLDS_DEVICE = frozenset({S.RESIDENT, S.OFFLOADING, S.FETCHING})
 IN_FLIGHT = frozenset({S.OFFLOADING, S.FETCHING})
 AWAY = frozenset({S.HOST, S.DROPPED})
+#: per legal transition, what :meth:`Residency.set_status` does to the counts, derived from the sets
+#: above: ``_STEPS[old][new]`` = (device bytes: +1 entering HOLDS_DEVICE, -1 leaving, 0; away bytes: the
+#: same for AWAY); a transition not in TRANSITIONS has no entry
+_STEPS: dict[Status, dict[Status, tuple[int, int]]] = {
+    old: {new: ((new in HOLDS_DEVICE) - (old in HOLDS_DEVICE), (new in AWAY) - (old in AWAY)) for new in news}
+    for old, news in TRANSITIONS.items()
+}
 #: kinds that live across iterations: their next access after the last one is the next iteration's first
 PERSISTENT_KINDS = frozenset({"param", "buffer", "opt_state"})
 
@@ -90,7 +100,7 @@ class Record:
         self.nbytes = nbytes
         self.kind = kind
         self.saved = saved
-        self.status = S.ABSENT  # changed only by Residency.set_status (invariant 1)
+        self.status = _ABSENT  # changed only by Residency.set_status (invariant 1)
         self.host_valid = False  # the host holds a copy of the current bytes (not written since)
         self.last_access = -1
         self.last_access_t = 0.0
@@ -129,28 +139,26 @@ class Residency:
     def set_status(self, s: Record, new: Status) -> None:
         """Move ``s`` to ``new`` (invariant 1) and keep the device-byte count and the in-flight sets."""
         old = s.status
-        if new not in TRANSITIONS[old]:  # (the message is built only then: this runs for every birth and death)
+        step = _STEPS[old].get(new)
+        if step is None:  # (the message is built only then: this runs for every birth, death and move)
             internal_assert(False, f"residency: illegal transition {old.value} -> {new.value} for storage {s.sid}")
-        held_before = old in HOLDS_DEVICE
-        held_after = new in HOLDS_DEVICE
-        if held_after != held_before:
-            self._account(s.nbytes if held_after else -s.nbytes)
-        if old in AWAY:
-            self.away -= s.nbytes
-        if new in AWAY:
-            self.away += s.nbytes
-        if old is S.OFFLOADING:
+        held, away = step
+        if held:
+            self._account(s.nbytes if held > 0 else -s.nbytes)
+        if away:
+            self.away += s.nbytes if away > 0 else -s.nbytes
+        if old is _OFFLOADING:
             self.pending -= s.nbytes
             del self.offloading[s.sid]
-        elif old is S.FETCHING:
+        elif old is _FETCHING:
             del self.fetching[s.sid]
-        if new is S.OFFLOADING:
+        if new is _OFFLOADING:
             self.pending += s.nbytes
             self.offloading[s.sid] = s
-        elif new is S.FETCHING:
+        elif new is _FETCHING:
             self.fetching[s.sid] = s
         s.status = new
-        if new is S.RESIDENT and old is not S.ABSENT:
+        if new is _RESIDENT and old is not _ABSENT:
             self.policy.on_return(s.sid)
         self._status_changed(s, old, new)
 
@@ -243,7 +251,7 @@ class Residency:
         return "absent" if s is None else s.status._value_
 
     def resident(self) -> Iterator[int]:
-        return (sid for sid, s in list(self.st.items()) if s.status is S.RESIDENT)
+        return (sid for sid, s in list(self.st.items()) if s.status is _RESIDENT)
 
     def offloaded(self) -> Iterator[int]:
         return (sid for sid, s in list(self.st.items()) if s.status in AWAY)

@@ -495,6 +495,13 @@ class Observer {
     return py::make_tuple(words, names);
   }
 
+  // Whether take_log() or take_recency() would return anything (a record, a name, a timeline word, a
+  // stale or held storage): a parse with nothing to read changes nothing, so the caller may skip it.
+  bool log_pending() const {
+    return !log_.empty() || names_sent_ != names_.size() || !timeline_.empty() || !stale_.empty() ||
+           !held_.empty();
+  }
+
   void compact_log() {
     // A storage born in this batch has a sid from batch_first_sid_ on (sids are issued in order):
     // born_at_[sid - batch_first_sid_] is the index of its kAlloc record. A pair found dead is
@@ -1441,6 +1448,16 @@ void arm_test_oom(int64_t n) {
   g_test_ooms = n;
 }
 
+// A uint8 tensor over the whole of `storage` (an UntypedStorage), what the manager's copies read and
+// write: the operators `torch.empty(0, dtype=torch.uint8, device=d).set_(st, 0, (n,), (1,))` runs,
+// without their two Python argument parses (runtime/storages.py's _u8 is the reference).
+at::Tensor byte_view(py::handle storage) {
+  const c10::Storage st = torch::createStorage(storage.ptr());
+  at::Tensor t = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(st.device()));
+  t.set_(st, 0, {static_cast<int64_t>(st.nbytes())}, {1});
+  return t;
+}
+
 }  // namespace
 
 void define_collector(py::module_& m);     // collector.cpp
@@ -1450,11 +1467,13 @@ bool add_operator_parse(PyObject* module);  // operators.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 8;
+  m.attr("ABI") = 9;
   if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
   m.attr("LOG_FREE") = dynn::kFree;
+  m.def("byte_view", &dynn::byte_view, py::arg("storage"),
+        "a uint8 tensor over the whole of an UntypedStorage (runtime/storages.py's _u8, natively)");
   m.def("problem", &dynn::key_problem, "why the native event source cannot start in this process, or ''");
   m.def("arm_test_oom", &dynn::arm_test_oom, py::arg("n"),
         "tests: the next n calls of dynn_test::oom and dynn_test::oom_ throw c10::OutOfMemoryError");
@@ -1495,6 +1514,7 @@ PYBIND11_MODULE(_C, m) {
       .def("alive", &Observer::alive)
       .def("sweep", &Observer::sweep)
       .def("take_log", &Observer::take_log, py::arg("compact") = false)
+      .def("log_pending", &Observer::log_pending)
       .def("take_error", &Observer::take_error)
       .def("set_recency", &Observer::set_recency, py::arg("fraction"))
       .def("set_recency_live", &Observer::set_recency_live)

@@ -29,6 +29,7 @@ from ..memory import format_bytes
 __all__ = ["HostPool", "HostBuffer"]
 
 _ALIGN = 512  # bytes; keeps every buffer aligned for vectorised copies
+_VIEWS = 1 << 14  # views kept for reuse at most (each holds only its chunk, which the pool holds anyway)
 
 
 @dataclass(eq=False)
@@ -103,6 +104,9 @@ class HostPool:
         self.peak_in_use = 0
         self._pending: list[tuple[Any, HostBuffer]] = []  # released, waiting for a copy to finish
         self._warned = False
+        #: (chunk, offset, nbytes) -> the uint8 view handed out for it before: a buffer carved where one
+        #: was before gets the same view (the same bytes) without slicing the chunk again
+        self._views: dict[tuple[int, int, int], torch.Tensor] = {}
 
     @property
     def pinned(self) -> bool:
@@ -194,9 +198,15 @@ class HostPool:
 
     def _hand_out(self, ci: int, off: int, size: int, nbytes: int) -> HostBuffer:
         self.in_use += size
-        self.peak_in_use = max(self.peak_in_use, self.in_use)
-        t = self.chunks[ci].data[off:off + nbytes]
-        return HostBuffer(tensor=t, chunk=ci, offset=off, size=size, nbytes=nbytes)
+        if self.in_use > self.peak_in_use:
+            self.peak_in_use = self.in_use
+        views = self._views
+        t = views.get((ci, off, nbytes))
+        if t is None:
+            if len(views) >= _VIEWS:
+                views.clear()
+            t = views[(ci, off, nbytes)] = self.chunks[ci].data[off:off + nbytes]
+        return HostBuffer(t, ci, off, size, nbytes)
 
     def release(self, buf: HostBuffer, event: Any = None) -> None:
         """Give ``buf`` back; with ``event``, only once the copy that event marks has completed."""
@@ -215,4 +225,5 @@ class HostPool:
                 event.synchronize()
         self._pending = []
         self.chunks = []
+        self._views = {}
         self.reserved = self.in_use = 0

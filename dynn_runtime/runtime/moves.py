@@ -27,6 +27,7 @@ import torch
 from ..errors import BudgetError, internal_assert
 from ..memory import format_bytes
 from ..residency import HOLDS_DEVICE, IN_FLIGHT, Record, Residency, Status
+from .events import native_module
 from .storages import _S, _u8
 
 RESIDENT, HOST, FETCHING, ABSENT = Status.RESIDENT, Status.HOST, Status.FETCHING, Status.ABSENT
@@ -35,9 +36,19 @@ RESIDENT, HOST, FETCHING, ABSENT = Status.RESIDENT, Status.HOST, Status.FETCHING
 class Moves(Residency):
     """Evict, fetch and prefetch on real copies; the make-room hooks."""
 
+    #: the byte view a copy reads or writes is made by ``dynn_runtime._C.byte_view`` where the extension
+    #: loads (the same operators, without their Python argument parsing); off, :func:`._u8` (the reference)
+    byte_view_in_c = True
+
+    def _bytes(self, st: torch.UntypedStorage) -> torch.Tensor:
+        """A uint8 tensor over the whole of ``st`` (what a copy reads or writes)."""
+        mod = native_module() if self.byte_view_in_c else None
+        return _u8(st, self.device) if mod is None else mod.byte_view(st)
+
     def _evict(self, s: _S) -> bool:
         """Move a resident storage off the device. False if it cannot leave."""
-        if s.status != RESIDENT or not s.movable or s.sid in self._pinned or s.sid in self._held:
+        sid = s.sid
+        if s.status is not RESIDENT or not s.movable or sid in self._pinned or sid in self._held:
             return False
         st = s.storage()
         if st is None:
@@ -47,38 +58,41 @@ class Moves(Residency):
             if not st.resizable():
                 s.movable = False
                 return False
-            if s.host_valid and not obs.host_valid(s.sid):  # written since its host copy was made
+            if s.host_valid and not obs.host_valid(sid):  # written since its host copy was made
                 self._drop_host(s)
-        mode = self.policy.evict_mode(s.sid)
+        mode = self.policy.evict_mode(sid)
         if mode == "drop":
             return False  # recompute at runtime: not supported; the policy must offload
         # "discard" (the oracle's never-used-again) is never honoured live: the trace could be wrong,
         # and a wrong discard loses data. Offload instead.
         t0 = time.perf_counter()
-        if s.host_valid and s.host is not None:
+        cur = self._cur
+        host = s.host
+        if s.host_valid and host is not None:
             self._release_device(s, st)
             self.set_status(s, HOST)
         else:
-            if s.host is None or s.host.nbytes != s.nbytes:
+            nbytes = s.nbytes
+            if host is None or host.nbytes != nbytes:
                 self._drop_host(s)
-                s.host = self.pool.alloc(s.nbytes)
-            src = _u8(st, self.device)
-            last = obs.last_stream(s.sid) if obs is not None else s.stream
-            s.event = self._copies.to_host(src, s.host.tensor, last)
+                s.host = host = self.pool.alloc(nbytes)
+            src = self._bytes(st)
+            last = obs.last_stream(sid) if obs is not None else s.stream
+            s.event = self._copies.to_host(src, host.tensor, last)
             del src
             s.host_valid = True
             if obs is not None:
-                obs.set_host_valid(s.sid, True)
+                obs.set_host_valid(sid, True)
             # Released now, stream-ordered (copies.py): the block is not reused before the copy
             # has read it, so the host never waits for an eviction.
             self._release_device(s, st)
             self.set_status(s, HOST)
-            self._cur.bytes_offloaded += s.nbytes
-        self._cur.evictions += 1
+            cur.bytes_offloaded += nbytes
+        cur.evictions += 1
         dt = time.perf_counter() - t0
-        self._cur.copy_seconds += dt
+        cur.copy_seconds += dt
         if not self.async_copies:
-            self._cur.stall_seconds += dt
+            cur.stall_seconds += dt
         return True
 
     def _release_device(self, s: _S, st: torch.UntypedStorage) -> None:
@@ -135,20 +149,23 @@ class Moves(Residency):
         (default: in a step; the end of a step passes True); a second failure leaves ``s`` as it was
         (on the host, its copy valid) and raises the allocator's error."""
         st = s.storage()
-        internal_assert(st is not None, f"runtime: storage {s.sid} is needed but was freed")
-        if s.status == RESIDENT:
+        if st is None:
+            internal_assert(False, f"runtime: storage {s.sid} is needed but was freed")
+        status = s.status
+        if status is RESIDENT:
             return
-        if s.status == FETCHING:
+        if status is FETCHING:
             self._finish_fetch(s, st)
             return
-        internal_assert(s.status == HOST and s.host is not None and s.host_valid,
-                         f"runtime: storage {s.sid} is {s.status} without a valid host copy")
+        if status is not HOST or s.host is None or not s.host_valid:
+            internal_assert(False, f"runtime: storage {s.sid} is {s.status} without a valid host copy")
 
         def what() -> str:  # built only where it is said: this runs per fetch
             return f"{where or 'an access'} (fetching a {format_bytes(s.nbytes)} {s.kind} back)"
 
-        if budgeted and not self.fits(s.nbytes):
-            self.make_room(s.nbytes, (exclude or set()) | {s.sid}, what())
+        nbytes = s.nbytes
+        if budgeted and self.budget is not None and self.used + nbytes > self.budget:
+            self.make_room(nbytes, (exclude or set()) | {s.sid}, what())
         t0 = time.perf_counter()
         try:
             self._start_fetch(s, st)
@@ -164,19 +181,21 @@ class Moves(Residency):
                 self._oom_retry_failed(str(again), what())
                 raise
         self._finish_fetch(s, st)
-        self._cur.prefetch_misses += 1
-        self._cur.bytes_fetched_on_demand += s.nbytes
+        cur = self._cur
+        cur.prefetch_misses += 1
+        cur.bytes_fetched_on_demand += nbytes
         dt = time.perf_counter() - t0
-        self._cur.copy_seconds += dt
+        cur.copy_seconds += dt
         if not self.async_copies:
-            self._cur.stall_seconds += dt
+            cur.stall_seconds += dt
 
     def _start_fetch(self, s: _S, st: torch.UntypedStorage) -> None:
-        self._copies.allocate(st, s.nbytes)
+        copies = self._copies
+        copies.allocate(st, s.nbytes)
         if self._obs is not None:
             self._obs.set_away(s.sid, False)
-        dst = _u8(st, self.device)
-        ev = self._copies.to_device(s.host.tensor, dst, s.event)
+        dst = self._bytes(st)
+        ev = copies.to_device(s.host.tensor, dst, s.event)
         del dst
         if self.async_copies:
             s.fetch_event = ev

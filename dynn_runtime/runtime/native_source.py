@@ -15,12 +15,11 @@ of it would act (:meth:`NativeSource._native_operators`) or that it stops for th
 :meth:`~dynn_runtime.policies.base.Policy.on_touches` call for a policy that reads only recency.
 
 State: ``_obs``, ``_names``, ``_idiom_by_name``, ``_pending_error``, ``_last_busy``, ``_last_outs``, ``_last_name``,
-``_engaged``.
+``_engaged``, ``_recency_read`` (the step whose log a compact parse read last).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterable, Sequence
 
@@ -135,6 +134,10 @@ class NativeSource:
     #: for those calls (:class:`_AfterOps`); off (or ``operators_in_c`` off), one ``on_operator`` and
     #: one ``after_op`` per operator from the Python loop of :meth:`_native_parse_log` (the reference)
     stops_in_c = True
+    #: a compact parse (the observer keeps the order) is skipped where the observer logged nothing
+    #: since the last one (``Observer.log_pending``); off, every decision point reads the log (the
+    #: reference)
+    skip_empty_parse = True
 
     def _native_fault(self, sids: list[int], ins: list[int], name: str) -> None:
         try:
@@ -207,19 +210,30 @@ class NativeSource:
                  else f"operator {name} (between steps)")
         need = set(ins)
         error = None
+        st = self.st
         if in_step and not self._measure_step:
-            reads = sum(self.st[x].nbytes for x in need if x in self.st)
+            reads = back = 0
+            for x in need:
+                s = st.get(x)
+                if s is not None:
+                    reads += s.nbytes
+            for x in sids:
+                s = st.get(x)
+                if s is not None and s.status is not RESIDENT:
+                    back += s.nbytes
             if reads > self.budget:
                 error = BudgetError(
                     f"runtime: the budget {format_bytes(self.budget)} is smaller than what one operator needs: {where} "
                     f"reads {format_bytes(reads)}. Raise the budget to at least {format_bytes(reads)}.")
-            # what comes back, and then the operator's output: room for both now, or the output lands
-            # over the budget (after operators the reserve is the largest allocation; events.cpp 6)
-            back = sum(self.st[x].nbytes for x in sids if x in self.st and self.st[x].status != RESIDENT)
-            with contextlib.suppress(BudgetError):  # what cannot move now: the fetches below decide
+            # what comes back (``back``), and then the operator's output: room for both now, or the
+            # output lands over the budget (after operators the reserve is the largest allocation;
+            # events.cpp 6)
+            try:
                 self.make_room(back + self._obs.max_made, need, where)
+            except BudgetError:
+                pass  # what cannot move now: the fetches below decide
         for sid in sids:
-            s = self.st.get(sid)
+            s = st.get(sid)
             internal_assert(s is not None, f"runtime: storage {sid} is away but unknown to the manager")
             if s.status == RESIDENT:
                 continue
@@ -271,7 +285,10 @@ class NativeSource:
         What the step keeps of the batch (its ``Op`` records, the lists of frees, first-seen storages
         and hints at its positions) is then taken out of Python's cyclic collector (``collector.cpp``:
         atomic values only), so that the history does not bring on full collections."""
-        if self._obs is None:
+        obs = self._obs
+        if obs is None:
+            return
+        if self._read_already(in_step, light):
             return
         n_ops, first = len(self._ops), self.position
         try:
@@ -284,6 +301,16 @@ class NativeSource:
                 c.untrack_lists(self._frees, first, last)
                 c.untrack_lists(self._pre, first, last)
                 c.untrack_lists(self._hints, first, last, Hint)
+
+    def _read_already(self, in_step: bool, light: bool) -> bool:
+        """The compact parse (the observer keeps the order) would read nothing and change nothing: it
+        read the log already in this step, the observer logged nothing since (a fault right after a
+        decision, a second look before a victim search), and no first full read of the step is due."""
+        obs = self._obs
+        return (self.skip_empty_parse and self._recency_read == self._step_index and not self._saved_unlogged
+                and not obs.log_pending() and obs.recency_live and obs.position == self.position
+                and (self._engaged and self._held_at_start is None
+                     or not (in_step and not light and not self._measure_step)))
 
     def _native_parse_log(self, in_step: bool, light: bool) -> None:
         """:meth:`_native_parse`'s reading of the log."""
@@ -513,6 +540,7 @@ class NativeSource:
         self.position = pos
         if stale:  # before the decision reads them: no eviction keeps a stale host copy
             self._drop_stale_hosts(stale)
+        self._recency_read = self._step_index
         k = 0
         while k < len(held):  # the observer does not see a collective's Work: held until the step ends
             m = held[k]

@@ -212,6 +212,7 @@ class Steps:
         self._oracle_map = {}
         self._in_step = True
         self._engaged = False
+        self._recency_read = -1
         self._idle_step = False
         self._nodes.begin()  # a step's operators' autograd nodes are those it made (AutogradNodes)
         if obs is not None:

@@ -229,13 +229,14 @@ class StorageTable:
 
     def _note_peak(self) -> None:
         cur = self._cur
-        if self.used > cur.peak_device_bytes:
-            cur.peak_device_bytes = self.used
+        used = self.used  # (native: the observer's count, read once; nothing here frees a storage)
+        if used > cur.peak_device_bytes:
+            cur.peak_device_bytes = used
             self._peak_pos = self.position
-        if self._measuring and self.used + self.away > self._live_peak:
-            self._live_peak, self._live_pos = self.used + self.away, self.position
-        if self.budget is not None and not self._measure_step and self.used > self.budget:
-            self._overshoot(self.used - self.budget,
+        if self._measuring and used + self.away > self._live_peak:
+            self._live_peak, self._live_pos = used + self.away, self.position
+        if self.budget is not None and not self._measure_step and used > self.budget:
+            self._overshoot(used - self.budget,
                             f"operator {self._last_name} (position {self.position}, {self.phase})")
 
     def _overshoot(self, nbytes: int, where: str) -> None:
