@@ -548,9 +548,11 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         no victim search in the previous iteration, no fallback or online refit) with nothing of
         this policy's away: then no decision point of it would run before the first victim search,
         which rescores every live storage, so the runtime may tell the step's operators there, or
-        never if memory is never short (:meth:`Policy.idle_step`). A subclass whose ``after_op``
-        may act before that answers for itself."""
-        return self._idle() and not self._away.any()
+        never if memory is never short (:meth:`Policy.idle_step`). Only once an iteration has been
+        told (``_walked``): one that runs short after a step sat out then indexes that one as its
+        previous iteration, never none. A subclass whose ``after_op`` may act before that answers
+        for itself."""
+        return self._walked is not None and self._idle() and not self._away.any()
 
     @property
     def idles_unbound(self) -> bool:  # type: ignore[override]
