@@ -55,6 +55,7 @@ import os
 import platform
 import statistics
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,13 +229,16 @@ def _counting(policy: str) -> Any:
             self.prefetches += sum(a.kind == "prefetch" for a in actions)
         return actions
 
+    Counting.__name__ = Counting.__qualname__ = f"Counting{base.__name__}"
+    pol = Counting()
     # Only a policy that acts ahead of need overrides after_op, and the native event source calls Python
     # every ``decide_every`` operators for such a policy alone (runtime/steps.py): wrapping it on the
-    # others would measure a manager the user does not run.
+    # others would measure a manager the user does not run. The wrapper goes on the instance, which the
+    # runtime calls: the class keeps the policy's own after_op, which a policy checks of itself before
+    # it takes its fast paths (the pilot's batches told in bulk, operators_in_bulk and stops_in_bulk).
     if base.after_op is not Policy.after_op:
-        Counting.after_op = after_op
-    Counting.__name__ = Counting.__qualname__ = f"Counting{base.__name__}"
-    return Counting()
+        pol.after_op = types.MethodType(after_op, pol)
+    return pol
 
 
 def _runtime_decision_points(mm: Any) -> float:

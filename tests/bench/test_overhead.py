@@ -133,6 +133,11 @@ def test_counting_wrapper_keeps_a_lazy_policy_lazy():
     assert type(_counting("none")).after_op is Policy.after_op
     pilot = _counting("pilot")
     assert type(pilot).after_op is not Policy.after_op
+    # counted on the instance: the class keeps the pilot's own after_op, so its batches are still told in
+    # bulk (operators_in_bulk and stops_in_bulk check the class) and the bench measures the shipped path
+    from dynn_runtime.pilot.policy import PilotPolicy
+
+    assert type(pilot).after_op is PilotPolicy.after_op and pilot.after_op.__func__ is not PilotPolicy.after_op
     if "native" not in available_sources():
         pytest.skip("the native event source is not built here")
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(12)])
