@@ -237,8 +237,7 @@ class Steps:
             pol = self.policy
             # what the program holds, told to a policy that listens: now, or where an idle step first
             # needs the policy (_wake_policy)
-            held = ([sid for sid, s in self.st.items() if s.status is not ABSENT]
-                    if type(pol).on_alloc is not Policy.on_alloc else None)
+            listens = type(pol).on_alloc is not Policy.on_alloc
             # a policy with nothing to do until memory is short: no periodic turn, the log read where
             # something needs it (Policy.idle_step; the first full read or victim search ends it)
             self._idle_step = (obs is not None and not self._measure_step and not self._measuring
@@ -246,9 +245,10 @@ class Steps:
                                and type(pol).after_op is not Policy.after_op and pol.idle_step())
             if self._idle_step:
                 obs.set_decide_every(0)
-                self._held_at_start = held
-            elif held is not None:
-                self._announce(held)
+                self._held_at_start = ([sid for sid, s in self.st.items() if s.status is not ABSENT]
+                                       if listens else None)
+            elif listens:
+                self._announce()
             self._map_oracle_persistent()
             if not self._measure_step and self.used > self.budget:
                 # what the program holds between steps may exceed the budget (after the measuring
@@ -269,19 +269,22 @@ class Steps:
         if self.record_every_op or type(self.policy).on_hint is not Policy.on_hint:
             hints._listen(self)
 
-    def _announce(self, held: list[int]) -> None:
-        """Tell the policy the storages ``held`` at the step's start (``on_alloc(sid, -1)``, or the
-        same calls in one ``on_touches`` for a policy that takes them in bulk)."""
+    def _announce(self, held: list[int] | None = None) -> None:
+        """Tell the policy the storages ``held`` at the step's start (None: those resident or in
+        flight now) as ``on_alloc(sid, -1)`` calls, or the same calls in one ``on_touches`` for a
+        policy that takes them in bulk."""
         pol, st = self.policy, self.st
+        items = ((sid, s) for sid, s in st.items() if s.status is not ABSENT) if held is None else (
+            (sid, st[sid]) for sid in held if sid in st)
         if tells_in_bulk(type(pol)):
             events: list[int] = []
             add = events.extend
-            for sid in held:
-                add((TOUCH_ALLOC, sid, -1, st[sid].nbytes))
+            for sid, s in items:
+                add((TOUCH_ALLOC, sid, -1, s.nbytes))
             pol.on_touches(events)
         else:
             on_alloc = pol.on_alloc
-            for sid in held:
+            for sid, _ in list(items):  # a snapshot: the table may change under a policy's call
                 on_alloc(sid, -1)
 
     def _wake_policy(self) -> None:
@@ -289,8 +292,7 @@ class Steps:
         storages held at the step's start are told first, then what the caller tells."""
         held, self._held_at_start = self._held_at_start, None
         if held:  # (one the table no longer has is not announced)
-            st = self.st
-            self._announce([sid for sid in held if sid in st])
+            self._announce(held)
 
     def _victims(self, short: int, exclude: set[int]) -> Any:
         """The policy's victims (Residency.make_room); the first ends an idle step: the policy acts
