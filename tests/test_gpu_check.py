@@ -24,7 +24,7 @@ def test_gpu_check_runs_cleanly_without_cuda(tmp_path):
     sec = json.loads(report.read_text())["sections"]
     assert sec["tests"]["rc"] == 0 and "skipped" in sec["tests"]["tail"]
     assert all(sec[k]["rc"] == "skipped" and "CUDA" in sec[k]["why"]
-               for k in ("events", "real", "racecheck", "overhead", "thirdparty"))
+               for k in ("events", "real", "racecheck", "overhead", "pair", "soc", "thirdparty"))
     assert bench.read_text() == "# before\n"
 
 
@@ -52,3 +52,19 @@ def test_report_renders_the_overhead_and_thirdparty_sections():
     assert "PyTorch alone per step: moe_lm 12.0 ms." in md
     assert "| moe_lm | pilot (shipped) | - | 3 / 1 | 75.0% | 2.000 ms | 3.0 MiB | 1 / not reached | 2.50x | yes |" in md
     assert "| moe_lm | lru | - | 3 / 1 | 75.0% | 2.000 ms | 3.0 MiB |  | 1.75x | yes |" in md
+
+
+def test_report_renders_the_paired_and_save_on_cpu_sections():
+    gc = _gpu_check()
+    pair_tail = ("noise before\ntree_lstm none round 0: ratio 1.020 (range 0.9-1.1; ...)\n"
+                 "tree_lstm lru@0.5 round 0: ratio 2.500 (range 2.1-2.9; ...)\n")
+    soc_tail = ("tree_lstm r0 lru: 40.0 ms, ...\n\nfamily | method | x PyTorch alone (median of rounds) | x save_on_cpu"
+                " | peak MiB\ntree_lstm | lru | 1.50x | 0.80x | 12.0\n")
+    report = {"device": "NVIDIA H100", "torch": "2.11", "date": "d", "wall_s": 1.0, "sections": {
+        "pair": {"rc": 0, "seconds": 30.0, "tail": pair_tail},
+        "soc": {"rc": "timeout", "seconds": 150.0, "tail": soc_tail}}}
+    md = gc.render(report)
+    assert "tree_lstm none round 0: ratio 1.020" in md and "tree_lstm lru@0.5 round 0: ratio 2.500" in md
+    assert "noise before" not in md
+    assert "tree_lstm | lru | 1.50x | 0.80x | 12.0" in md and "tree_lstm r0 lru" not in md
+    assert "rc timeout, 150.0 s" in md

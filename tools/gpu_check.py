@@ -1,7 +1,8 @@
 """`make gpu-check`: everything the project checks on a GPU, in one command, one JSON and one report.
 
     python tools/gpu_check.py [--out out/gpu-check] [--append docs/benchmarks.md] [--quick]
-                              [--sections tests,events,real,racecheck,overhead,thirdparty] [--time-scale X]
+                              [--sections tests,events,real,racecheck,overhead,pair,soc,thirdparty]
+                              [--time-scale X]
 
 Sections, each a subprocess under its own time limit (a section that fails or runs out of time is
 recorded as such and the rest still run):
@@ -19,7 +20,13 @@ recorded as such and the rest still run):
    the GPU synchronized at each step's end; the simulator's host-cost calibration measured on this
    GPU is written into ``<out>/host_cost.json`` (a copy of the shipped file with ``devices.cuda``
    added: commit it as ``dynn_runtime/sim/host_cost.json``).
-6. ``thirdparty``: the networks outside the zoo (``tools/third_party/evaluate.py --device cuda``):
+6. ``pair``: nothing moved and lru at 1/2, paired step by step against PyTorch alone in one process
+   (``tools/overhead_pair.py --device cuda``: two copies of each model, the steps alternating, wall
+   time with the GPU synchronized around each side): the ratio the 1.05x target is about, with the
+   noise of separate runs taken out.
+7. ``soc``: the manager at the memory ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` reaches,
+   against it, per zoo family (``tools/soc_match.py``).
+8. ``thirdparty``: the networks outside the zoo (``tools/third_party/evaluate.py --device cuda``):
    per network and method (the pilot shipped, with its fallback, adapted; replay; lru) at 1/4 of the
    peak, hits / misses / stalls / bytes moved, steps to recover, step time over PyTorch alone.
 
@@ -44,7 +51,8 @@ from pathlib import Path
 
 FAMILIES = ("moe", "varlen", "evoformer")
 CAPS = ("1/2", "1/4", "1/8")
-SECTIONS = ("tests", "events", "real", "racecheck", "overhead", "thirdparty")
+SECTIONS = ("tests", "events", "real", "racecheck", "overhead", "pair", "soc", "thirdparty")
+PAIR_FAMILIES = ("moe", "skipnet", "early_exit", "tree_lstm", "evoformer", "varlen", "examples/my_workload.py:build")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -151,7 +159,7 @@ def _gpu_sections(a: argparse.Namespace, want: set[str], sec: dict, say, out: Pa
     """Sections 2-6 (CUDA only), each a subprocess under ``limit(seconds)``."""
     py = sys.executable
     if "events" in want:
-        say("2/6 event sources against PyTorch alone")
+        say("2/8 event sources against PyTorch alone")
         ev = out / "events.json"
         sec["events"] = _run([py, __file__, "--section", "events", "--out", str(out), "--steps", str(steps)]
                              + (["--quick"] if a.quick else []), limit(150))
@@ -169,19 +177,19 @@ def _gpu_sections(a: argparse.Namespace, want: set[str], sec: dict, say, out: Pa
         # hard caps at each fraction, then 1/4 as a logical budget (at `small` sizes the allocator's
         # segments and workspaces decide hard caps; the logical run compares the policies themselves)
         for cap, hard in [(c, True) for c in (["1/4"] if a.quick else CAPS)] + [("1/4", False)]:
-            say(f"3/6 dynn bench --real at {cap} ({'hard cap' if hard else 'logical budget'}, native events)")
+            say(f"3/8 dynn bench --real at {cap} ({'hard cap' if hard else 'logical budget'}, native events)")
             rj = out / f"real-{cap.replace('/', 'of')}{'' if hard else '-logical'}.json"
             real(["--families", *FAMILIES, "--cap", cap, "--policies", "lru", "save_on_cpu", "pilot", "--steps",
                   str(max(3, steps - 1)), "--max-scale", "0"] + ([] if hard else ["--no-hard-cap"]), rj, 110)
         if not a.quick:
             # moe `large` does not fit an 80 GB H100 alone: the manager measures its peak in a first step
             # under the device's free memory and trains at a quarter of it
-            say("3/6 dynn bench --real: moe large, which PyTorch alone cannot train here, at 1/4 (native events)")
+            say("3/8 dynn bench --real: moe large, which PyTorch alone cannot train here, at 1/4 (native events)")
             rj = out / "real-large-moe.json"
             real(["--families", "moe", "--preset", "large", "--cap", "1/4", "--policies", "lru", "--steps", "3",
                   "--max-scale", "0", "--no-predict"], rj, 170)
     if "racecheck" in want:
-        say("4/6 compute-sanitizer --tool racecheck on a short managed run")
+        say("4/8 compute-sanitizer --tool racecheck on a short managed run")
         san = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
         if Path(san).exists():
             code = ("from dynn_runtime.runtime.train import train_managed as t;"
@@ -192,10 +200,21 @@ def _gpu_sections(a: argparse.Namespace, want: set[str], sec: dict, say, out: Pa
         else:
             sec["racecheck"] = {"rc": "skipped", "why": "compute-sanitizer not found"}
     if "overhead" in want:
-        say("5/6 dynn bench --overhead --device cuda (the simulator's host cost measured on this GPU)")
+        say("5/8 dynn bench --overhead --device cuda (the simulator's host cost measured on this GPU)")
         sec["overhead"] = overhead_section(py, out, a.quick, limit)
+    if "pair" in want:
+        say("6/8 nothing moved and lru at 1/2, paired step by step with PyTorch alone (tools/overhead_pair.py)")
+        fams = PAIR_FAMILIES[3:5] if a.quick else PAIR_FAMILIES
+        sec["pair"] = _run([py, str(ROOT / "tools" / "overhead_pair.py"), ",".join(fams), "--device", "cuda",
+                            "--steps", "8" if a.quick else "12", "--configs", "none,lru,pilot,lru@0.5"], limit(150))
+    if "soc" in want:
+        say("7/8 the manager at the memory save_on_cpu reaches (tools/soc_match.py)")
+        sj = out / "soc.json"
+        sec["soc"] = _run([py, str(ROOT / "tools" / "soc_match.py"), *(["tree_lstm", "evoformer"] if a.quick else []),
+                           "--steps", "5" if a.quick else "6", "--rounds", "1" if a.quick else "2", "--json", str(sj)],
+                          limit(150))
     if "thirdparty" in want:
-        say("6/6 networks outside the zoo, live on the GPU (tools/third_party/evaluate.py --device cuda)")
+        say("8/8 networks outside the zoo, live on the GPU (tools/third_party/evaluate.py --device cuda)")
         sec["thirdparty"] = thirdparty_section(py, out, max(4, steps), limit)
 
 
@@ -244,7 +263,7 @@ def main() -> int:
         print(f"gpu-check [{time.perf_counter() - t_all:5.0f} s] {text}", file=sys.stderr, flush=True)
 
     if "tests" in want:
-        say("1/6 gpu-marked tests")
+        say("1/8 gpu-marked tests")
         sec["tests"] = _run([py, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"], limit(240))
     if not cuda:
         for name in SECTIONS[1:]:
@@ -308,6 +327,18 @@ def render(report: dict) -> str:
                       .replace("# dynn bench", "### dynn bench", 1), ""]
         if ov.get("rc") not in (0, "skipped"):
             lines += ["```", ov.get("tail", "")[-1500:], "```", ""]
+    pair = sec.get("pair", {})
+    if pair:
+        rows = [ln for ln in pair.get("tail", "").splitlines() if " round " in ln]
+        lines += [f"**Paired with PyTorch alone step by step** (`tools/overhead_pair.py --device cuda`, median of the "
+                  f"per-step ratios without the first two steps): rc {pair.get('rc')}, {pair.get('seconds', '')} s", "",
+                  "```", *(rows or [pair.get("tail", "")[-1500:]]), "```", ""]
+    soc = sec.get("soc", {})
+    if soc:
+        table = soc.get("tail", "").split("\nfamily | method", 1)
+        lines += [f"**At the memory `save_on_cpu` reaches** (`tools/soc_match.py`): rc {soc.get('rc')}, "
+                  f"{soc.get('seconds', '')} s", "", "```",
+                  ("family | method" + table[1]).strip() if len(table) == 2 else soc.get("tail", "")[-1500:], "```", ""]
     tp = sec.get("thirdparty", {})
     if tp:
         lines += [f"**Networks outside the zoo, live** (`tools/third_party/evaluate.py --device cuda`): rc "

@@ -1,7 +1,7 @@
 """The managed step against PyTorch alone, paired step by step in one process (native event source).
 
 Usage: ``python tools/overhead_pair.py FAMILY[,FAMILY...] [--steps N] [--configs none,lru,lru@0.5]
-[--profile CONFIG] [--rounds R]`` (``small`` presets; a family may be ``examples/my_workload.py:build``;
+[--profile CONFIG] [--rounds R] [--device cuda]`` (``small`` presets; a family may be ``examples/my_workload.py:build``;
 a configuration is a policy name, ``pilot-every`` for the pilot with every decision point run
 (``defer_idle=False``), ``pilot-alt`` for one pilot that defers its idle decision points in steps 4k and
 4k+1 and runs every one in steps 4k+2 and 4k+3 (both in both orders against PyTorch alone; the two
@@ -40,19 +40,28 @@ import torch
 
 import dynn_runtime as dr
 from dynn_runtime.runtime.events import QUIET
-from dynn_runtime.workload import load_workload, make_optimizer, train_step, workload_name
+from dynn_runtime.workload import load_workload, make_optimizer, to_device, train_step, workload_name
 
 _BIG = 1 << 50
 _EXPERIMENT = ""
 
 
+_CLOCK = time.thread_time  # the stepping thread's CPU time; wall time with the GPU synchronized on CUDA
+_DEVICE = "cpu"
+
+
+def _sync() -> None:
+    if _DEVICE != "cpu":
+        torch.cuda.synchronize()
+
+
 def _timed(fn, acc: list[float]):
     def wrapper(*a, **k):
-        t0 = time.thread_time()
+        t0 = _CLOCK()
         try:
             return fn(*a, **k)
         finally:
-            acc.append(time.thread_time() - t0)
+            acc.append(_CLOCK() - t0)
     return wrapper
 
 
@@ -65,11 +74,11 @@ class _Phases:
 
     @contextlib.contextmanager
     def __call__(self, name: str):
-        t0 = time.thread_time()
+        t0 = _CLOCK()
         try:
             yield
         finally:
-            self.step[name] = self.step.get(name, 0.0) + time.thread_time() - t0
+            self.step[name] = self.step.get(name, 0.0) + _CLOCK() - t0
 
     def close(self) -> None:
         self.steps.append(self.step)
@@ -79,8 +88,8 @@ class _Phases:
 def run(family: str, config: str, steps: int, profile: bool) -> dict:
     torch.manual_seed(0)
     wl = load_workload(family, preset="small", seed=0)
-    initial = copy.deepcopy(wl.model)
-    batches = [wl.make_batch(s) for s in range(steps)]
+    initial = copy.deepcopy(wl.model).to(_DEVICE)
+    batches = [to_device(wl.make_batch(s), torch.device(_DEVICE)) for s in range(steps)]
     policy, _, frac = config.partition("@")
     budget = float(frac) if frac else _BIG
     if policy == "pilot-py":  # the pilot with its bulk loop and packing in Python (no C walk)
@@ -107,7 +116,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         policy.native_order = False
     m_model, a_model = copy.deepcopy(initial), copy.deepcopy(initial)
     m_opt, a_opt = make_optimizer(wl, m_model.parameters()), make_optimizer(wl, a_model.parameters())
-    mm = dr.MemoryManager(budget, policy=policy, device="cpu", events="native")
+    mm = dr.MemoryManager(budget, policy=policy, device=_DEVICE, events="native")
     mm.records_in_batch = config.startswith("pilot-rec")
     mm.operators_in_c = not config.startswith("pilot-pyparse")
     mm.stops_in_c = not config.startswith("pilot-perop")
@@ -125,24 +134,28 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     mph, aph = _Phases(), _Phases()
 
     def managed(batch) -> float:
-        t0 = time.thread_time()
+        _sync()
+        t0 = _CLOCK()
         if prof is not None:
             prof.enable()
         with mm.step():
             loss = train_step(wl, m_model, m_opt, batch, phase=mph)
+        _sync()
         mph.close()
         if prof is not None:
             prof.disable()
-        t = time.thread_time() - t0
+        t = _CLOCK() - t0
         ml.append(loss.item())
         return t
 
     def alone(batch) -> float:
         obs.suspend()
         try:
-            t0 = time.thread_time()
+            _sync()
+            t0 = _CLOCK()
             loss = train_step(wl, a_model, a_opt, batch, phase=aph)
-            t = time.thread_time() - t0
+            _sync()
+            t = _CLOCK() - t0
             aph.close()
         finally:
             obs.resume()
@@ -200,10 +213,16 @@ def main() -> None:
     ap.add_argument("--profile", default="")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--experiment", default="")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: wall time with the GPU synchronized around each side's step, default threads")
     args = ap.parse_args()
-    global _EXPERIMENT
+    global _EXPERIMENT, _CLOCK, _DEVICE
     _EXPERIMENT = args.experiment
-    torch.set_num_threads(1)
+    _DEVICE = args.device
+    if _DEVICE == "cuda":
+        _CLOCK = time.perf_counter
+    else:
+        torch.set_num_threads(1)
     for family in args.families.split(","):
         for r in range(args.rounds):
             for config in args.configs.split(","):
