@@ -20,7 +20,7 @@ recorded as such and the rest still run):
    the GPU synchronized at each step's end; the simulator's host-cost calibration measured on this
    GPU is written into ``<out>/host_cost.json`` (a copy of the shipped file with ``devices.cuda``
    added: commit it as ``dynn_runtime/sim/host_cost.json``).
-6. ``pair``: nothing moved and lru at 1/2, paired step by step against PyTorch alone in one process
+6. ``pair``: nothing moved (none, lru, pilot), paired step by step against PyTorch alone in one process
    (``tools/overhead_pair.py --device cuda``: two copies of each model, the steps alternating, wall
    time with the GPU synchronized around each side): the ratio the 1.05x target is about, with the
    noise of separate runs taken out.
@@ -203,10 +203,10 @@ def _gpu_sections(a: argparse.Namespace, want: set[str], sec: dict, say, out: Pa
         say("5/8 dynn bench --overhead --device cuda (the simulator's host cost measured on this GPU)")
         sec["overhead"] = overhead_section(py, out, a.quick, limit)
     if "pair" in want:
-        say("6/8 nothing moved and lru at 1/2, paired step by step with PyTorch alone (tools/overhead_pair.py)")
+        say("6/8 nothing moved, paired step by step with PyTorch alone (tools/overhead_pair.py)")
         fams = PAIR_FAMILIES[3:5] if a.quick else PAIR_FAMILIES
         sec["pair"] = _run([py, str(ROOT / "tools" / "overhead_pair.py"), ",".join(fams), "--device", "cuda",
-                            "--steps", "8" if a.quick else "12", "--configs", "none,lru,pilot,lru@0.5"], limit(150))
+                            "--steps", "8" if a.quick else "12", "--configs", "none,lru,pilot"], limit(150))
     if "soc" in want:
         say("7/8 the manager at the memory save_on_cpu reaches (tools/soc_match.py)")
         sj = out / "soc.json"
