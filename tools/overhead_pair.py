@@ -9,7 +9,8 @@ halves reported apart), ``pilot-py`` for the pilot with its bulk loop in Python,
 pilot with the runtime recording every storage a batch sees born (``records_in_batch``), ``pilot-pyparse`` for the
 pilot with the runtime's parse of its batches in Python (``operators_in_c = False``), ``pilot-perop`` for the
 pilot with the batches whose ``after_op`` calls may act told one operator at a time by the runtime's Python
-loop (``stops_in_c = False``), ``lru-py`` for lru
+loop (``stops_in_c = False``), ``none-lazy-peak`` for none with the native observer's peak an upper bound (no sweep of the
+table at each new peak: the CUDA path, whose storages are all swept for), ``lru-py`` for lru
 with its order kept in Python, ``@F`` a budget).
 
 Two copies of the model start from the same weights and train on the same batches: one under a
@@ -109,6 +110,8 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         from dynn_runtime.pilot.policy import PilotPolicy
 
         policy = PilotPolicy()
+    elif policy == "none-lazy-peak":  # none with the observer's peak an upper bound (no sweep at a new peak)
+        policy = "none"
     elif policy == "lru-py":  # lru with its order kept in Python, told every touch (no observer-kept order)
         from dynn_runtime.policies.basic import LRUPolicy
 
@@ -125,6 +128,8 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     mm._opt_post = _timed(mm._opt_post, hooks)
     mm.attach(m_model, m_opt)
     obs = QUIET[-1]
+    obs.exact_peak = config != "none-lazy-peak"
+    sweeps0 = obs.sweeps
     mm._begin_step = _timed(mm._begin_step, begin)
     mm._end_step = _timed(mm._end_step, end)
     prof = cProfile.Profile() if profile else None
@@ -181,6 +186,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         per = st["per_step"][2:]
         pol = mm.policy
         pilot = {k: getattr(pol, k, 0) / steps for k in ("decisions", "deferred_idle", "inference_s")}
+        sweeps = (obs.sweeps - sweeps0) / steps
     finally:
         mm.detach()
     out = {
@@ -193,7 +199,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         "evictions": sum(p["evictions"] for p in per) / max(len(per), 1),
         "decisions": sum(p["decision_points"] for p in per) / max(len(per), 1),
         "ops": statistics.median(p["ops"] for p in per),
-        "pilot": pilot,
+        "pilot": pilot, "sweeps": sweeps,
         "halves": {k: 1e3 * statistics.median(v) for k, v in halves.items() if v},
         "phases": {k: 1e3 * statistics.median(m[k] - a[k] for m, a in zip(mph.steps[2:], aph.steps[2:]))
                    for k in ("forward", "backward", "optimizer")},
@@ -231,7 +237,7 @@ def main() -> None:
                       f"{o['ratio_range'][0]:.3f}-{o['ratio_range'][1]:.3f}; managed - alone {o['extra_ms']:.2f} ms; managed "
                       f"{o['managed_ms']:.2f} ms, alone {o['alone_ms']:.2f} ms; begin {o['begin_ms']:.3f}, end "
                       f"{o['end_ms']:.3f} ms, optimizer hooks {o['hooks_ms']:.3f} ms; ops {o['ops']}, decisions/step {o['decisions']:.1f}, evictions/step "
-                      f"{o['evictions']:.1f}; managed - alone ms: "
+                      f"{o['evictions']:.1f}, sweeps/step {o['sweeps']:.1f}; managed - alone ms: "
                       + ", ".join(f"{k} {v:+.3f}" for k, v in o["phases"].items())
                       + f"); pilot per step: {o['pilot']['decisions']:.1f} decision points run, "
                       f"{o['pilot']['deferred_idle']:.1f} deferred, inference {o['pilot']['inference_s'] * 1e3:.2f} ms"

@@ -43,8 +43,14 @@
 //      released before freeing it with the allocator's own deleter. While every storage counted in
 //      `used` is covered (`exposed_` == 0), deaths are known without sweeping the table, so `used`
 //      and the peak are exact with no sweep. Covering never changes what is freed or when; only
-//      CPU data whose deleter's context is the data pointer itself (the CPU allocator's) is wrapped:
-//      CUDA storages stay exposed and their deaths are swept for (covered.h says why).
+//      CPU data whose deleter's context is the data pointer itself (the CPU allocator's) is wrapped.
+//      CUDA data is never covered (covered.h says why); it is "heard" instead: while `hearing_`,
+//      the caching allocator reports every block it frees by address (heard.h), `by_data_` maps the
+//      data address of each heard entry back to it, and the drain judges each reported address's
+//      entry by its own state, as it judges covered ones. An entry is heard only while its data is
+//      the caching allocator's (the probe's deleter) at the address `by_data_` holds; anything
+//      else (data the allocator does not own, data replaced or given up while away, two storages
+//      at one address) stays exposed, and its death is swept for.
 //  10. A wrapped number (a Python scalar an operator's binding made a tensor of) is never tracked: no
 //      entry, no log record, no fault. Nothing but that operator's argument holds it, so it can be
 //      neither away nor read by a later kernel.
@@ -73,9 +79,11 @@
 //      come as the operators ran, and deaths in batches where the program's operations put them (a
 //      drain before each operator's record and wherever Python reads `used`, a sweep every
 //      `sweep_every` operators and wherever Python asks). A drain logs the deaths release_cb reported
-//      (covered storages) in the order their data was freed; a sweep drains, then logs the storages
-//      its walk of the table found dead (exposed ones: CUDA data, data given up while away, data the
-//      allocator does not own) in ascending storage id. Storage ids count from 1 in the order the
+//      (covered storages), then those the CUDA allocator reported (heard ones), each in the order
+//      their data was freed; a sweep drains, then logs the storages its walk of the table found dead
+//      (exposed ones: data given up while away, data the allocator does not own, CUDA data while
+//      nothing is heard) in ascending storage id. A heard storage is never drained out of order: a
+//      new one whose address a dead one still holds stays exposed rather than draining early. Storage ids count from 1 in the order the
 //      observer first saw each storage.
 //  15. An operator's node word is the autograd node it belongs to, or -1: in backward, the node the
 //      engine is running (-1 for AccumulateGrad, whose sequence number is UINT64_MAX); in forward,
@@ -101,6 +109,7 @@
 
 #include "covered.h"
 #include "flat_map.h"
+#include "heard.h"
 #include "recency.h"
 
 #include <algorithm>
@@ -149,6 +158,8 @@ struct Entry {
   bool watch = false;       // a copy is in flight: the manager must see the next access first
   int64_t stream = 0;       // c10::Stream::id() of its last access on the managed device (invariant 7)
   bool covered = false;     // its data's deleter is release_cb (invariant 9)
+  bool heard = false;       // by_data_ maps `data` to it: the allocator reports its free (invariant 9)
+  uint64_t data = 0;        // its data's address while heard
   bool known = false;       // registered by track(): Python may hold it without having read its kAlloc
 
   Entry(c10::weak_intrusive_ptr<c10::StorageImpl> w, c10::StorageImpl* i, int64_t s, int64_t n, int64_t st)
@@ -327,7 +338,7 @@ class Observer {
  public:
   Observer(const std::string& device_type, int64_t device_index)
       : device_type_(c10::Device(device_type).type()), device_index_(device_index),
-        cover_(device_type_ == c10::DeviceType::CPU) {}
+        cover_(device_type_ == c10::DeviceType::CPU), hear_(device_type_ == c10::DeviceType::CUDA) {}
 
   ~Observer() {
     stop();
@@ -347,6 +358,7 @@ class Observer {
     on_oom_ = std::move(on_oom);
     covered::take_released(released_);  // left by an earlier observer
     covered::listen(true);
+    start_hearing();
     was_included_ = c10::impl::tls_is_dispatch_key_included(kKey);
     c10::impl::tls_set_dispatch_key_included(kKey, true);
     last_node_ = thread_last_node();  // invariant 15
@@ -358,10 +370,13 @@ class Observer {
       c10::impl::tls_set_dispatch_key_included(kKey, was_included_);
       started_ = false;
       table_.for_each([&](uint64_t, Entry* e) {  // storages outlive the observer with their own deleters
+        unhear(*e);
         if (!e->covered) return;
         if (auto strong = e->weak.lock()) covered::uncover(strong.get());
         set_covered(*e, false);
       });
+      if (hearing_) heard::listen(heard::kNobody);
+      hearing_ = false;
     }
     Observer* self = this;
     if (g_active.compare_exchange_strong(self, nullptr)) {  // not when an inactive one is destroyed
@@ -439,14 +454,15 @@ class Observer {
   void set_away(int64_t sid, bool away) {
     Entry& e = entry(sid);
     if (e.away == away) return;
+    unhear(e);  // its data goes (or went) with the move; a fetched copy is heard at its new address
     exposed_ -= exposed(e);
     e.away = away;
     used_ += away ? -e.nbytes : e.nbytes;
     away_ += away ? e.nbytes : -e.nbytes;
-    if (!away) {
-      if (auto strong = e.weak.lock()) e.covered = cover_ && covered::cover(strong.get());
-    }
+    c10::intrusive_ptr<c10::StorageImpl> back;
+    if (!away && (back = e.weak.lock())) e.covered = cover_ && covered::cover(back.get());
     exposed_ += exposed(e);
+    if (back) hear_entry(e, back.get());
     if (used_ > peak_) peak_ = used_;
   }
 
@@ -469,6 +485,7 @@ class Observer {
   // the deaths it finds are logged by storage id (invariant 14).
   int64_t sweep() {
     drain();
+    ++sweeps_;
     dead_.clear();
     table_.for_each([&](uint64_t, Entry* e) {
       if (e->weak.expired()) dead_.push_back(e);
@@ -634,6 +651,16 @@ class Observer {
   int64_t position() const { return position_; }
   int64_t tracked() const { return static_cast<int64_t>(table_.size()); }
   int64_t exposed_count() const { return exposed_; }
+  int64_t sweeps() const { return sweeps_; }
+  bool exact_peak() const { return exact_peak_; }
+  bool hear() const { return hear_; }
+  void set_hear(bool on) {
+    TORCH_CHECK(!started_, "dynn: set the observer's hear before start()");
+    hear_ = on;
+  }
+  bool hearing() const { return hearing_; }
+  int64_t heard_count() const { return static_cast<int64_t>(by_data_.size()); }
+  void set_exact_peak(bool on) { exact_peak_ = on; }
   bool cover() const { return cover_; }
   void set_cover(bool on) {
     TORCH_CHECK(!started_, "dynn: set the observer's cover before start()");
@@ -648,7 +675,68 @@ class Observer {
  private:
   // ---- helpers ------------------------------------------------------------------------------
   // Counted in `exposed_`: in `used`, with data whose release the observer would not hear of.
-  static int64_t exposed(const Entry& e) { return !e.away && !e.covered && e.nbytes > 0 ? 1 : 0; }
+  static int64_t exposed(const Entry& e) { return !e.away && !e.covered && !e.heard && e.nbytes > 0 ? 1 : 0; }
+
+  // Starts hearing of frees (invariant 9) where asked and possible. On CUDA a probe block, taken
+  // before the tracker is attached (the allocator's devices exist once CUDA is initialized), must
+  // be reported when freed; its deleter is the caching allocator's, which an entry's data must
+  // have to be heard. On the CPU only with covering off, and only the tests report (report_free).
+  void start_hearing() {
+    hearing_ = false;
+    if (!hear_) return;
+    if (device_type_ == c10::DeviceType::CPU) {
+      if (cover_) return;
+      heard_device_ = -1;
+      hear_deleter_ = nullptr;
+      heard::listen(heard_device_);
+      hearing_ = true;
+      return;
+    }
+    if (device_type_ != c10::DeviceType::CUDA) return;
+    c10::impl::ExcludeDispatchKeyGuard quiet(kKey);
+    at::Tensor probe = at::empty({512}, at::TensorOptions().dtype(at::kByte).device(
+                                            device_type_, static_cast<c10::DeviceIndex>(device_index_)));
+    if (!heard::attach_cuda()) return;
+    const uint64_t addr = reinterpret_cast<uintptr_t>(probe.data_ptr());
+    const c10::DeleterFnPtr deleter = probe.storage().data_ptr().get_deleter();
+    heard_device_ = probe.device().index();
+    heard::listen(heard_device_);
+    probe.reset();
+    heard::take(freed_);
+    if (std::find(freed_.begin(), freed_.end(), addr) == freed_.end()) {
+      heard::listen(heard::kNobody);
+      return;
+    }
+    hear_deleter_ = deleter;
+    hearing_ = true;
+  }
+
+  // Hears `e` (alive, with `impl` its storage) at its data's present address, if it can be heard.
+  void hear_entry(Entry& e, c10::StorageImpl* impl) {
+    if (!hearing_ || e.away || e.heard) return;
+    c10::DataPtr& dp = impl->_mutable_data_ptr_no_checks();
+    if (dp.get() == nullptr || e.nbytes == 0) return;
+    if (hear_deleter_ != nullptr && dp.get_deleter() != hear_deleter_) return;
+    const uint64_t addr = reinterpret_cast<uintptr_t>(dp.get());
+    // Another entry holds the address: a storage that died there, its free not drained yet (a
+    // drain here would log its death at a place that depends on addresses, invariant 14), or two
+    // live storages at one address. This one stays exposed; it is heard when next seen.
+    if (by_data_.find(addr) != nullptr) return;
+    exposed_ -= exposed(e);
+    e.heard = true;
+    e.data = addr;
+    by_data_.insert(addr, &e);
+    exposed_ += exposed(e);
+  }
+
+  void unhear(Entry& e) {
+    if (!e.heard) return;
+    exposed_ -= exposed(e);
+    by_data_.erase(e.data);
+    e.heard = false;
+    e.data = 0;
+    exposed_ += exposed(e);
+  }
 
   void set_covered(Entry& e, bool covered) {
     exposed_ -= exposed(e);
@@ -663,6 +751,7 @@ class Observer {
 
   // Forgets a storage that died; logs a kFree record.
   void forget(Entry* e) {
+    unhear(*e);
     exposed_ -= exposed(*e);
     (e->away ? away_ : used_) -= e->nbytes;
     log_.push_back(kFree);
@@ -678,16 +767,36 @@ class Observer {
   // alive (its data replaced or given up while away) is no longer covered. Each is judged by its
   // own state, so a report that outlived its entry changes nothing.
   void drain() {
-    if (!covered::any_released()) return;
-    covered::take_released(released_);
-    for (c10::StorageImpl* impl : released_) {
-      Entry** found = table_.find(key(impl));
+    if (covered::any_released()) {
+      covered::take_released(released_);
+      for (c10::StorageImpl* impl : released_) {
+        Entry** found = table_.find(key(impl));
+        if (found == nullptr) continue;
+        Entry* e = *found;
+        if (e->weak.expired()) {
+          forget(e);
+        } else if (e->covered && impl->_mutable_data_ptr_no_checks().get_deleter() != &covered::release_cb) {
+          set_covered(*e, false);
+        }
+      }
+    }
+    if (hearing_ && heard::any()) drain_heard();
+  }
+
+
+  // Acts on the frees the allocator reported (invariant 9): a heard storage that died is forgotten;
+  // one alive whose data is no longer at the address (replaced) is no longer heard. An address
+  // whose storage is alive at it (freed and taken again since) changes nothing.
+  void drain_heard() {
+    heard::take(freed_);
+    for (uint64_t addr : freed_) {
+      Entry** found = by_data_.find(addr);
       if (found == nullptr) continue;
       Entry* e = *found;
       if (e->weak.expired()) {
         forget(e);
-      } else if (e->covered && impl->_mutable_data_ptr_no_checks().get_deleter() != &covered::release_cb) {
-        set_covered(*e, false);
+      } else if (reinterpret_cast<uintptr_t>(e->impl->_mutable_data_ptr_no_checks().get()) != addr) {
+        unhear(*e);
       }
     }
   }
@@ -724,12 +833,15 @@ class Observer {
       if (e.away) return {&e, false};
       const int64_t n = static_cast<int64_t>(impl->nbytes());
       const bool is_covered = impl->_mutable_data_ptr_no_checks().get_deleter() == &covered::release_cb;
-      if (n != e.nbytes || !is_covered) {  // resized in place (an out= argument), or its data replaced
+      const bool is_heard = e.heard && reinterpret_cast<uintptr_t>(impl->_mutable_data_ptr_no_checks().get()) == e.data;
+      if (n != e.nbytes || !(is_covered || is_heard)) {  // resized in place (an out= argument), or its data replaced
+        unhear(e);
         exposed_ -= exposed(e);
         used_ += n - e.nbytes;
         e.nbytes = n;
         e.covered = is_covered || (cover_ && covered::cover(impl));
         exposed_ += exposed(e);
+        if (!e.covered) hear_entry(e, impl);
       }
       return {&e, false};
     }
@@ -740,6 +852,7 @@ class Observer {
     by_sid_.insert(static_cast<uint64_t>(sid), &fresh_entry);
     fresh_entry.covered = cover_ && covered::cover(impl);
     exposed_ += exposed(fresh_entry);
+    if (!fresh_entry.covered) hear_entry(fresh_entry, impl);
     used_ += n;
     log_.insert(log_.end(), {kAlloc, sid, n, fresh ? int64_t(1) : int64_t(0)});
     if (!fresh && recency_live_) recency_->alloc(sid, n);  // told where the Python parse tells its kAlloc
@@ -1108,13 +1221,14 @@ class Observer {
     // Over the budget less the most one operator has allocated: the manager makes room now, so
     // that the next operator fits (invariant 6)
     if (budget_ > 0 && used_ > budget_ - max_made_) {  // storages that died may be what puts it over
-      if (!swept) sweep();
+      if (!swept && exposed_ > 0) sweep();  // without exposed storages the drain found them all
       swept = true;
       decide = decide || used_ > budget_ - max_made_;
     }
     // `used` may still count exposed storages that died since the last sweep: a new peak is swept
-    // first, so the peak is exact (invariant 9: without exposed storages `used` is exact already)
-    if (used_ > peak_ && !swept && exposed_ > 0) sweep();
+    // first, so the peak is exact (invariant 9: without exposed storages `used` is exact already);
+    // without `exact_peak_` the peak is an upper bound that counts them until the next sweep
+    if (exact_peak_ && used_ > peak_ && !swept && exposed_ > 0) sweep();
     if (used_ > peak_) {
       peak_ = used_;
       peak_position_ = j;
@@ -1227,6 +1341,14 @@ class Observer {
   int64_t peak_position_ = 0;
   int64_t away_ = 0;  // invariant 8
   int64_t exposed_ = 0;  // invariant 9
+  int64_t sweeps_ = 0;   // walks of the table (sweep()), since the observer was made
+  bool exact_peak_ = true;  // a new peak sweeps first where storages are exposed (finish())
+  bool hear_;               // hear of frees where start() can (invariant 9): on CUDA by default
+  bool hearing_ = false;    // start() found that it can: frees are reported (heard.h)
+  int heard_device_ = heard::kNobody;
+  c10::DeleterFnPtr hear_deleter_ = nullptr;  // the caching allocator's deleter (the probe's)
+  FlatMap<Entry*> by_data_;  // heard entries by their data's address
+  std::vector<uint64_t> freed_;  // drain_heard()'s buffer
   // whether storages registered from now on are covered (invariant 9): on the CPU by default; off,
   // the CPU observer keeps the books as it does on CUDA (every storage exposed, deaths swept for)
   bool cover_;
@@ -1467,13 +1589,17 @@ bool add_operator_parse(PyObject* module);  // operators.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 9;
+  m.attr("ABI") = 10;
   if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
   m.attr("LOG_FREE") = dynn::kFree;
+  m.attr("HEAR_CUDA") = dynn::heard::built();
   m.def("byte_view", &dynn::byte_view, py::arg("storage"),
         "a uint8 tensor over the whole of an UntypedStorage (runtime/storages.py's _u8, natively)");
+  m.def(
+      "report_free", [](int device, uint64_t addr) { dynn::heard::report(device, addr); }, py::arg("device"),
+      py::arg("addr"), "tests: the allocator freed the block at addr on device (-1: the CPU), as heard.h hears it");
   m.def("problem", &dynn::key_problem, "why the native event source cannot start in this process, or ''");
   m.def("arm_test_oom", &dynn::arm_test_oom, py::arg("n"),
         "tests: the next n calls of dynn_test::oom and dynn_test::oom_ throw c10::OutOfMemoryError");
@@ -1535,6 +1661,11 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("position", &Observer::position)
       .def_property_readonly("tracked", &Observer::tracked)
       .def_property_readonly("exposed", &Observer::exposed_count)
+      .def_property_readonly("sweeps", &Observer::sweeps)
+      .def_property("exact_peak", &Observer::exact_peak, &Observer::set_exact_peak)
+      .def_property("hear", &Observer::hear, &Observer::set_hear)
+      .def_property_readonly("hearing", &Observer::hearing)
+      .def_property_readonly("heard", &Observer::heard_count)
       .def_property("cover", &Observer::cover, &Observer::set_cover)
       .def_property_readonly("faults", &Observer::faults)
       .def_property_readonly("decisions", &Observer::decisions)

@@ -153,6 +153,11 @@ class Controls:
             managed_storages=len(self.st),
             event_source=self.event_source,
             largest_allocation_bytes=self._obs.max_made if self._obs is not None else None,
+            # how the native observer learns of deaths (csrc/events.cpp, invariant 9): covered (CPU),
+            # heard from the caching allocator (CUDA), else swept for; and the sweeps of its table
+            deaths=(None if self._obs is None else "heard" if self._obs.hearing
+                    else "covered" if self._obs.cover else "swept"),
+            table_sweeps=self._obs.sweeps if self._obs is not None else None,
             event_source_reason=self.event_reason,
             **(self.provider.describe() if self.provider is not None else {"hook_provider": None}),
             hook_stats=self.provider.stats() if self.provider is not None else {},

@@ -39,6 +39,7 @@ def doctor_report(
         "event_source_why": events_why,
         "native_events_built": native_module() is not None,
         "native_events": native_reason(),
+        "cuda_deaths": _cuda_deaths(native_module()),
         "torch": torch.__version__,
         "torch_git": getattr(torch.version, "git_version", None),
         "torch_cuda": torch.version.cuda,
@@ -56,6 +57,17 @@ def doctor_report(
     }
 
 
+def _cuda_deaths(module) -> str:
+    """How the native observer learns that a CUDA storage died (csrc/events.cpp, invariant 9)."""
+    if module is None:
+        return "-- (the native event source is not built)"
+    if getattr(module, "HEAR_CUDA", False):
+        return ("heard from the caching allocator's trace tracker (csrc/heard.h), where a probe at start "
+                "is heard; else swept for")
+    return ("swept for: this build cannot hear the caching allocator (torch without CUDA, or CUDA's headers "
+            "not found when it was built; CMakeLists.txt)")
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     prefer = Preference.REQUIRE_NATIVE if args.require_native else Preference.AUTO
     report = doctor_report(args.device, prefer=prefer)
@@ -71,6 +83,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         ("probe", report["probe"]),
         ("event source", f"{report['event_source']} ({report['event_source_why']})"),
         ("native events", report["native_events"]),
+        ("CUDA deaths", report["cuda_deaths"]),
         ("hook path", f"{report['path']} (for {report['device']})"),
         ("why", report["why"]),
         ("hook provider", f"{report['hook_provider']} ({report['hook_provider_why']})"),

@@ -615,6 +615,9 @@ def test_doctor_says_which_event_source_is_used(monkeypatch):
     monkeypatch.delenv("DYNN_EVENTS", raising=False)
     rep = doctor_report("cpu", cuda_available=False)
     assert rep["native_events_built"] and rep["event_source"] == "native"
+    # how CUDA deaths are learned follows the build: heard where it compiled heard_cuda.cpp with CUDA
+    assert rep["cuda_deaths"].startswith("heard" if C.HEAR_CUDA else "swept for")
+    assert not C.HEAR_CUDA or torch.version.cuda is not None  # no hearing without a CUDA build of torch
     monkeypatch.setenv("DYNN_EVENTS", "python")
     rep = doctor_report("cpu", cuda_available=False)
     assert rep["event_source"] == "python" and "DYNN_EVENTS=python" in rep["event_source_why"]
