@@ -10,7 +10,8 @@ pilot with the runtime recording every storage a batch sees born (``records_in_b
 pilot with the runtime's parse of its batches in Python (``operators_in_c = False``), ``pilot-perop`` for the
 pilot with the batches whose ``after_op`` calls may act told one operator at a time by the runtime's Python
 loop (``stops_in_c = False``), ``none-lazy-peak`` for none with the native observer's peak an upper bound (no sweep of the
-table at each new peak: the CUDA path, whose storages are all swept for), ``lru-py`` for lru
+table at each new peak while storages are exposed), ``none-swept`` for none with CUDA deaths swept
+for rather than heard from the caching allocator (``Observer.hear = False``), ``lru-py`` for lru
 with its order kept in Python, ``@F`` a budget).
 
 Two copies of the model start from the same weights and train on the same batches: one under a
@@ -110,7 +111,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         from dynn_runtime.pilot.policy import PilotPolicy
 
         policy = PilotPolicy()
-    elif policy == "none-lazy-peak":  # none with the observer's peak an upper bound (no sweep at a new peak)
+    elif policy in ("none-lazy-peak", "none-swept"):  # the observer's books, below
         policy = "none"
     elif policy == "lru-py":  # lru with its order kept in Python, told every touch (no observer-kept order)
         from dynn_runtime.policies.basic import LRUPolicy
@@ -126,7 +127,24 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     begin, end, hooks = [], [], []
     mm._opt_pre = _timed(mm._opt_pre, hooks)
     mm._opt_post = _timed(mm._opt_post, hooks)
-    mm.attach(m_model, m_opt)
+    if config == "none-swept":  # CUDA deaths swept for, not heard from the allocator (csrc/heard.h)
+        from dynn_runtime.runtime.events import native_module
+
+        C = native_module()
+        base = C.Observer
+
+        class Swept(base):  # type: ignore[misc, valid-type]
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                self.hear = False
+
+        C.Observer = Swept
+        try:
+            mm.attach(m_model, m_opt)
+        finally:
+            C.Observer = base
+    else:
+        mm.attach(m_model, m_opt)
     obs = QUIET[-1]
     obs.exact_peak = config != "none-lazy-peak"
     sweeps0 = obs.sweeps
@@ -187,6 +205,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         pol = mm.policy
         pilot = {k: getattr(pol, k, 0) / steps for k in ("decisions", "deferred_idle", "inference_s")}
         sweeps = (obs.sweeps - sweeps0) / steps
+        deaths = st["deaths"]
     finally:
         mm.detach()
     out = {
@@ -199,7 +218,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         "evictions": sum(p["evictions"] for p in per) / max(len(per), 1),
         "decisions": sum(p["decision_points"] for p in per) / max(len(per), 1),
         "ops": statistics.median(p["ops"] for p in per),
-        "pilot": pilot, "sweeps": sweeps,
+        "pilot": pilot, "sweeps": sweeps, "deaths": deaths,
         "halves": {k: 1e3 * statistics.median(v) for k, v in halves.items() if v},
         "phases": {k: 1e3 * statistics.median(m[k] - a[k] for m, a in zip(mph.steps[2:], aph.steps[2:]))
                    for k in ("forward", "backward", "optimizer")},
@@ -237,7 +256,7 @@ def main() -> None:
                       f"{o['ratio_range'][0]:.3f}-{o['ratio_range'][1]:.3f}; managed - alone {o['extra_ms']:.2f} ms; managed "
                       f"{o['managed_ms']:.2f} ms, alone {o['alone_ms']:.2f} ms; begin {o['begin_ms']:.3f}, end "
                       f"{o['end_ms']:.3f} ms, optimizer hooks {o['hooks_ms']:.3f} ms; ops {o['ops']}, decisions/step {o['decisions']:.1f}, evictions/step "
-                      f"{o['evictions']:.1f}, sweeps/step {o['sweeps']:.1f}; managed - alone ms: "
+                      f"{o['evictions']:.1f}, sweeps/step {o['sweeps']:.1f}, deaths {o['deaths']}; managed - alone ms: "
                       + ", ".join(f"{k} {v:+.3f}" for k, v in o["phases"].items())
                       + f"); pilot per step: {o['pilot']['decisions']:.1f} decision points run, "
                       f"{o['pilot']['deferred_idle']:.1f} deferred, inference {o['pilot']['inference_s'] * 1e3:.2f} ms"
