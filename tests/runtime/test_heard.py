@@ -5,40 +5,36 @@ bookkeeping the GPU runs without sweeping is exercised where no GPU is."""
 
 from __future__ import annotations
 
-import struct
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from dynn_runtime.runtime.events import native_module
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_events import _frees  # noqa: E402
+
 C = native_module()
 pytestmark = pytest.mark.skipif(C is None, reason="the native event source is not built")
 CPU = -1  # the device a CPU observer listens as
 
 
-def _frees(log: bytes) -> list[int]:
-    w = struct.unpack(f"{len(log) // 8}q", log)
-    out, i = [], 0
-    while i < len(w):
-        if w[i] == C.LOG_OP:
-            i += 9 + sum(w[i + 5:i + 9])
-        elif w[i] == C.LOG_ALLOC:
-            i += 4
-        else:
-            out.append(w[i + 1])
-            i += 2
-    return out
-
-
-@pytest.fixture
-def hearing():
+def _started() -> object:
+    """A CPU observer keeping the books of a hearing CUDA observer, started, in a step."""
     ob = C.Observer("cpu")
     ob.cover = False
     ob.hear = True
     ob.start(None, None)
+    ob.set_in_step(True)
+    return ob
+
+
+@pytest.fixture
+def hearing():
+    ob = _started()
     try:
-        ob.set_in_step(True)
         yield ob
     finally:
         ob.stop()
@@ -138,12 +134,8 @@ def test_a_new_storage_at_an_address_a_dead_one_still_holds_stays_exposed_until_
 
 
 def test_a_stopped_observer_no_longer_hears():
-    ob = C.Observer("cpu")
-    ob.cover = False
-    ob.hear = True
-    ob.start(None, None)
+    ob = _started()
     try:
-        ob.set_in_step(True)
         x = torch.ones(64) * 2
         sid, addr = ob.sid_of(x), _addr(x)
     finally:
