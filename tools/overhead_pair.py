@@ -18,7 +18,10 @@ Two copies of the model start from the same weights and train on the same batche
 manager (policy ``none`` or ``lru`` with a budget far above the peak, or ``lru@F`` at F of the
 measured peak), the other alone. Each step runs both, in alternating order, and times each with
 the stepping thread's CPU time; PyTorch alone runs with the observer suspended on the thread (its
-key excluded), so it costs what it costs without a manager attached. Prints, per configuration,
+key excluded), so it costs what it costs without a manager attached, but for the manager's
+``saved_tensors_hooks``: they are the thread's, not the model's, so where the policy reads saved tensors
+(the pilot) PyTorch alone pays their Python call per saved tensor too, and the ratio understates the
+manager's cost by that. Prints, per configuration,
 the median of the per-step ratios (the first two steps left out: the measuring step and the first
 managed one) and their range, the median of the per-step differences, the median step times, the
 time spent opening and closing the step, the pilot's decision points run and deferred and its
