@@ -253,6 +253,9 @@ class Residency:
     def resident(self) -> Iterator[int]:
         return (sid for sid, s in list(self.st.items()) if s.status is _RESIDENT)
 
+    def movable(self, sid: int) -> bool:
+        return True
+
     def offloaded(self) -> Iterator[int]:
         return (sid for sid, s in list(self.st.items()) if s.status in AWAY)
 

@@ -126,6 +126,12 @@ class MemoryView(Protocol):
         """The storages resident now (not in flight)."""
         ...
 
+    def movable(self, sid: int) -> bool:
+        """Whether the mechanism may move ``sid`` at all (the live runtime: not what the program
+        holds for good, such as a step's outputs it keeps, nor storage it cannot resize). A victim
+        search passes over one that is not: it would be refused. Neutral answer: True."""
+        ...
+
     def offloaded(self) -> Iterable[int]:
         """The storages away from the device (on the host, or dropped for recompute)."""
         ...

@@ -211,7 +211,8 @@ class LRUPolicy(Policy):
             return iter(())
         if self._native is not None:
             return self._native_walk(exclude)
-        return self._recency.walk(self.view.status, exclude)
+        movable = self.view.movable
+        return (sid for sid in self._recency.walk(self.view.status, exclude) if movable(sid))
 
     def _native_walk(self, exclude: set[int]) -> Iterator[int]:
         """The observer's order walked as :meth:`RecencyOrder.walk` walks its own: resident storages
@@ -219,13 +220,13 @@ class LRUPolicy(Policy):
         observer passes over those away or with a copy in flight; a status is read when the walk
         reaches its storage (what the caller evicted meanwhile is seen as away)."""
         after = self._native.recency_after
-        status = self.view.status
+        status, movable = self.view.status, self.view.movable
         tier, sid, stamp, size = 0, 0, -1, 8
         while tier < 2:
             batch, tier, sid, stamp = after(tier, sid, stamp, size)
             size = 64  # the first few usually suffice; a long walk takes more per call
             for s in batch:
-                if s not in exclude and status(s) == "resident":
+                if s not in exclude and status(s) == "resident" and movable(s):
                     yield s
 
 

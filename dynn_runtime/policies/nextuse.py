@@ -89,6 +89,7 @@ class NextUsePolicy(Policy):
         """Resident storages, furthest predicted next use first: the larger ones (first tier), then,
         when those run out, the small ones (:class:`SmallStorages`) in the same order."""
         view = self.view
+        movable = view.movable
         small = self._small
         tiered = bool(small.fraction)
         skipped = []
@@ -119,6 +120,8 @@ class NextUsePolicy(Policy):
                     continue
                 if st != "resident" or -neg != self._nu(sid):
                     continue  # stale entry: evicted, freed, or used since
+                if not movable(sid):
+                    continue  # the mechanism would refuse it: dropped, pushed again at its next use
                 if sid in exclude:
                     skipped.append((neg, sid))
                     continue

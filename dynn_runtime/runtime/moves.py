@@ -45,6 +45,13 @@ class Moves(Residency):
         mod = native_module() if self.byte_view_in_c else None
         return _u8(st, self.device) if mod is None else mod.byte_view(st)
 
+    def movable(self, sid: int) -> bool:
+        """MemoryView: what :meth:`_evict` would refuse for good (``_S.movable``: the program's own
+        since a step ended, or storage that cannot be resized); pinned and held storages are refused
+        only for now, and so still offered."""
+        s = self.st.get(sid)
+        return s is None or s.movable
+
     def _evict(self, s: _S) -> bool:
         """Move a resident storage off the device. False if it cannot leave."""
         sid = s.sid

@@ -66,6 +66,9 @@ class _View:
     def status(self, sid: int) -> str:
         return self.where.get(sid, "absent")
 
+    def movable(self, sid: int) -> bool:
+        return True
+
 
 def _run(seed: int, fraction: float, bulk: bool) -> int:
     """One random history on both; returns how many victims they agreed on."""
@@ -225,3 +228,42 @@ def test_every_return_to_the_device_is_told_to_the_policy():
     r.set_status(b, Status.HOST)
     r.set_status(b, Status.RESIDENT)
     assert told == [1, 2, 2]
+
+
+class _Fixed:
+    """A NextUse policy with next uses set by the test."""
+
+    def __new__(cls, nu: dict[int, float]):
+        from dynn_runtime.policies.nextuse import NextUsePolicy
+
+        pol = type("_Fixed", (NextUsePolicy,), {"small_fraction": 0, "predict": lambda self, sid: nu[sid]})()
+        return pol
+
+
+@pytest.mark.parametrize("policy", ["nextuse", "lru"])
+def test_a_victim_search_passes_over_what_the_mechanism_would_refuse(policy):
+    """A storage the mechanism may not move (the live runtime: what the program holds for good) is
+    never offered, however far its next use: offered, it would be refused at every search."""
+    view = _View()
+    stuck = {3}
+    view.movable = lambda sid: sid not in stuck  # type: ignore[method-assign]
+    view.resident = lambda: [sid for sid, w in view.where.items() if w == "resident"]  # type: ignore[attr-defined]
+
+    def evict_all() -> list[int]:
+        out = []
+        for sid in pol.victims(1000, set()):
+            view.where[sid] = "host"  # evicted as offered
+            out.append(sid)
+        return out
+
+    for sid in (1, 2, 3, 4):
+        view.sizes[sid] = 100
+        view.where[sid] = "resident"
+    pol = _Fixed({1: 10.0, 2: 20.0, 3: 99.0, 4: 30.0}) if policy == "nextuse" else LRUPolicy()
+    pol.attach(view)
+    for sid in (3, 1, 2, 4):  # 3 is the least recently used and has the furthest next use
+        pol.on_alloc(sid, 0)
+    assert evict_all() == ([4, 2, 1] if policy == "nextuse" else [1, 2, 4])
+    stuck.clear()  # movable again (a later label): offered once its next use is told again
+    pol.on_access(3, 1)
+    assert evict_all() == [3]

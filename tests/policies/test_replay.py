@@ -24,6 +24,9 @@ class _View:
     def status(self, sid: int) -> str:
         return "resident" if sid in self.kinds else "absent"
 
+    def movable(self, sid: int) -> bool:
+        return True
+
     def kind(self, sid: int) -> str:
         return self.kinds[sid]
 

@@ -33,6 +33,9 @@ class _View:
     def status(self, sid: int) -> str:
         return self.statuses.get(sid, "absent")
 
+    def movable(self, sid: int) -> bool:
+        return True
+
 
 def _pair(fraction: float) -> tuple[LRUPolicy, LRUPolicy, object, _View, list[torch.Tensor]]:
     """A Python-ordered lru and one whose order an (unstarted) observer keeps, on one view."""

@@ -466,6 +466,9 @@ def test_prefetch_entry_of_a_storage_still_offloading_is_kept_until_it_lands():
         def status(self, sid):
             return self.state[sid]
 
+        def movable(self, sid):
+            return True
+
         def nbytes(self, sid):
             return 10
 

@@ -63,6 +63,9 @@ class _WalkView:
     def offloaded(self) -> Iterable[int]:
         return iter(())
 
+    def movable(self, sid: int) -> bool:
+        return True
+
     def last_access(self, sid: int) -> int:
         return self.lasts.get(sid, -1)
 
