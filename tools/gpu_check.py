@@ -20,7 +20,8 @@ recorded as such and the rest still run):
    the GPU synchronized at each step's end; the simulator's host-cost calibration measured on this
    GPU is written into ``<out>/host_cost.json`` (a copy of the shipped file with ``devices.cuda``
    added: commit it as ``dynn_runtime/sim/host_cost.json``).
-6. ``pair``: nothing moved (none, lru, pilot), paired step by step against PyTorch alone in one process
+6. ``pair``: nothing moved (none, none with CUDA deaths swept for rather than heard, lru, pilot),
+   paired step by step against PyTorch alone in one process
    (``tools/overhead_pair.py --device cuda``: two copies of each model, the steps alternating, wall
    time with the GPU synchronized around each side): the ratio the 1.05x target is about, with the
    noise of separate runs taken out.
@@ -206,7 +207,8 @@ def _gpu_sections(a: argparse.Namespace, want: set[str], sec: dict, say, out: Pa
         say("6/8 nothing moved, paired step by step with PyTorch alone (tools/overhead_pair.py)")
         fams = PAIR_FAMILIES[3:5] if a.quick else PAIR_FAMILIES
         sec["pair"] = _run([py, str(ROOT / "tools" / "overhead_pair.py"), ",".join(fams), "--device", "cuda",
-                            "--steps", "8" if a.quick else "12", "--configs", "none,lru,pilot"], limit(150))
+                            "--steps", "8" if a.quick else "12", "--configs", "none,none-swept,lru,pilot"],
+                           limit(200))
     if "soc" in want:
         say("7/8 the manager at the memory save_on_cpu reaches (tools/soc_match.py)")
         sj = out / "soc.json"
