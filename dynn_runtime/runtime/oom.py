@@ -11,7 +11,8 @@ drawn before it ran out: the state of the generator it draws from (the one it wa
 managed device's default) is saved before it runs and restored before the retry, so the retry draws
 what the first attempt would have and training stays bit-identical. Room is made
 (:meth:`OutOfMemory._room_after_oom`): what the operator does not read is evicted, enough for the
-failed request plus what is in use over the budget; then the copies are waited for, so that the
+failed request plus what is in use over the budget (all of it where the allocator's message says it
+had the request's bytes free but in pieces, :func:`fragmented`); then the copies are waited for, so that the
 evicted blocks are free, and the allocator's cached blocks are given back, so that the retry can
 cut a new segment. The operator then runs once more; if it runs out again, the error propagates
 and the step turns it into a :class:`~dynn_runtime.errors.BudgetError` that says what to change
@@ -32,7 +33,7 @@ import torch
 from ..errors import BudgetError
 from ..memory import format_bytes
 
-__all__ = ["OutOfMemory", "RANDOM_BY_NAME", "cap_shortfall", "draws", "oom_request", "retryable"]
+__all__ = ["OutOfMemory", "RANDOM_BY_NAME", "cap_shortfall", "draws", "fragmented", "oom_request", "retryable"]
 
 #: operators that draw from the default generator without a ``Generator`` argument (events.cpp's
 #: ``random_by_name`` lists the same; a test checks it)
@@ -71,6 +72,15 @@ def cap_shortfall(message: str) -> int | None:
     if None in (req, allowed, allocated, unallocated):
         return None
     return max(0, req + allocated + unallocated - allowed)
+
+
+def fragmented(message: str, request: int) -> bool:
+    """Whether the caching allocator's out-of-memory ``message`` says it held at least ``request``
+    bytes free in segments that live blocks keep (reserved but unallocated): the bytes were there,
+    not in one piece. Evicting the request's worth then frees blocks scattered over such segments,
+    and emptying the cache gives none of them back; only segments left with no live block are."""
+    unallocated = _size(_UNALLOCATED.search(message))
+    return unallocated is not None and unallocated >= request > 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -127,9 +137,11 @@ class OutOfMemory:
             short = (cap_shortfall(message) or 0) - max(0, before - self.budget)
             self._cap_short = max(self._cap_short, short)
         if not self._measure_step and self.budget is not None:
+            need = request + max(0, self.budget - before)
+            if fragmented(message, request):
+                need = self.budget  # everything it does not read: only emptied segments are given back
             with contextlib.suppress(BudgetError):  # whatever moved is room; the retry decides
-                self.make_room(request + max(0, self.budget - before), exclude,
-                               f"{where}, after it ran out of device memory")
+                self.make_room(need, exclude, f"{where}, after it ran out of device memory")
         self._sync()
         if self.cuda:
             torch.cuda.empty_cache()

@@ -27,7 +27,7 @@ from torch import nn
 from dynn_runtime.errors import BudgetError, where_raised
 from dynn_runtime.policies.base import Action
 from dynn_runtime.policies.basic import LRUPolicy
-from dynn_runtime.runtime.events import native_module
+from dynn_runtime.runtime.events import native_module, no_mode
 from dynn_runtime.runtime.manager import MemoryManager
 from dynn_runtime.runtime.oom import RANDOM_BY_NAME, cap_shortfall, oom_request
 from dynn_runtime.runtime.steps import Steps
@@ -555,3 +555,43 @@ def test_where_a_failure_came_from_names_the_frames_and_the_errors_it_was_raised
     with pytest.raises(RuntimeError) as info:
         chained()
     assert "from BudgetError: runtime: the first error" in where_raised(info.value)
+
+
+def _frag(request_mib: float, unallocated_mib: float) -> str:
+    return (f"CUDA out of memory. Tried to allocate {request_mib:.2f} MiB. 142.79 MiB allowed; Of the allocated memory "
+            f"89.65 MiB is allocated by PyTorch, and {unallocated_mib:.2f} MiB is reserved by PyTorch but unallocated.")
+
+
+@pytest.mark.parametrize("events", ["python", "native"])
+@pytest.mark.parametrize("pieces", [False, True])
+def test_room_after_an_oom_is_everything_the_operator_does_not_read_where_the_free_bytes_are_in_pieces(
+        events, pieces, monkeypatch):
+    """The allocator had the request's bytes free, in segments live blocks keep (reserved but
+    unallocated): evicting the request's worth would free more scattered blocks, and emptying the
+    cache gives back only whole segments, so the retry gets everything the operator does not read.
+    Without that, the request's worth plus what is over the budget, as before."""
+    if events == "native" and _native is None:
+        pytest.skip("the native event source is not built")
+    monkeypatch.setenv("DYNN_EVENTS", events)
+    mm = MemoryManager(64 << 20, policy="lru", device="cpu")
+    mm.attach(nn.Linear(4, 4))
+    try:
+        with mm.step():
+            xs = [torch.ones(1 << 18) * i for i in range(8)]  # 1 MiB each, movable (made in the step)
+            sids = [mm._sid(x) for x in xs]
+            keep = {sids[0]}  # what the operator reads
+            with no_mode():  # as the sources' handlers run it: the manager's own copies unobserved
+                mm._room_after_oom(_frag(2, 8 if pieces else 0.5), keep, "operator test", 0)
+            away = [sid for sid in sids if mm.st[sid].status._value_ != "resident"]
+            assert sids[0] not in away
+            assert len(away) == (7 if pieces else 2)
+    finally:
+        mm.detach()
+    assert mm.stats()["oom_retries"] == 1
+
+
+def test_fragmentation_is_read_from_the_allocators_message():
+    from dynn_runtime.runtime.oom import fragmented
+
+    assert fragmented(_frag(16, 42.35), 16 << 20) and not fragmented(_frag(16, 0.93), 16 << 20)
+    assert not fragmented("CUDA out of memory. Tried to allocate 2.00 MiB.", 2 << 20)  # the message does not say
