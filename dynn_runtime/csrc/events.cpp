@@ -83,8 +83,8 @@
 //      their data was freed; a sweep drains, then logs the storages its walk of the table found dead
 //      (exposed ones: data given up while away, data the allocator does not own, CUDA data while
 //      nothing is heard) in ascending storage id. A heard storage is never drained out of order: a
-//      new one whose address a dead one still holds stays exposed rather than draining early. Storage ids count from 1 in the order the
-//      observer first saw each storage.
+//      new one whose address a dead one still holds stays exposed rather than draining early.
+//      Storage ids count from 1 in the order the observer first saw each storage.
 //  15. An operator's node word is the autograd node it belongs to, or -1: in backward, the node the
 //      engine is running (-1 for AccumulateGrad, whose sequence number is UINT64_MAX); in forward,
 //      the node it made (autograd makes it below the key, while the kernel runs, so the thread's
@@ -693,22 +693,27 @@ class Observer {
       return;
     }
     if (device_type_ != c10::DeviceType::CUDA) return;
-    c10::impl::ExcludeDispatchKeyGuard quiet(kKey);
-    at::Tensor probe = at::empty({512}, at::TensorOptions().dtype(at::kByte).device(
-                                            device_type_, static_cast<c10::DeviceIndex>(device_index_)));
-    if (!heard::attach_cuda()) return;
-    const uint64_t addr = reinterpret_cast<uintptr_t>(probe.data_ptr());
-    const c10::DeleterFnPtr deleter = probe.storage().data_ptr().get_deleter();
-    heard_device_ = probe.device().index();
-    heard::listen(heard_device_);
-    probe.reset();
-    heard::take(freed_);
-    if (std::find(freed_.begin(), freed_.end(), addr) == freed_.end()) {
+    try {  // a probe that cannot be made or heard: the observer sweeps, as without hearing
+      c10::impl::ExcludeDispatchKeyGuard quiet(kKey);
+      at::Tensor probe = at::empty({512}, at::TensorOptions().dtype(at::kByte).device(
+                                              device_type_, static_cast<c10::DeviceIndex>(device_index_)));
+      if (!heard::attach_cuda()) return;
+      const uint64_t addr = reinterpret_cast<uintptr_t>(probe.data_ptr());
+      const c10::DeleterFnPtr deleter = probe.storage().data_ptr().get_deleter();
+      heard_device_ = probe.device().index();
+      heard::listen(heard_device_);
+      probe.reset();
+      heard::take(freed_);
+      if (std::find(freed_.begin(), freed_.end(), addr) == freed_.end()) {
+        heard::listen(heard::kNobody);
+        return;
+      }
+      hear_deleter_ = deleter;
+      hearing_ = true;
+    } catch (const std::exception&) {
       heard::listen(heard::kNobody);
-      return;
+      hearing_ = false;
     }
-    hear_deleter_ = deleter;
-    hearing_ = true;
   }
 
   // Hears `e` (alive, with `impl` its storage) at its data's present address, if it can be heard.
@@ -782,7 +787,6 @@ class Observer {
     }
     if (hearing_ && heard::any()) drain_heard();
   }
-
 
   // Acts on the frees the allocator reported (invariant 9): a heard storage that died is forgotten;
   // one alive whose data is no longer at the address (replaced) is no longer heard. An address
