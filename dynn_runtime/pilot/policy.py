@@ -1397,16 +1397,20 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         if self._job is not None:
             self._poll()
         self._searching()  # the first search of the iteration: deferred decision points caught up first
-        away = self._away
         slot = self._state._slot
+        status = self.view.status
         inner = super().victims(need_bytes, exclude)
         try:
             for sid in inner:
-                away[slot[sid]] = 1
+                self._away[slot[sid]] = 1
                 if self.small_evicted and not self._small_scored:
                     self._small_scored = True  # the first small victim: score them all from the next op
                     self._force_decision = True
                 yield sid
+                # asked for the next one: still resident, the mechanism refused it (pinned, held
+                # for now), so it is not away (the last one offered was taken: the caller stops then)
+                if status(sid) == "resident":
+                    self._away[slot[sid]] = 0
         finally:
             inner.close()  # its own finally puts back the entries it skipped, now, not at collection
 

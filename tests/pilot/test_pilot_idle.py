@@ -327,3 +327,43 @@ def test_a_simulated_iteration_the_pilot_sits_out_is_not_charged_its_share(trace
                           host_cost=c).run() for c in (hc, flat))
         assert a.host_cost_s == pytest.approx(b.host_cost_s) and a.iter_time_s <= b.iter_time_s
         assert (a.decision_points, a.moves) == (b.decision_points, b.moves)
+
+
+def test_a_victim_the_runtime_refuses_is_not_left_away_in_the_pilots_books():
+    """The parameters pinned (refused by the runtime for now, so still offered): by the time the
+    search offers its next victim, a refused one is not marked away in the pilot's books (a feature
+    of its model, and what decides whether it may sit a step out)."""
+    import dynn_runtime as dr
+    from dynn_runtime.workload import load_workload, make_optimizer, train_step
+
+    wl = load_workload("moe", preset="tiny", seed=0)
+    opt = make_optimizer(wl, wl.model.parameters())
+    pol = PilotPolicy()
+    mm = dr.MemoryManager(0.5, policy=pol, device="cpu")
+    mm.attach(wl.model, opt)
+    mm.pin(wl.model)
+    refused: list[int] = []
+    left_away: list[int] = []
+    offered = [0]
+    original = mm._evict
+
+    def counting(s):
+        slot = pol._state._slot
+        left_away.extend(r for r in refused if r in slot and pol._away[slot[r]])
+        refused.clear()
+        ok = original(s)
+        if not ok and s.sid in mm._pinned:
+            refused.append(s.sid)
+            offered[0] += 1
+        return ok
+
+    mm._evict = counting
+    try:
+        for step in range(4):
+            with mm.step():
+                train_step(wl, wl.model, opt, wl.make_batch(step))
+    finally:
+        mm.detach()
+    assert mm.stats()["evictions"] > 0
+    assert offered[0] > 0, "pinned parameters must have been offered and refused, or this checks nothing"
+    assert not left_away
