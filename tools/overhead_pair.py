@@ -17,7 +17,7 @@ with its order kept in Python, ``@F`` a budget).
 Two copies of the model start from the same weights and train on the same batches: one under a
 manager (policy ``none`` or ``lru`` with a budget far above the peak, or ``lru@F`` at F of the
 measured peak), the other alone. Each step runs both, in alternating order, and times each with
-the stepping thread's CPU time; PyTorch alone runs with the observer suspended on the thread (its
+the stepping thread's CPU time (``--device cuda``: the wall time, the GPU synchronized around each side); PyTorch alone runs with the observer suspended on the thread (its
 key excluded), so it costs what it costs without a manager attached, but for the manager's
 ``saved_tensors_hooks``: they are the thread's, not the model's, so where the policy reads saved tensors
 (the pilot) PyTorch alone pays their Python call per saved tensor too, and the ratio understates the
