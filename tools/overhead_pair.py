@@ -11,7 +11,7 @@ pilot with the runtime's parse of its batches in Python (``operators_in_c = Fals
 pilot with the batches whose ``after_op`` calls may act told one operator at a time by the runtime's Python
 loop (``stops_in_c = False``), ``none-lazy-peak`` for none with the native observer's peak an upper bound (no sweep of the
 table at each new peak while storages are exposed), ``none-swept`` for none with CUDA deaths swept
-for rather than heard from the caching allocator (``Observer.hear = False``), ``lru-py`` for lru
+for rather than heard from the caching allocator (``hear_frees = False``), ``lru-py`` for lru
 with its order kept in Python, ``@F`` a budget).
 
 Two copies of the model start from the same weights and train on the same batches: one under a
@@ -130,24 +130,8 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     begin, end, hooks = [], [], []
     mm._opt_pre = _timed(mm._opt_pre, hooks)
     mm._opt_post = _timed(mm._opt_post, hooks)
-    if config == "none-swept":  # CUDA deaths swept for, not heard from the allocator (csrc/heard.h)
-        from dynn_runtime.runtime.events import native_module
-
-        C = native_module()
-        base = C.Observer
-
-        class Swept(base):  # type: ignore[misc, valid-type]
-            def __init__(self, *a, **k):
-                super().__init__(*a, **k)
-                self.hear = False
-
-        C.Observer = Swept
-        try:
-            mm.attach(m_model, m_opt)
-        finally:
-            C.Observer = base
-    else:
-        mm.attach(m_model, m_opt)
+    mm.hear_frees = config != "none-swept"  # CUDA deaths swept for, not heard from the allocator
+    mm.attach(m_model, m_opt)
     obs = QUIET[-1]
     obs.exact_peak = config != "none-lazy-peak"
     sweeps0 = obs.sweeps

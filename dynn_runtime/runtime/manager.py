@@ -333,6 +333,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         if self.event_source == "native":
             self._obs = native_module().Observer(self.device.type, -1 if self.device.index is None
                                                  else self.device.index)
+            self._obs.hear = self._obs.hear and self.hear_frees
         self.provider = select_provider(str(self.device), self.event_source, self.event_reason,
                                         hooks=self._hooks_requested)
         # the parameters the model has at attach, the ones whose gradients each step labels "grad"

@@ -134,6 +134,9 @@ class NativeSource:
     #: for those calls (:class:`_AfterOps`); off (or ``operators_in_c`` off), one ``on_operator`` and
     #: one ``after_op`` per operator from the Python loop of :meth:`_native_parse_log` (the reference)
     stops_in_c = True
+    #: CUDA storages' deaths are heard from the caching allocator where the observer can
+    #: (``Observer.hear``, csrc/heard.h); off, swept for (the reference)
+    hear_frees = True
     #: a compact parse (the observer keeps the order) is skipped where the observer logged nothing
     #: since the last one (``Observer.log_pending``); off, every decision point reads the log (the
     #: reference)
