@@ -9,7 +9,8 @@ halves reported apart), ``pilot-py`` for the pilot with its bulk loop in Python,
 pilot with the runtime recording every storage a batch sees born (``records_in_batch``), ``pilot-pyparse`` for the
 pilot with the runtime's parse of its batches in Python (``operators_in_c = False``), ``pilot-perop`` for the
 pilot with the batches whose ``after_op`` calls may act told one operator at a time by the runtime's Python
-loop (``stops_in_c = False``), ``none-lazy-peak`` for none with the native observer's peak an upper bound (no sweep of the
+loop (``stops_in_c = False``), ``pilot-pywalk`` for the pilot with the module hooks' walk of the autograd nodes in Python
+(``tag_nodes_in_c = False``), ``none-lazy-peak`` for none with the native observer's peak an upper bound (no sweep of the
 table at each new peak while storages are exposed), ``none-swept`` for none with CUDA deaths swept
 for rather than heard from the caching allocator (``hear_frees = False``), ``lru-py`` for lru
 with its order kept in Python, ``@F`` a budget).
@@ -110,7 +111,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         from dynn_runtime.pilot.policy import PilotPolicy
 
         policy = PilotPolicy(defer_idle=False)
-    elif policy in ("pilot-rec", "pilot-pyparse", "pilot-perop"):  # the runtime's reference bulk paths
+    elif policy in ("pilot-rec", "pilot-pyparse", "pilot-perop", "pilot-pywalk"):  # the runtime's reference bulk paths
         from dynn_runtime.pilot.policy import PilotPolicy
 
         policy = PilotPolicy()
@@ -130,6 +131,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     begin, end, hooks = [], [], []
     mm._opt_pre = _timed(mm._opt_pre, hooks)
     mm._opt_post = _timed(mm._opt_post, hooks)
+    mm.tag_nodes_in_c = not config.startswith("pilot-pywalk")  # modules' autograd nodes tagged by Python's walk
     mm.hear_frees = config != "none-swept"  # CUDA deaths swept for, not heard from the allocator
     mm.attach(m_model, m_opt)
     obs = QUIET[-1]

@@ -1587,13 +1587,14 @@ at::Tensor byte_view(py::handle storage) {
 }  // namespace
 
 void define_collector(py::module_& m);     // collector.cpp
+void define_modules(py::module_& m);       // modules.cpp
 bool add_operator_parse(PyObject* module);  // operators.cpp
 
 }  // namespace dynn
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 10;
+  m.attr("ABI") = 11;
   if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
@@ -1678,4 +1679,5 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("live_peak", &Observer::live_peak)
       .def_property_readonly("live_peak_position", &Observer::live_peak_position);
   dynn::define_collector(m);
+  dynn::define_modules(m);
 }

@@ -367,7 +367,9 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
             # Live, the checkpoint policy is torch.utils.checkpoint itself around every repeated
             # block: the blocks keep nothing for backward and re-run their forward when it needs it.
             self._checkpointed = _checkpoint_blocks(model)
-        self._modules = ModuleTracker(model)
+        # the native source reads node tags from node_modules only: its walk need not tag node metadata
+        native_walk = self._obs is not None and self.tag_nodes_in_c
+        self._modules = ModuleTracker(model, tagger=native_module().tag_nodes if native_walk else None)
         self._modules.on_root_forward = self._root_forward
         pol = type(self.policy)
         if self._obs is None or pol.reads_modules:

@@ -137,6 +137,9 @@ class NativeSource:
     #: CUDA storages' deaths are heard from the caching allocator where the observer can
     #: (``Observer.hear``, csrc/heard.h); off, swept for (the reference)
     hear_frees = True
+    #: a module's post hook tags its forward's autograd nodes in C (``_C.tag_nodes``); off, Python's
+    #: walk of ``trace/modules.py`` (the reference)
+    tag_nodes_in_c = True
     #: a compact parse (the observer keeps the order) is skipped where the observer logged nothing
     #: since the last one (``Observer.log_pending``); off, every decision point reads the log (the
     #: reference)

@@ -215,6 +215,8 @@ class Steps:
         self._recency_read = -1
         self._idle_step = False
         self._nodes.begin()  # a step's operators' autograd nodes are those it made (AutogradNodes)
+        if self._modules is not None:
+            self._modules.prune()  # the module tags of the graphs of steps before the last
         if obs is not None:
             obs.set_in_step(True)
             obs.set_seen_backward(False)
