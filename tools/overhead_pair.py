@@ -19,10 +19,9 @@ Two copies of the model start from the same weights and train on the same batche
 manager (policy ``none`` or ``lru`` with a budget far above the peak, or ``lru@F`` at F of the
 measured peak), the other alone. Each step runs both, in alternating order, and times each with
 the stepping thread's CPU time (``--device cuda``: the wall time, the GPU synchronized around each side); PyTorch alone runs with the observer suspended on the thread (its
-key excluded), so it costs what it costs without a manager attached, but for the manager's
-``saved_tensors_hooks``: they are the thread's, not the model's, so where the policy reads saved tensors
-(the pilot) PyTorch alone pays their Python call per saved tensor too, and the ratio understates the
-manager's cost by that. Prints, per configuration,
+key excluded) and without the hooks the manager installs for every module and for the thread (the
+module hooks and ``saved_tensors_hooks`` of a policy that reads them: the pilot), so it costs what it
+costs without a manager attached. Prints, per configuration,
 the median of the per-step ratios (the first two steps left out: the measuring step and the first
 managed one) and their range, the median of the per-step differences, the median step times, the
 time spent opening and closing the step, the pilot's decision points run and deferred and its
@@ -161,7 +160,15 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         return t
 
     def alone(batch) -> float:
+        # PyTorch alone runs without what the manager installed for the thread or every module: the
+        # observer's key, the saved-tensor hooks and the module hooks (a policy that reads them)
         obs.suspend()
+        mods, saved = mm._modules, mm._saved_hooks
+        hooked = mods is not None and bool(mods._handles)
+        if hooked:
+            mods.remove()
+        if saved is not None:
+            saved.__exit__(None, None, None)
         try:
             _sync()
             t0 = _CLOCK()
@@ -170,6 +177,10 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
             t = _CLOCK() - t0
             aph.close()
         finally:
+            if saved is not None:
+                saved.__enter__()
+            if hooked:
+                mods.install()
             obs.resume()
         al.append(loss.item())
         return t
