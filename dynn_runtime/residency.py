@@ -175,13 +175,18 @@ class Residency:
     def fits(self, need: int) -> bool:
         return self.budget is None or self.used + need <= self.budget
 
-    def make_room(self, need: int, exclude: set[int], where: str = "") -> None:
-        """Evict until ``need`` more bytes fit in the budget; ``exclude`` may not move."""
+    def make_room(self, need: int, exclude: set[int], where: str = "", scale: int = 0) -> None:
+        """Evict until ``need`` more bytes fit in the budget; ``exclude`` may not move. ``scale``
+        (room made ahead of a need that may not come): the policy's victims smaller than
+        ``scale >> 8`` bytes are passed over, so that room for an allocation of ``scale`` bytes
+        is never made of hundreds of moves that each free a few bytes; what such victims alone
+        could free is not made (BudgetError where nothing else moved)."""
         budget = self.budget
         if budget is None or self.used + need <= budget:
             return
         if self._room_before(need):
             return
+        floor = scale >> 8
         while True:
             short = self.used - self.pending + need - budget
             if short <= 0:
@@ -191,7 +196,7 @@ class Residency:
                 if sid in exclude:
                     continue
                 s = self.st.get(sid)
-                if s is None or not self._evict_for_room(s):
+                if s is None or s.nbytes < floor or not self._evict_for_room(s):
                     continue
                 moved = True
                 if self.used - self.pending + need <= budget:

@@ -12,7 +12,9 @@ pilot with the batches whose ``after_op`` calls may act told one operator at a t
 loop (``stops_in_c = False``), ``pilot-pywalk`` for the pilot with the module hooks' walk of the autograd nodes in Python
 (``tag_nodes_in_c = False``), ``none-lazy-peak`` for none with the native observer's peak an upper bound (no sweep of the
 table at each new peak while storages are exposed), ``none-swept`` for none with CUDA deaths swept
-for rather than heard from the caching allocator (``hear_frees = False``), ``lru-py`` for lru
+for rather than heard from the caching allocator (``hear_frees = False``), ``lru-nofloor`` for lru
+with the room ahead of the next operator made of every victim, however small (``reserve_floor =
+False``), ``lru-py`` for lru
 with its order kept in Python, ``@F`` a budget).
 
 Two copies of the model start from the same weights and train on the same batches: one under a
@@ -116,6 +118,8 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         policy = PilotPolicy()
     elif policy in ("none-lazy-peak", "none-swept"):  # the observer's books, below
         policy = "none"
+    elif policy == "lru-nofloor":  # lru with the reserve made of every victim (reserve_floor = False)
+        policy = "lru"
     elif policy == "lru-py":  # lru with its order kept in Python, told every touch (no observer-kept order)
         from dynn_runtime.policies.basic import LRUPolicy
 
@@ -130,6 +134,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     begin, end, hooks = [], [], []
     mm._opt_pre = _timed(mm._opt_pre, hooks)
     mm._opt_post = _timed(mm._opt_post, hooks)
+    mm.reserve_floor = not config.startswith("lru-nofloor")  # room ahead of the next operator: every victim
     mm.tag_nodes_in_c = not config.startswith("pilot-pywalk")  # modules' autograd nodes tagged by Python's walk
     mm.hear_frees = config != "none-swept"  # CUDA deaths swept for, not heard from the allocator
     mm.attach(m_model, m_opt)

@@ -140,6 +140,9 @@ class NativeSource:
     #: a module's post hook tags its forward's autograd nodes in C (``_C.tag_nodes``); off, Python's
     #: walk of ``trace/modules.py`` (the reference)
     tag_nodes_in_c = True
+    #: room made ahead of the next operator (its reserve, ``Observer.max_made``) passes over victims
+    #: under 1/256 of it (``Residency.make_room``'s ``scale``); off, every victim (the reference)
+    reserve_floor = True
     #: a compact parse (the observer keeps the order) is skipped where the observer logged nothing
     #: since the last one (``Observer.log_pending``); off, every decision point reads the log (the
     #: reference)
@@ -235,7 +238,10 @@ class NativeSource:
             # output lands over the budget (after operators the reserve is the largest allocation;
             # events.cpp 6)
             try:
-                self.make_room(back + self._obs.max_made, need, where)
+                if back:
+                    self.make_room(back, need, where)
+                reserve = self._obs.max_made
+                self.make_room(back + reserve, need, where, scale=reserve if self.reserve_floor else 0)
             except BudgetError:
                 pass  # what cannot move now: the fetches below decide
         for sid in sids:
@@ -270,13 +276,17 @@ class NativeSource:
                     f"operator {self._last_name} (position {position}, {self.phase}) touches {format_bytes(busy)}. "
                     f"Raise the budget to at least {format_bytes(busy)}.")
             try:
-                try:
-                    self.make_room(reserve, self._last_busy, where)
-                except BudgetError:
-                    # what the operator read may leave too once it has run (an eviction waits for the
-                    # stream of its last access); what it made stays, the program may read it next
-                    # without an operator (``tolist``)
-                    self.make_room(reserve, set(self._last_outs), where)
+                # over the budget now: room for that from every victim the policy offers; the reserve
+                # is room ahead of a need that may not come (scale: not made of tiny moves)
+                ahead = reserve if self.reserve_floor else 0
+                for need, scale in ((0, 0), (reserve, ahead)) if self.used > self.budget else ((reserve, ahead),):
+                    try:
+                        self.make_room(need, self._last_busy, where, scale=scale)
+                    except BudgetError:
+                        # what the operator read may leave too once it has run (an eviction waits for
+                        # the stream of its last access); what it made stays, the program may read it
+                        # next without an operator (``tolist``)
+                        self.make_room(need, set(self._last_outs), where, scale=scale)
             except BudgetError:
                 if type(self.policy).victims is Policy.victims and self.used > self.budget + reserve:
                     raise  # a policy that never moves anything, and over by more than one operator's allocation

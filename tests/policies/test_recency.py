@@ -12,6 +12,7 @@ from collections import OrderedDict
 
 import pytest
 
+from dynn_runtime.errors import BudgetError
 from dynn_runtime.policies.base import TOUCH_ACCESS, TOUCH_ALLOC, TOUCH_FREE, Policy, SmallStorages
 from dynn_runtime.policies.basic import LRUPolicy
 from dynn_runtime.policies.recency import RecencyOrder
@@ -267,3 +268,51 @@ def test_a_victim_search_passes_over_what_the_mechanism_would_refuse(policy):
     stuck.clear()  # movable again (a later label): offered once its next use is told again
     pol.on_access(3, 1)
     assert evict_all() == [3]
+
+
+def _tiny_first(scale: int) -> tuple[list[int], int, bool]:
+    """make_room for 1000 bytes under a budget of 1000, 200 bytes used by 20 storages of 10 bytes
+    offered first and 800 by one of 800 offered last: which it evicted, what is then used, and
+    whether it said it could not make the room."""
+    from dynn_runtime.residency import Record, Residency, Status
+
+    order = [*range(1, 21), 99]
+
+    class P(Policy):
+        def victims(self, need_bytes, exclude):
+            return iter(order)
+
+    class R(Residency):
+        def _evict_for_room(self, s):
+            if s.status is not Status.RESIDENT:
+                return False
+            self.set_status(s, Status.HOST)
+            evicted.append(s.sid)
+            return True
+
+        def _out_of_memory(self, need, exclude, where):
+            raise BudgetError("nothing moved")
+
+    evicted: list[int] = []
+    r = R()
+    r.st, r.budget, r.policy = {}, 1000, P()
+    r._init_residency()
+    for sid in order:
+        rec = Record(sid, 800 if sid == 99 else 10, "temp")
+        r.st[sid] = rec
+        r.set_status(rec, Status.RESIDENT)
+    try:
+        r.make_room(1000, set(), scale=scale)
+    except BudgetError:
+        return evicted, r.used, True
+    return evicted, r.used, False
+
+
+def test_room_made_ahead_passes_over_victims_under_a_256th_of_its_scale():
+    """Residency.make_room's ``scale`` (the live runtime's reserve for the next operator): victims
+    smaller than scale / 256 are passed over, so room is not made of many moves that each free a
+    few bytes; without it, the policy's order is followed."""
+    assert _tiny_first(0) == ([*range(1, 21), 99], 0, False)  # every victim, in the policy's order
+    assert _tiny_first(1000) == ([*range(1, 21), 99], 0, False)  # floor 3 bytes: the 10-byte ones go too
+    # floor 16 bytes: only the large one leaves, and the room the tiny ones would make is not made
+    assert _tiny_first(1 << 12) == ([99], 200, True)
