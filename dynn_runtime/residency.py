@@ -33,7 +33,8 @@ import enum
 from collections.abc import Iterator
 from typing import Any
 
-from .errors import internal_assert
+from .errors import BudgetError, internal_assert
+from .memory import format_bytes
 
 __all__ = ["Status", "TRANSITIONS", "HOLDS_DEVICE", "IN_FLIGHT", "PERSISTENT_KINDS", "Record", "Residency", "next_access"]
 
@@ -176,11 +177,12 @@ class Residency:
         return self.budget is None or self.used + need <= self.budget
 
     def make_room(self, need: int, exclude: set[int], where: str = "", scale: int = 0) -> None:
-        """Evict until ``need`` more bytes fit in the budget; ``exclude`` may not move. ``scale``
-        (room made ahead of a need that may not come): the policy's victims smaller than
-        ``scale >> 8`` bytes are passed over, so that room for an allocation of ``scale`` bytes
-        is never made of hundreds of moves that each free a few bytes; what such victims alone
-        could free is not made (BudgetError where nothing else moved)."""
+        """Evict until ``need`` more bytes fit in the budget; ``exclude`` may not move.
+
+        ``scale`` (room made ahead of an allocation of ``scale`` bytes that may not come): best
+        effort. The policy's victims smaller than ``scale >> 8`` bytes are passed over, so that the
+        room is never made of hundreds of moves that each free a few bytes; where nothing else
+        moves, BudgetError says so briefly (the caller goes on short of that room)."""
         budget = self.budget
         if budget is None or self.used + need <= budget:
             return
@@ -206,6 +208,8 @@ class Residency:
             if self.fetching and self._land_fetch():
                 continue
             if not moved:
+                if scale:  # the caller goes on without it (or tries with fewer storages excluded)
+                    raise BudgetError(f"room ahead of {format_bytes(scale)} not made at {where or 'this point'}")
                 self._out_of_memory(need, exclude, where)
         while self.used + need > budget and self.offloading:
             self._land_offload()
