@@ -120,9 +120,13 @@ class Residency:
     st: dict[int, Any]
     budget: int | None
     policy: Any
+    #: MemoryView: victims smaller than this are passed over by the search in progress (make_room's
+    #: ``scale``); 0 outside one
+    victim_floor: int = 0
 
     def _init_residency(self) -> None:
         self.used = 0
+        self.victim_floor = 0
         #: bytes of the storages away from the device (host, dropped): used + away is what the
         #: program would hold on the device without a manager
         self.away = 0
@@ -181,36 +185,40 @@ class Residency:
 
         ``scale`` (room made ahead of an allocation of ``scale`` bytes that may not come): best
         effort. The policy's victims smaller than ``scale >> 8`` bytes are passed over, so that the
-        room is never made of hundreds of moves that each free a few bytes; where nothing else
-        moves, BudgetError says so briefly (the caller goes on short of that room)."""
+        room is never made of hundreds of moves that each free a few bytes (the view's
+        ``victim_floor`` says so to a policy that can leave them out of its offers); where nothing
+        else moves, BudgetError says so briefly (the caller goes on short of that room)."""
         budget = self.budget
         if budget is None or self.used + need <= budget:
             return
         if self._room_before(need):
             return
-        floor = scale >> 8
-        while True:
-            short = self.used - self.pending + need - budget
-            if short <= 0:
-                break
-            moved = False
-            for sid in self._victims(short, exclude):
-                if sid in exclude:
-                    continue
-                s = self.st.get(sid)
-                if s is None or s.nbytes < floor or not self._evict_for_room(s):
-                    continue
-                moved = True
+        floor = self.victim_floor = scale >> 8
+        try:
+            while True:
+                short = self.used - self.pending + need - budget
+                if short <= 0:
+                    break
+                moved = False
+                for sid in self._victims(short, exclude):
+                    if sid in exclude:
+                        continue
+                    s = self.st.get(sid)
+                    if s is None or s.nbytes < floor or not self._evict_for_room(s):
+                        continue
+                    moved = True
+                    if self.used - self.pending + need <= budget:
+                        break
                 if self.used - self.pending + need <= budget:
                     break
-            if self.used - self.pending + need <= budget:
-                break
-            if self.fetching and self._land_fetch():
-                continue
-            if not moved:
-                if scale:  # the caller goes on without it (or tries with fewer storages excluded)
-                    raise BudgetError(f"room ahead of {format_bytes(scale)} not made at {where or 'this point'}")
-                self._out_of_memory(need, exclude, where)
+                if self.fetching and self._land_fetch():
+                    continue
+                if not moved:
+                    if scale:  # the caller goes on without it (or tries with fewer storages excluded)
+                        raise BudgetError(f"room ahead of {format_bytes(scale)} not made at {where or 'this point'}")
+                    self._out_of_memory(need, exclude, where)
+        finally:
+            self.victim_floor = 0
         while self.used + need > budget and self.offloading:
             self._land_offload()
 

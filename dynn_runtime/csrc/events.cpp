@@ -596,12 +596,13 @@ class Observer {
       else r.access(sid);
     }
   }
-  // Up to `max` storages after the cursor (tier, sid, stamp) that are on the device with no copy in
-  // flight, least recently used first; returns them and the moved cursor (tier 2: the walk is done).
-  py::tuple recency_after(int64_t tier, int64_t sid, int64_t stamp, int64_t max) {
+  // Up to `max` storages of at least `min_bytes` after the cursor (tier, sid, stamp) that are on the
+  // device with no copy in flight, least recently used first; returns them and the moved cursor
+  // (tier 2: the walk is done).
+  py::tuple recency_after(int64_t tier, int64_t sid, int64_t stamp, int64_t max, int64_t min_bytes) {
     std::vector<int64_t> out = rec().after(tier, sid, stamp, max, [&](int64_t s) {
       Entry** e = by_sid_.find(static_cast<uint64_t>(s));
-      return e == nullptr || (*e)->away || (*e)->watch;
+      return e == nullptr || (*e)->away || (*e)->watch || (*e)->nbytes < min_bytes;
     });
     return py::make_tuple(py::cast(out), tier, sid, stamp);
   }
@@ -1594,7 +1595,7 @@ bool add_operator_parse(PyObject* module);  // operators.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 11;
+  m.attr("ABI") = 12;
   if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
@@ -1654,7 +1655,8 @@ PYBIND11_MODULE(_C, m) {
       .def("recency_access", &Observer::recency_access)
       .def("recency_free", &Observer::recency_free)
       .def("recency_touches", &Observer::recency_touches)
-      .def("recency_after", &Observer::recency_after)
+      .def("recency_after", &Observer::recency_after, py::arg("tier"), py::arg("sid"), py::arg("stamp"),
+           py::arg("max"), py::arg("min_bytes") = 0)
       .def("recency_order", &Observer::recency_order, py::arg("tier") = -1)
       .def("recency_footprint", &Observer::recency_footprint)
       .def("take_recency", &Observer::take_recency)

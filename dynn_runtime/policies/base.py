@@ -105,6 +105,9 @@ class MemoryView(Protocol):
 
     position: int
     phase: str
+    #: in a victim search, the bytes under which the mechanism passes over what is offered (room
+    #: made ahead of a need that may not come); 0 otherwise. A policy may leave such storages out.
+    victim_floor: int
 
     def nbytes(self, sid: int) -> int:
         """Device bytes ``sid`` takes when resident."""

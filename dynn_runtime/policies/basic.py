@@ -218,12 +218,14 @@ class LRUPolicy(Policy):
         """The observer's order walked as :meth:`RecencyOrder.walk` walks its own: resident storages
         not in ``exclude``, least recently touched first, the large tier before the small one. The
         observer passes over those away or with a copy in flight; a status is read when the walk
-        reaches its storage (what the caller evicted meanwhile is seen as away)."""
+        reaches its storage (what the caller evicted meanwhile is seen as away), and those under the
+        view's ``victim_floor`` are passed over there too."""
         after = self._native.recency_after
-        status, movable = self.view.status, self.view.movable
+        view = self.view
+        status, movable = view.status, view.movable
         tier, sid, stamp, size = 0, 0, -1, 8
         while tier < 2:
-            batch, tier, sid, stamp = after(tier, sid, stamp, size)
+            batch, tier, sid, stamp = after(tier, sid, stamp, size, view.victim_floor)
             size = 64  # the first few usually suffice; a long walk takes more per call
             for s in batch:
                 if s not in exclude and status(s) == "resident" and movable(s):

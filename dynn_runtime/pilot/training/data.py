@@ -41,6 +41,7 @@ class _WalkView:
         self.st = trace.storages
         self.position = -1
         self.phase = "forward"
+        self.victim_floor = 0  # no search here passes over small victims
         self.live: set[int] = set()
         self.counts: dict[int, int] = {}
         self.lasts: dict[int, int] = {}
