@@ -236,7 +236,7 @@ class NativeSource:
                     f"reads {format_bytes(reads)}. Raise the budget to at least {format_bytes(reads)}.")
             # what comes back (``back``), and then the operator's output: room for both now, or the
             # output lands over the budget (after operators the reserve is the largest allocation;
-            # events.cpp 6)
+            # events.cpp 6); the output's room, made ahead, passes over tiny victims (scale)
             try:
                 if back:
                     self.make_room(back, need, where)
@@ -276,10 +276,12 @@ class NativeSource:
                     f"operator {self._last_name} (position {position}, {self.phase}) touches {format_bytes(busy)}. "
                     f"Raise the budget to at least {format_bytes(busy)}.")
             try:
-                # over the budget now: room for that from every victim the policy offers; the reserve
-                # is room ahead of a need that may not come (scale: not made of tiny moves)
-                ahead = reserve if self.reserve_floor else 0
-                for need, scale in ((0, 0), (reserve, ahead)) if self.used > self.budget else ((reserve, ahead),):
+                # the reserve is room ahead of a need that may not come (scale: not made of tiny
+                # moves); what is over the budget now is made first, from every victim
+                calls = [(reserve, reserve if self.reserve_floor else 0)]
+                if self.used > self.budget:
+                    calls.insert(0, (0, 0))
+                for need, scale in calls:
                     try:
                         self.make_room(need, self._last_busy, where, scale=scale)
                     except BudgetError:
