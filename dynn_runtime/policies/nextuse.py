@@ -87,9 +87,11 @@ class NextUsePolicy(Policy):
 
     def victims(self, need_bytes: int, exclude: set[int]) -> Iterator[int]:
         """Resident storages, furthest predicted next use first: the larger ones (first tier), then,
-        when those run out, the small ones (:class:`SmallStorages`) in the same order."""
+        when those run out, the small ones (:class:`SmallStorages`) in the same order. Those under
+        the view's ``victim_floor`` (which this search's mechanism passes over) are left out and
+        keep their entries."""
         view = self.view
-        movable = view.movable
+        movable, nbytes, floor = view.movable, view.nbytes, view.victim_floor
         small = self._small
         tiered = bool(small.fraction)
         skipped = []
@@ -122,7 +124,7 @@ class NextUsePolicy(Policy):
                     continue  # stale entry: evicted, freed, or used since
                 if not movable(sid):
                     continue  # the mechanism would refuse it: dropped, pushed again at its next use
-                if sid in exclude:
+                if sid in exclude or (floor and nbytes(sid) < floor):
                     skipped.append((neg, sid))
                     continue
                 if small.small(sid):

@@ -60,6 +60,7 @@ class _View:
     def __init__(self) -> None:
         self.sizes: dict[int, int] = {}
         self.where: dict[int, str] = {}
+        self.victim_floor = 0
 
     def nbytes(self, sid: int) -> int:
         return self.sizes[sid]
@@ -316,3 +317,30 @@ def test_room_made_ahead_passes_over_victims_under_a_256th_of_its_scale():
     assert _tiny_first(1000) == ([*range(1, 21), 99], 0, False)  # floor 3 bytes: the 10-byte ones go too
     # floor 16 bytes: only the large one leaves, and the room the tiny ones would make is not made
     assert _tiny_first(1 << 12) == ([99], 200, True)
+
+
+def test_a_next_use_search_leaves_out_what_is_under_the_floor_and_keeps_it_offerable():
+    """Under the view's ``victim_floor`` (room made ahead), a next-use policy offers only the
+    storages at or above it, furthest next use first; the ones left out keep their entries, so a
+    later search without a floor offers them in their order."""
+    view = _View()
+    view.resident = lambda: [sid for sid, w in view.where.items() if w == "resident"]  # type: ignore[attr-defined]
+    for sid, n in ((1, 10), (2, 1000), (3, 10), (4, 1000)):
+        view.sizes[sid] = n
+        view.where[sid] = "resident"
+    pol = _Fixed({1: 50.0, 2: 20.0, 3: 40.0, 4: 10.0})
+    pol.attach(view)
+    for sid in (1, 2, 3, 4):
+        pol.on_alloc(sid, 0)
+
+    def evict_all() -> list[int]:
+        out = []
+        for sid in pol.victims(0, set()):
+            view.where[sid] = "host"  # evicted as offered
+            out.append(sid)
+        return out
+
+    view.victim_floor = 100
+    assert evict_all() == [2, 4]
+    view.victim_floor = 0
+    assert evict_all() == [1, 3]

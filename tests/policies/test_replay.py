@@ -20,6 +20,7 @@ class _View:
     def __init__(self, kinds: dict[int, str]) -> None:
         self.kinds = kinds
         self.position = 0
+        self.victim_floor = 0
 
     def status(self, sid: int) -> str:
         return "resident" if sid in self.kinds else "absent"

@@ -461,6 +461,7 @@ def test_prefetch_entry_of_a_storage_still_offloading_is_kept_until_it_lands():
 
     class View:
         position = 0
+        victim_floor = 0
         state = {1: "resident", 2: "resident"}
 
         def status(self, sid):
