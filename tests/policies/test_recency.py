@@ -242,6 +242,15 @@ class _Fixed:
         return pol
 
 
+def _evict_all(pol: Policy, view: _View) -> list[int]:
+    """Every victim ``pol`` offers, each evicted as offered."""
+    out = []
+    for sid in pol.victims(1000, set()):
+        view.where[sid] = "host"
+        out.append(sid)
+    return out
+
+
 @pytest.mark.parametrize("policy", ["nextuse", "lru"])
 def test_a_victim_search_passes_over_what_the_mechanism_would_refuse(policy):
     """A storage the mechanism may not move (the live runtime: what the program holds for good) is
@@ -251,13 +260,6 @@ def test_a_victim_search_passes_over_what_the_mechanism_would_refuse(policy):
     view.movable = lambda sid: sid not in stuck  # type: ignore[method-assign]
     view.resident = lambda: [sid for sid, w in view.where.items() if w == "resident"]  # type: ignore[attr-defined]
 
-    def evict_all() -> list[int]:
-        out = []
-        for sid in pol.victims(1000, set()):
-            view.where[sid] = "host"  # evicted as offered
-            out.append(sid)
-        return out
-
     for sid in (1, 2, 3, 4):
         view.sizes[sid] = 100
         view.where[sid] = "resident"
@@ -265,10 +267,10 @@ def test_a_victim_search_passes_over_what_the_mechanism_would_refuse(policy):
     pol.attach(view)
     for sid in (3, 1, 2, 4):  # 3 is the least recently used and has the furthest next use
         pol.on_alloc(sid, 0)
-    assert evict_all() == ([4, 2, 1] if policy == "nextuse" else [1, 2, 4])
+    assert _evict_all(pol, view) == ([4, 2, 1] if policy == "nextuse" else [1, 2, 4])
     stuck.clear()  # movable again (a later label): offered once its next use is told again
     pol.on_access(3, 1)
-    assert evict_all() == [3]
+    assert _evict_all(pol, view) == [3]
 
 
 def _tiny_first(scale: int) -> tuple[list[int], int, bool]:
@@ -332,15 +334,7 @@ def test_a_next_use_search_leaves_out_what_is_under_the_floor_and_keeps_it_offer
     pol.attach(view)
     for sid in (1, 2, 3, 4):
         pol.on_alloc(sid, 0)
-
-    def evict_all() -> list[int]:
-        out = []
-        for sid in pol.victims(0, set()):
-            view.where[sid] = "host"  # evicted as offered
-            out.append(sid)
-        return out
-
     view.victim_floor = 100
-    assert evict_all() == [2, 4]
+    assert _evict_all(pol, view) == [2, 4]
     view.victim_floor = 0
-    assert evict_all() == [1, 3]
+    assert _evict_all(pol, view) == [1, 3]
