@@ -126,7 +126,6 @@ class Residency:
 
     def _init_residency(self) -> None:
         self.used = 0
-        self.victim_floor = 0
         #: bytes of the storages away from the device (host, dropped): used + away is what the
         #: program would hold on the device without a manager
         self.away = 0

@@ -97,7 +97,6 @@ int64_t tag_nodes(py::handle output, int64_t mid, py::dict tags, bool strict) {
 }  // namespace
 
 void define_modules(py::module_& m) {
-  m.attr("TAG_UNKNOWN") = kUnknown;
   m.def("tag_nodes", &tag_nodes, py::arg("output"), py::arg("mid"), py::arg("tags"), py::arg("strict") = true,
         "trace/modules.py: tag the autograd nodes a module's forward made (csrc/modules.cpp)");
 }

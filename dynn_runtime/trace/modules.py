@@ -97,7 +97,7 @@ class ModuleTracker:
         tagger = self._tagger
         if tagger is not None:
             hi = tagger(output, mid, self.node_modules)
-            if hi < -1:  # a type the native walk does not descend into: pytree's leaves
+            if hi < -1:  # -2 (modules.cpp kUnknown): a type the walk does not descend into; pytree flattens
                 hi = tagger(tree_flatten(output)[0], mid, self.node_modules, False)
             if hi > self._hi:
                 self._hi = hi
