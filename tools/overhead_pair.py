@@ -14,7 +14,8 @@ loop (``stops_in_c = False``), ``pilot-pywalk`` for the pilot with the module ho
 table at each new peak while storages are exposed), ``none-swept`` for none with CUDA deaths swept
 for rather than heard from the caching allocator (``hear_frees = False``), ``lru-nofloor`` for lru
 with the room ahead of the next operator made of every victim, however small (``reserve_floor =
-False``), ``lru-py`` for lru
+False``), ``lru-ccopies`` for lru with
+its copies issued by the C++ engine (``MemoryManager.copies_in_c``; ``--device cuda`` only), ``lru-py`` for lru
 with its order kept in Python, ``@F`` a budget).
 
 Two copies of the model start from the same weights and train on the same batches: one under a
@@ -46,6 +47,7 @@ import time
 import torch
 
 import dynn_runtime as dr
+from dynn_runtime.runtime.copies import cuda_copies
 from dynn_runtime.runtime.events import QUIET
 from dynn_runtime.workload import load_workload, make_optimizer, to_device, train_step, workload_name
 
@@ -120,6 +122,10 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         policy = "none"
     elif policy == "lru-nofloor":  # lru with the reserve made of every victim (reserve_floor = False)
         policy = "lru"
+    elif policy == "lru-ccopies":  # lru with the C++ copy engine (copies_in_c), below
+        if _DEVICE == "cpu":
+            raise SystemExit("overhead_pair: lru-ccopies needs --device cuda (the CPU's copies are synchronous)")
+        policy = "lru"
     elif policy == "lru-py":  # lru with its order kept in Python, told every touch (no observer-kept order)
         from dynn_runtime.policies.basic import LRUPolicy
 
@@ -127,7 +133,12 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         policy.native_order = False
     m_model, a_model = copy.deepcopy(initial), copy.deepcopy(initial)
     m_opt, a_opt = make_optimizer(wl, m_model.parameters()), make_optimizer(wl, a_model.parameters())
-    mm = dr.MemoryManager(budget, policy=policy, device=_DEVICE, events="native")
+    copies = None
+    if config.startswith("lru-ccopies"):
+        copies = cuda_copies(torch.device(_DEVICE), True, native=True)
+        if type(copies).__name__ != "NativeCopies":
+            raise SystemExit("overhead_pair: lru-ccopies: the native extension did not load")
+    mm = dr.MemoryManager(budget, policy=policy, device=_DEVICE, events="native", copies=copies)
     mm.records_in_batch = config.startswith("pilot-rec")
     mm.operators_in_c = not config.startswith("pilot-pyparse")
     mm.stops_in_c = not config.startswith("pilot-perop")

@@ -1589,13 +1589,14 @@ at::Tensor byte_view(py::handle storage) {
 
 void define_collector(py::module_& m);     // collector.cpp
 void define_modules(py::module_& m);       // modules.cpp
+void define_copies(py::module_& m);       // copies.cpp
 bool add_operator_parse(PyObject* module);  // operators.cpp
 
 }  // namespace dynn
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 12;
+  m.attr("ABI") = 13;
   if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
@@ -1682,4 +1683,5 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("live_peak_position", &Observer::live_peak_position);
   dynn::define_collector(m);
   dynn::define_modules(m);
+  dynn::define_copies(m);
 }

@@ -22,6 +22,10 @@ module docstring of :mod:`~dynn_runtime.runtime.manager` is one call here:
 Events have ``query()`` and ``synchronize()`` (host pool buffers wait on them).
 
 :class:`CudaCopies` is the real one (two side streams, pinned buffers, ``record_stream``).
+:func:`native_copies` makes the same engine in C++ (``csrc/copies.cpp``: each copy one call from
+Python, its streams and events through c10's backend-generic interface); on its ``log`` device it
+runs on the CPU with streams and events that only log what was asked of them, which is how the
+tests read its protocol without a GPU.
 :class:`FakeAsyncCopies` runs on the CPU for tests and behaves like a GPU that is late and
 unordered: a copy completes at a random later call, streams complete in order but independently of
 each other, a destination is poison until its copy completes, a block released while a copy still
@@ -37,7 +41,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["CudaCopies", "FakeAsyncCopies", "SyncCopies"]
+from .events import native_module
+
+__all__ = ["CudaCopies", "FakeAsyncCopies", "SyncCopies", "cuda_copies", "native_copies"]
 
 
 class SyncCopies:
@@ -150,6 +156,47 @@ class CudaCopies:
         if self._d2h is not None:
             self._d2h.synchronize()
             self._h2d.synchronize()
+
+
+_NATIVE: Any = None  # the class native_copies makes, once
+
+
+def native_copies(device_type: str, index: int, pinned: bool) -> Any | None:
+    """:class:`CudaCopies`' protocol in C++ (``dynn_runtime._C.CopyEngine``) on ``device_type``
+    ``"cuda"`` (device ``index``; ``pinned``: non-blocking copies) or ``"log"`` (tests: the CPU,
+    ``take_log()`` says what its streams and events were asked); None where the extension does not
+    load. Its events (``_C.CopyEvent``) have ``query``, ``synchronize`` and ``elapsed_time``."""
+    global _NATIVE
+    if _NATIVE is None:
+        mod = native_module()
+        if mod is None:
+            return None
+
+        class NativeCopies(mod.CopyEngine):
+            asynchronous = True
+
+            def __init__(self, device_type: str, index: int, pinned: bool) -> None:
+                super().__init__(device_type, index, pinned)
+                self.device_type = device_type
+
+            def release(self, st: torch.UntypedStorage) -> None:
+                st.resize_(0)  # stream-ordered: to_host recorded the block on its side stream
+
+            def allocate(self, st: torch.UntypedStorage, nbytes: int) -> None:
+                st.resize_(nbytes)
+
+        _NATIVE = NativeCopies
+    return _NATIVE(device_type, index, pinned)
+
+
+def cuda_copies(device: torch.device, pinned: bool, native: bool) -> Any:
+    """The copy engine for CUDA ``device``: the C++ one where ``native`` and the extension loads,
+    else :class:`CudaCopies`."""
+    engine = None
+    if native:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        engine = native_copies("cuda", index, pinned)
+    return engine if engine is not None else CudaCopies(device, pinned)
 
 
 class _FakeEvent:

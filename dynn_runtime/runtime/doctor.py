@@ -40,6 +40,7 @@ def doctor_report(
         "native_events_built": native_module() is not None,
         "native_events": native_reason(),
         "cuda_deaths": _cuda_deaths(native_module()),
+        "copy_engine": _copy_engine(native_module()),
         "torch": torch.__version__,
         "torch_git": getattr(torch.version, "git_version", None),
         "torch_cuda": torch.version.cuda,
@@ -68,6 +69,17 @@ def _cuda_deaths(module) -> str:
             "not found when it was built; CMakeLists.txt)")
 
 
+def _copy_engine(module) -> str:
+    """Which engine issues a CUDA manager's copies (runtime/copies.py)."""
+    from .manager import MemoryManager
+
+    if not MemoryManager.copies_in_c:
+        return "Python (CudaCopies; MemoryManager.copies_in_c is off)"
+    if module is None or not hasattr(module, "CopyEngine"):
+        return "Python (CudaCopies: the native extension is not built)"
+    return "C++ (csrc/copies.cpp, MemoryManager.copies_in_c)"
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     prefer = Preference.REQUIRE_NATIVE if args.require_native else Preference.AUTO
     report = doctor_report(args.device, prefer=prefer)
@@ -84,6 +96,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         ("event source", f"{report['event_source']} ({report['event_source_why']})"),
         ("native events", report["native_events"]),
         ("CUDA deaths", report["cuda_deaths"]),
+        ("copy engine", report["copy_engine"]),
         ("hook path", f"{report['path']} (for {report['device']})"),
         ("why", report["why"]),
         ("hook provider", f"{report['hook_provider']} ({report['hook_provider_why']})"),

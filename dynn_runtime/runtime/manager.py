@@ -68,7 +68,7 @@ from . import devicemem
 from .blocks import _checkpoint_blocks, _is_compiled, checkpoint_modules, repeated_blocks
 from .budget import Budget
 from .controls import Controls, OpTimeline
-from .copies import CudaCopies, SyncCopies
+from .copies import SyncCopies, cuda_copies
 from .devicemem import default_budget
 from .events import QUIET, no_mode
 from .hostpool import HostPool
@@ -114,6 +114,10 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
 
     #: operators the timeline keeps (the oldest go first); bounded so a long run's memory stays flat
     TIMELINE_ENTRIES = 1 << 20
+    #: CUDA copies through the C++ engine (``copies.native_copies``: one call per copy) where the
+    #: extension loads, instead of :class:`~dynn_runtime.runtime.copies.CudaCopies` (the reference).
+    #: Off until the GPU tests have run it: its CPU tests read its protocol, not a GPU's ordering.
+    copies_in_c = False
 
     def __init__(
         self,
@@ -175,7 +179,8 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
                 "policy='checkpoint' (torch.utils.checkpoint per block) or an offloading policy (lru, pilot).")
         self.cuda = self.device.type == "cuda"
         if copies is None:
-            copies = CudaCopies(self.device, pin_memory) if async_copies and self.cuda else SyncCopies()
+            copies = (cuda_copies(self.device, pin_memory, self.copies_in_c) if async_copies and self.cuda
+                      else SyncCopies())
         self._copies = copies
         self.async_copies = bool(copies.asynchronous)
         self.hard_cap = hard_cap

@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import torch
 
-from dynn_runtime.runtime.events import resolve
+from dynn_runtime.runtime.events import native_module, resolve
 from dynn_runtime.runtime.manager import MemoryManager
 from dynn_runtime.runtime.train import deterministic, state_digests, train_managed, train_unmanaged
 from dynn_runtime.workload import load_workload, make_optimizer, to_device, train_step
@@ -30,6 +30,20 @@ def _sources() -> list[str]:
     return out
 
 
+#: the copy engines: runtime/copies.py's CudaCopies, and the C++ one (MemoryManager.copies_in_c)
+ENGINES = ["python", "native"]
+
+
+def _engine(monkeypatch, engine: str) -> None:
+    if engine == "native" and native_module() is None:
+        pytest.skip("the native extension is not built")
+    monkeypatch.setattr(MemoryManager, "copies_in_c", engine == "native")
+
+
+def _engine_of(mm: MemoryManager) -> str:
+    return "native" if type(mm._copies).__name__ == "NativeCopies" else "python"
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     with deterministic():
@@ -38,13 +52,17 @@ def _deterministic():
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("events", _sources())
-def test_offloaded_tensor_comes_back_bit_identical(events, monkeypatch):
+def test_offloaded_tensor_comes_back_bit_identical(events, engine, monkeypatch):
     monkeypatch.setenv("DYNN_EVENTS", events)
+    _engine(monkeypatch, engine)
     model = torch.nn.Linear(256, 256).cuda()
     x = torch.randn(1024, 256, device="cuda")
     with MemoryManager(budget=64 << 20, policy="lru", device="cuda").attach(model) as mm:
+        assert _engine_of(mm) == engine
         with mm.step():
+            torch.cuda._sleep(50_000_000)  # the compute stream is busy: the eviction's copy must wait for it
             y = model(x) * 3.0
             want = y.clone()
             nbytes = y.untyped_storage().nbytes()
@@ -54,6 +72,20 @@ def test_offloaded_tensor_comes_back_bit_identical(events, monkeypatch):
             got = y + 0.0  # the next use brings it back, ordered on the GPU
             torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert mm.stats()["bytes_offloaded"] >= nbytes
+
+
+@pytest.mark.parametrize("events", _sources())
+@pytest.mark.parametrize("family", ["moe", "evoformer", "tree_lstm"])
+def test_training_through_the_native_copy_engine_is_bit_identical(family, events, monkeypatch):
+    """lru at 1/4 of the peak (a logical budget) with every copy issued by csrc/copies.cpp."""
+    monkeypatch.setenv("DYNN_EVENTS", events)
+    _engine(monkeypatch, "native")
+    base = train_unmanaged(family, steps=3, preset="small", device="cuda")
+    r = train_managed(family, int(max(base.peak_bytes) * 0.25), "lru", steps=3, preset="small", device="cuda")
+    assert r.stats["bytes_offloaded"] > 0 and r.stats["bytes_fetched_on_demand"] > 0
+    differ = [k for k, v in r.tensor_digests.items() if base.tensor_digests.get(k) != v]
+    assert not differ, f"{len(differ)} tensors differ from PyTorch alone, e.g. {differ[:3]}"
+    assert r.losses == base.losses
 
 
 @pytest.mark.parametrize("events", _sources())
@@ -108,8 +140,10 @@ def test_an_operator_the_capped_allocator_cannot_fit_is_retried_after_room_is_ma
         assert mm.steps[-1].oom_retries == 1 and mm.stats()["oom_retries"] == 1
 
 
-def test_copies_run_on_side_streams_and_the_host_rarely_waits():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_copies_run_on_side_streams_and_the_host_rarely_waits(engine, monkeypatch):
     """A step that moves hundreds of MiB must not block the host on most copies."""
+    _engine(monkeypatch, engine)
     base = train_unmanaged("moe", steps=3, preset="small", device="cuda")
     r = train_managed("moe", int(max(base.peak_bytes) * 0.5), "lru", steps=3, preset="small", device="cuda")
     per = r.stats["per_step"]
@@ -137,14 +171,17 @@ def test_fraction_budget_on_a_model_larger_than_the_free_memory(events, monkeypa
     assert not differ and r.losses == base.losses
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("events", _sources())
-def test_an_eviction_waits_for_the_stream_that_last_wrote_the_tensor(events, monkeypatch):
+def test_an_eviction_waits_for_the_stream_that_last_wrote_the_tensor(events, engine, monkeypatch):
     """A tensor written on a side stream and evicted from the default stream right away: the copy
     to the host must wait for the side stream (its last use), not only for the current stream."""
     monkeypatch.setenv("DYNN_EVENTS", events)
+    _engine(monkeypatch, engine)
     model = torch.nn.Linear(64, 64).cuda()
     side = torch.cuda.Stream()
     with MemoryManager(budget=1 << 30, policy="lru", device="cuda").attach(model) as mm:
+        assert _engine_of(mm) == engine
         with mm.step():
             y = model(torch.randn(4096, 64, device="cuda"))
             side.wait_stream(torch.cuda.current_stream())

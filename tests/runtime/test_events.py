@@ -618,6 +618,12 @@ def test_doctor_says_which_event_source_is_used(monkeypatch):
     # how CUDA deaths are learned follows the build: heard where it compiled heard_cuda.cpp with CUDA
     assert rep["cuda_deaths"].startswith("heard" if C.HEAR_CUDA else "swept for")
     assert not C.HEAR_CUDA or torch.version.cuda is not None  # no hearing without a CUDA build of torch
+    from dynn_runtime.runtime.manager import MemoryManager
+
+    assert rep["copy_engine"].startswith("C++" if MemoryManager.copies_in_c else "Python")
+    monkeypatch.setattr(MemoryManager, "copies_in_c", not MemoryManager.copies_in_c)
+    assert doctor_report("cpu", cuda_available=False)["copy_engine"].startswith(
+        "C++" if MemoryManager.copies_in_c else "Python")
     monkeypatch.setenv("DYNN_EVENTS", "python")
     rep = doctor_report("cpu", cuda_available=False)
     assert rep["event_source"] == "python" and "DYNN_EVENTS=python" in rep["event_source_why"]

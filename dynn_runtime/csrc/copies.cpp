@@ -1,0 +1,266 @@
+// The copy engine in C++: runtime/copies.py's CudaCopies, each copy one call from Python.
+//
+// Every ordering rule is CudaCopies' (the module docstring of runtime/copies.py): an eviction's copy
+// runs on the device-to-host side stream after an event recorded on the compute stream (and on the
+// stream that last used the bytes), the block it reads is recorded on that side stream before the
+// storage releases it; a fetch's copy runs on the host-to-device side stream after an event
+// recorded on the compute stream (the allocation) and the event of the copy that filled the host
+// buffer; the compute stream waits on a fetch's event before it reads the bytes. Nothing here waits
+// on the host except sync() and CopyEvent.synchronize().
+//
+// Streams and events go through c10's backend-generic DeviceGuardImplInterface, so this file
+// compiles against a CPU-only torch and runs against a CUDA one. A second implementation of that
+// interface, LogDevice, stands in for the GPU where tests run on the CPU: its streams and events
+// only log what was asked of them (the copies run at once), so the tests read the protocol.
+
+#include <torch/extension.h>
+
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+namespace dynn {
+namespace {
+
+using c10::impl::DeviceGuardImplInterface;
+
+// What a LogDevice was asked, in order: (what, a, b). "record" (event, stream), "wait" (event,
+// stream), "stream" (the current stream set, the one it replaced), "keep" (stream, -1: a block
+// recorded on it), "copy" (the current stream, bytes), "sync_event" (event, -1), "sync_stream"
+// (stream, -1).
+using LogEntry = std::tuple<std::string, int64_t, int64_t>;
+
+// A device whose streams and events are bookkeeping only, on the CPU: stream 0 is the compute
+// stream, the pool hands out 1, 2, ...; an event is reached once something waited on it, the host
+// synchronized it, or it was queried once before (its first query says "not yet", so the callers'
+// late paths run too).
+struct LogDevice final : DeviceGuardImplInterface {
+  mutable std::vector<LogEntry> log;
+  mutable c10::StreamId current = 0;
+  mutable c10::StreamId next_stream = 1;
+  mutable int64_t next_event = 1;
+  // per event id: reached
+  mutable std::unordered_map<int64_t, bool> reached;
+
+  static c10::Stream stream(c10::StreamId id) {
+    return c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::kCPU, 0), id);
+  }
+  static int64_t id_of(void* ev) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(ev)); }
+
+  c10::DeviceType type() const override { return c10::kCPU; }
+  c10::Device exchangeDevice(c10::Device d) const override { return d; }
+  c10::Device getDevice() const override { return c10::Device(c10::kCPU, 0); }
+  void setDevice(c10::Device) const override {}
+  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  c10::Stream getStream(c10::Device) const override { return stream(current); }
+  c10::Stream getStreamFromGlobalPool(c10::Device, bool) const override { return stream(next_stream++); }
+  c10::Stream exchangeStream(c10::Stream s) const override {
+    const c10::StreamId old = current;
+    current = s.id();
+    log.emplace_back("stream", s.id(), old);
+    return stream(old);
+  }
+  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+  void record(void** event, const c10::Stream& s, const c10::DeviceIndex, const c10::EventFlag) const override {
+    if (*event == nullptr) *event = reinterpret_cast<void*>(static_cast<intptr_t>(next_event++));
+    reached[id_of(*event)] = false;
+    log.emplace_back("record", id_of(*event), s.id());
+  }
+  void block(void* event, const c10::Stream& s) const override {
+    reached[id_of(event)] = true;
+    log.emplace_back("wait", id_of(event), s.id());
+  }
+  bool queryEvent(void* event) const override {
+    auto it = reached.find(id_of(event));
+    if (it == reached.end()) return true;
+    const bool was = it->second;
+    it->second = true;
+    return was;
+  }
+  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override { reached.erase(id_of(event)); }
+  void synchronizeEvent(void* event) const override {
+    reached[id_of(event)] = true;
+    log.emplace_back("sync_event", id_of(event), -1);
+  }
+  void synchronizeStream(const c10::Stream& s) const override { log.emplace_back("sync_stream", s.id(), -1); }
+  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream& s) const override {
+    log.emplace_back("keep", s.id(), -1);
+  }
+  double elapsedTime(void*, void*, const c10::DeviceIndex) const override { return 0.0; }
+};
+
+// A copy's event (or a timing event): query(), synchronize(), elapsed_time(end) in milliseconds,
+// as torch.cuda.Event's.
+// The implementation behind an engine and its events: the registry's for cuda (it lives as long as the
+// process), or the engine's own LogDevice, which every event of that engine keeps alive (an event
+// may outlive its engine in Python).
+using Impl = std::shared_ptr<const DeviceGuardImplInterface>;
+
+class CopyEvent {
+ public:
+  CopyEvent(Impl impl, c10::DeviceIndex index, c10::EventFlag flag)
+      : impl_(std::move(impl)), index_(index), flag_(flag) {}
+  CopyEvent(const CopyEvent&) = delete;
+  CopyEvent& operator=(const CopyEvent&) = delete;
+  CopyEvent(CopyEvent&& o) noexcept : impl_(std::move(o.impl_)), index_(o.index_), flag_(o.flag_), event_(o.event_) {
+    o.event_ = nullptr;
+  }
+  ~CopyEvent() {
+    if (event_ != nullptr) impl_->destroyEvent(event_, index_);
+  }
+
+  void record(const c10::Stream& s) { impl_->record(&event_, s, index_, flag_); }
+  void block(const c10::Stream& s) const {
+    if (event_ != nullptr) impl_->block(event_, s);
+  }
+  bool query() const { return event_ == nullptr || impl_->queryEvent(event_); }
+  void synchronize() const {
+    if (event_ == nullptr) return;
+    py::gil_scoped_release unlocked;
+    impl_->synchronizeEvent(event_);
+  }
+  double elapsed_time(const CopyEvent& end) const {
+    TORCH_CHECK(event_ != nullptr && end.event_ != nullptr, "dynn_runtime: elapsed_time of an event never recorded");
+    return impl_->elapsedTime(event_, end.event_, index_);
+  }
+
+ private:
+  Impl impl_;
+  c10::DeviceIndex index_;
+  c10::EventFlag flag_;
+  void* event_ = nullptr;
+};
+
+class CopyEngine {
+ public:
+  // device_type "cuda" (the device's own streams and events) or "log" (tests: a LogDevice, CPU tensors)
+  CopyEngine(const std::string& device_type, int64_t index, bool non_blocking) : non_blocking_(non_blocking) {
+    if (device_type == "log") {
+      auto log = std::make_shared<LogDevice>();
+      log_ = log.get();
+      impl_ = std::move(log);
+      device_ = c10::Device(c10::kCPU, 0);
+    } else {
+      TORCH_CHECK(device_type == "cuda", "dynn_runtime: the native copy engine runs on cuda (or 'log' in tests), not ",
+                  device_type);
+      // raises where torch has no CUDA; the registry's implementation is never freed
+      impl_ = Impl(c10::impl::getDeviceGuardImpl(c10::kCUDA), [](const DeviceGuardImplInterface*) {});
+      device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+    }
+    d2h_ = impl_->getStreamFromGlobalPool(device_, false);
+    h2d_ = impl_->getStreamFromGlobalPool(device_, false);
+    ready_ = std::make_unique<CopyEvent>(impl_, device_.index(), c10::EventFlag::PYTORCH_DEFAULT);
+    also_ = std::make_unique<CopyEvent>(impl_, device_.index(), c10::EventFlag::PYTORCH_DEFAULT);
+  }
+
+  // device bytes src into host buffer dst, after the compute stream (and the stream last_stream, where
+  // it is another) produced them; the block of src is kept until the copy has read it
+  CopyEvent to_host(const at::Tensor& src, at::Tensor& dst, std::optional<int64_t> last_stream) {
+    const c10::Stream compute = impl_->getStream(device_);
+    ready_->record(compute);  // re-recorded: a wait is on the version recorded before it
+    ready_->block(d2h_);
+    if (last_stream.has_value() && *last_stream != compute.id()) {
+      also_->record(c10::Stream(c10::Stream::UNSAFE, device_, static_cast<c10::StreamId>(*last_stream)));
+      also_->block(d2h_);
+    }
+    copy_on(d2h_, compute, dst, src);
+    CopyEvent done(impl_, device_.index(), c10::EventFlag::PYTORCH_DEFAULT);
+    done.record(d2h_);
+    impl_->recordDataPtrOnStream(src.storage().data_ptr(), d2h_);
+    return done;
+  }
+
+  // host bytes src into the freshly allocated device storage under dst, after the allocation (an
+  // event on the compute stream) and after (the copy that filled src), where given
+  CopyEvent to_device(const at::Tensor& src, at::Tensor& dst, const CopyEvent* after) {
+    const c10::Stream compute = impl_->getStream(device_);
+    ready_->record(compute);
+    ready_->block(h2d_);
+    if (after != nullptr) after->block(h2d_);
+    copy_on(h2d_, compute, dst, src);
+    CopyEvent done(impl_, device_.index(), c10::EventFlag::PYTORCH_DEFAULT);
+    done.record(h2d_);
+    impl_->recordDataPtrOnStream(dst.storage().data_ptr(), h2d_);
+    return done;
+  }
+
+  void compute_waits(const CopyEvent& event) { event.block(impl_->getStream(device_)); }
+
+  std::pair<CopyEvent, CopyEvent> timed_wait(const CopyEvent& event) {
+    const c10::Stream compute = impl_->getStream(device_);
+    CopyEvent before(impl_, device_.index(), c10::EventFlag::BACKEND_DEFAULT);  // timing enabled
+    before.record(compute);
+    event.block(compute);
+    CopyEvent after(impl_, device_.index(), c10::EventFlag::BACKEND_DEFAULT);
+    after.record(compute);
+    return {std::move(before), std::move(after)};
+  }
+
+  void sync() {
+    const c10::Stream compute = impl_->getStream(device_);
+    py::gil_scoped_release unlocked;
+    impl_->synchronizeStream(compute);
+    impl_->synchronizeStream(d2h_);
+    impl_->synchronizeStream(h2d_);
+  }
+
+  std::vector<LogEntry> take_log() {
+    TORCH_CHECK(log_ != nullptr, "dynn_runtime: take_log is for an engine on the 'log' device");
+    std::vector<LogEntry> out;
+    out.swap(log_->log);
+    return out;
+  }
+
+  std::pair<int64_t, int64_t> stream_ids() const { return {d2h_.id(), h2d_.id()}; }
+
+ private:
+  // dst.copy_(src) issued on stream side, then compute is current again (also when the copy raises)
+  void copy_on(const c10::Stream& side, const c10::Stream& compute, at::Tensor& dst, const at::Tensor& src) {
+    impl_->exchangeStream(side);
+    try {
+      if (log_ != nullptr) log_->log.emplace_back("copy", log_->current, static_cast<int64_t>(src.nbytes()));
+      dst.copy_(src, non_blocking_);
+    } catch (...) {
+      impl_->exchangeStream(compute);
+      throw;
+    }
+    impl_->exchangeStream(compute);
+  }
+
+  LogDevice* log_ = nullptr;  // the 'log' device: impl_, as a LogDevice
+  Impl impl_;
+  c10::Device device_{c10::kCPU};
+  bool non_blocking_;
+  c10::Stream d2h_{c10::Stream::UNSAFE, c10::Device(c10::kCPU), 0};
+  c10::Stream h2d_{c10::Stream::UNSAFE, c10::Device(c10::kCPU), 0};
+  std::unique_ptr<CopyEvent> ready_;  // the compute stream's point a copy waits for (re-recorded each copy)
+  std::unique_ptr<CopyEvent> also_;   // the last user's stream's point, where it is another
+};
+
+}  // namespace
+
+void define_copies(py::module_& m) {
+  py::class_<CopyEvent>(m, "CopyEvent")
+      .def("query", &CopyEvent::query, "whether the copy (or point) this event marks has been reached")
+      .def("synchronize", &CopyEvent::synchronize, "the host waits until this event is reached")
+      .def("elapsed_time", &CopyEvent::elapsed_time, py::arg("end"),
+           "milliseconds from this timing event to end (both reached)");
+  py::class_<CopyEngine>(m, "CopyEngine")
+      .def(py::init<const std::string&, int64_t, bool>(), py::arg("device_type"), py::arg("index"),
+           py::arg("non_blocking"))
+      .def("to_host", &CopyEngine::to_host, py::arg("src"), py::arg("dst"), py::arg("last_stream") = py::none())
+      .def("to_device", &CopyEngine::to_device, py::arg("src"), py::arg("dst"), py::arg("after") = py::none())
+      .def("compute_waits", &CopyEngine::compute_waits, py::arg("event"))
+      .def("timed_wait", &CopyEngine::timed_wait, py::arg("event"))
+      .def("sync", &CopyEngine::sync)
+      .def("take_log", &CopyEngine::take_log, "tests: what the 'log' device was asked since the last call")
+      .def_property_readonly("stream_ids", &CopyEngine::stream_ids, "(device-to-host, host-to-device) side streams");
+}
+
+}  // namespace dynn

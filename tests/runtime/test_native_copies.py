@@ -1,0 +1,155 @@
+"""The copy engine in C++ (``csrc/copies.cpp``) on its ``log`` device: the CPU, with streams and
+events that log what they were asked. The copies run at once there, so these tests read the
+protocol that orders them on a GPU (runtime/copies.py's rules), and train under the engine bit for
+bit; on CUDA, tests/runtime/test_cuda.py runs it on real streams."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dynn_runtime.runtime.copies import native_copies
+from dynn_runtime.runtime.events import native_module
+
+sys.path.insert(0, str(Path(__file__).parent))
+from zoo_training import train_family  # noqa: E402
+
+pytestmark = pytest.mark.skipif(native_module() is None, reason="the native extension is not built")
+
+COMPUTE = 0
+
+
+def _engine():
+    return native_copies("log", 0, False)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return native_module().byte_view(t.untyped_storage())
+
+
+def check_protocol(log, d2h: int, h2d: int) -> dict:
+    """Every rule of runtime/copies.py that the log can show, for every copy in ``log``: a copy runs on
+    its side stream (never the compute stream), after that side stream waited, within the same call,
+    for a point just recorded on the compute stream; the compute stream is current again right
+    after it; the copy's event is recorded on its side stream and its device block is kept for that
+    stream. Returns, per copy's event id, the stream it was recorded on."""
+    current = COMPUTE
+    recorded: dict[int, int] = {}  # event -> the stream of its latest record
+    waited_since: set[tuple[int, int]] = set()  # (waiting stream, stream the event was recorded on) since the last copy
+    done: dict[int, int] = {}
+    i = 0
+    while i < len(log):
+        what, a, b = log[i]
+        if what == "record":
+            recorded[a] = b
+        elif what == "wait":
+            waited_since.add((b, recorded[a]))
+        elif what == "stream":
+            current = a
+        elif what == "copy":
+            side = current
+            assert side in (d2h, h2d), f"a copy ran on stream {side}, not a side stream"
+            assert (side, COMPUTE) in waited_since, f"a copy on stream {side} did not wait for the compute stream"
+            tail = log[i + 1:i + 4]
+            assert tail[0] == ("stream", COMPUTE, side), "the compute stream is not current right after a copy"
+            assert tail[1][0] == "record" and tail[1][2] == side, "the copy's event is not recorded on its stream"
+            assert tail[2] == ("keep", side, -1), "the copy's device block is not kept for its side stream"
+            done[tail[1][1]] = side
+            waited_since = set()
+        i += 1
+    assert current == COMPUTE
+    return done
+
+
+def test_an_eviction_waits_for_the_compute_stream_and_the_stream_that_last_used_the_bytes():
+    eng = _engine()
+    d2h, h2d = eng.stream_ids
+    x = torch.randn(64)
+    host = torch.empty(x.untyped_storage().nbytes(), dtype=torch.uint8)
+    eng.to_host(_bytes(x), host, 7)  # last used on stream 7
+    log = eng.take_log()
+    check_protocol(log, d2h, h2d)
+    on7 = {a for what, a, b in log if what == "record" and b == 7}
+    copy_at = next(i for i, e in enumerate(log) if e[0] == "copy")
+    assert any(e[0] == "wait" and e[1] in on7 and e[2] == d2h for e in log[:copy_at]), log
+    assert torch.equal(host, _bytes(x))
+    eng.to_host(_bytes(x), host, COMPUTE)  # last used on the compute stream: no second wait
+    assert not any(e[0] == "record" and e[2] not in (COMPUTE, d2h) for e in eng.take_log())
+
+
+def test_a_fetch_waits_for_the_copy_that_filled_its_host_buffer_and_the_compute_stream_for_the_fetch():
+    eng = _engine()
+    d2h, h2d = eng.stream_ids
+    x = torch.randn(256)
+    want = x.clone()
+    host = torch.empty(x.untyped_storage().nbytes(), dtype=torch.uint8)
+    out = eng.to_host(_bytes(x), host, None)
+    x.zero_()
+    back = eng.to_device(host, _bytes(x), out)
+    eng.compute_waits(back)
+    log = eng.take_log()
+    done = check_protocol(log, d2h, h2d)
+    (out_id,) = [e for e, s in done.items() if s == d2h]
+    (back_id,) = [e for e, s in done.items() if s == h2d]
+    h2d_copy = max(i for i, e in enumerate(log) if e[0] == "copy")
+    assert ("wait", out_id, h2d) in log[:h2d_copy], "the fetch did not wait for the eviction's copy"
+    assert log[-1] == ("wait", back_id, COMPUTE), "the compute stream did not wait for the fetch"
+    assert torch.equal(x, want)
+
+
+def test_events_query_synchronize_and_time_a_late_wait():
+    eng = _engine()
+    x = torch.randn(16)
+    host = torch.empty(64, dtype=torch.uint8)
+    ev = eng.to_host(_bytes(x), host, None)
+    assert not ev.query() and ev.query()  # the log device's event: late once, then reached
+    ev2 = eng.to_host(_bytes(x), host, None)
+    ev2.synchronize()
+    assert ev2.query()
+    before, after = eng.timed_wait(ev)
+    assert before.elapsed_time(after) == 0.0
+    log = eng.take_log()
+    assert sum(e[0] == "sync_event" for e in log) == 1
+    assert [e[0] for e in log[-3:]] == ["record", "wait", "record"] and log[-2][2] == COMPUTE
+    eng.sync()
+    assert [e[0] for e in eng.take_log()] == ["sync_stream"] * 3
+    del eng
+    assert ev.query()  # an event outlives its engine
+
+
+def test_a_copy_that_raises_leaves_the_compute_stream_current():
+    eng = _engine()
+    d2h, _ = eng.stream_ids
+    x = torch.randn(64)
+    with pytest.raises(RuntimeError):
+        eng.to_host(_bytes(x), torch.empty(3, dtype=torch.uint8), None)  # the wrong size
+    log = eng.take_log()
+    assert ("stream", d2h, COMPUTE) in log and log[-1] == ("stream", COMPUTE, d2h)
+
+
+def test_the_engine_names_its_devices():
+    with pytest.raises(RuntimeError, match="runs on cuda"):
+        native_copies("xpu", 0, False)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="cuda"):
+            native_copies("cuda", 0, True)
+
+
+@pytest.mark.parametrize("events", ["python", "native"])
+def test_training_through_the_engine_is_bit_identical_and_every_copy_keeps_the_protocol(events):
+    want_losses, want, _ = train_family("moe")
+    _, _, stats = train_family("moe", "lru", 1 << 40)
+    budget = int(stats["peak_device_bytes"] * 0.125)
+    eng = _engine()
+    d2h, h2d = eng.stream_ids
+    losses, state, stats = train_family("moe", "lru", budget, events=events, copies=eng)
+    assert stats["bytes_offloaded"] > 0 and stats["bytes_fetched_on_demand"] > 0
+    assert losses == want_losses and all(torch.equal(a, b) for a, b in zip(state, want, strict=True))
+    log = eng.take_log()
+    done = check_protocol(log, d2h, h2d)
+    fetched = {e for e, s in done.items() if s == h2d}
+    waited = {a for what, a, b in log if what == "wait" and b == COMPUTE}
+    assert fetched and fetched <= waited, f"{len(fetched - waited)} fetches the compute stream never waited for"
