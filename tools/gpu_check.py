@@ -26,7 +26,7 @@ recorded as such and the rest still run):
    time with the GPU synchronized around each side): the ratio the 1.05x target is about, with the
    noise of separate runs taken out.
 7. ``soc``: the manager at the memory ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` reaches,
-   against it, per zoo family (``tools/soc_match.py``).
+   against it, per zoo family (``tools/soc_match.py``: lru with each copy engine, and the pilot).
 8. ``thirdparty``: the networks outside the zoo (``tools/third_party/evaluate.py --device cuda``):
    per network and method (the pilot shipped, with its fallback, adapted; replay; lru) at 1/4 of the
    peak, hits / misses / stalls / bytes moved, steps to recover, step time over PyTorch alone.
@@ -213,7 +213,8 @@ def _gpu_sections(a: argparse.Namespace, want: set[str], sec: dict, say, out: Pa
         say("7/8 the manager at the memory save_on_cpu reaches (tools/soc_match.py)")
         sj = out / "soc.json"
         sec["soc"] = _run([py, str(ROOT / "tools" / "soc_match.py"), *(["tree_lstm", "evoformer"] if a.quick else []),
-                           "--steps", "5" if a.quick else "6", "--rounds", "1" if a.quick else "2", "--json", str(sj)],
+                           "--steps", "5" if a.quick else "6", "--rounds", "1" if a.quick else "2", "--policies",
+                           "lru,lru-ccopies,pilot", "--json", str(sj)],
                           limit(150))
     if "thirdparty" in want:
         say("8/8 networks outside the zoo, live on the GPU (tools/third_party/evaluate.py --device cuda)")

@@ -2,7 +2,8 @@
 
 Usage: ``python tools/soc_match.py [FAMILY ...] [--steps N] [--policies lru,pilot] [--device cuda]
 [--rounds R] [--json PATH]`` (``small`` presets; default families moe, skipnet, early_exit, tree_lstm,
-evoformer, varlen).
+evoformer, varlen; a policy ``P-ccopies`` is P with its copies issued by the C++ engine,
+``MemoryManager.copies_in_c``).
 
 Per family and round: PyTorch alone, then ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
 (pinned on CUDA only), each for ``--steps`` steps, their peaks measured as ``train_unmanaged``
@@ -24,6 +25,7 @@ import statistics
 import torch
 
 from dynn_runtime.runtime.devicemem import device_baseline
+from dynn_runtime.runtime.manager import MemoryManager
 from dynn_runtime.runtime.train import deterministic, train_managed, train_unmanaged
 
 FAMILIES = ("moe", "skipnet", "early_exit", "tree_lstm", "evoformer", "varlen")
@@ -34,7 +36,13 @@ def _managed(family: str, policy: str, budget: int, steps: int, dev: torch.devic
     held = device_baseline(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    r = train_managed(family, budget, policy, steps=steps, preset="small", device=dev)
+    native = policy.endswith("-ccopies")
+    was = MemoryManager.copies_in_c
+    MemoryManager.copies_in_c = native
+    try:
+        r = train_managed(family, budget, policy.removesuffix("-ccopies"), steps=steps, preset="small", device=dev)
+    finally:
+        MemoryManager.copies_in_c = was
     peak = torch.cuda.max_memory_allocated(dev) - held if dev.type == "cuda" else r.max_managed_peak()
     return r, int(peak)
 

@@ -225,6 +225,7 @@ class CopyEngine {
     impl_->exchangeStream(side);
     try {
       if (log_ != nullptr) log_->log.emplace_back("copy", log_->current, static_cast<int64_t>(src.nbytes()));
+      py::gil_scoped_release unlocked;  // as torch's own copy_: a copy into pageable memory waits for the GPU
       dst.copy_(src, non_blocking_);
     } catch (...) {
       impl_->exchangeStream(compute);
