@@ -283,6 +283,8 @@ class Moves(Residency):
                                "offload is ever pending")
 
     def _out_of_memory(self, need: int, exclude: set[int], where: str) -> None:
+        if self._parse_due:  # a fault put its read of the log off: the message counts every record
+            self._native_parse(in_step=self._in_step)
         held = sum(self.st[x].nbytes for x in exclude if x in self.st)
         raise BudgetError(
             f"runtime: out of memory under policy {self.policy.name!r} at {where}: {format_bytes(need)} more needed, "

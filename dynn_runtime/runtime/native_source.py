@@ -147,6 +147,11 @@ class NativeSource:
     #: since the last one (``Observer.log_pending``); off, every decision point reads the log (the
     #: reference)
     skip_empty_parse = True
+    #: where the observer keeps the order and the step's log was read already, a fault does not read
+    #: the log before it brings storages back: the read is put off until something needs a record
+    #: it would make (a victim search meeting a storage the manager has no record of, the next
+    #: decision point); off, every fault reads the log first (the reference)
+    defer_fault_parse = True
 
     def _native_fault(self, sids: list[int], ins: list[int], name: str) -> None:
         try:
@@ -213,8 +218,15 @@ class NativeSource:
         """An operator is about to read storages that are away or in flight: bring them back (the
         kernel runs when this returns). ``ins`` are all its inputs: none of them may leave now."""
         in_step = self._in_step
+        due = False
         if in_step and not self._measure_step:
-            self._native_parse(in_step=True)  # the policy's view must be current before it picks victims
+            if self._can_defer_parse():
+                # the order the victims come from is the observer's, current already; a storage born
+                # since the last read has no record yet, and the first victim search that meets one
+                # reads the log then (status), so the same storages move as after a read here
+                due = self._parse_due = True
+            else:
+                self._native_parse(in_step=True)  # the policy's view must be current before it picks victims
         where = (f"operator {name} (position {self._obs.position}, {self.phase})" if in_step
                  else f"operator {name} (between steps)")
         need = set(ins)
@@ -222,10 +234,13 @@ class NativeSource:
         st = self.st
         if in_step and not self._measure_step:
             reads = back = 0
+            obs = self._obs
             for x in need:
                 s = st.get(x)
                 if s is not None:
                     reads += s.nbytes
+                elif due:  # born since the last read: the observer's size is its record's
+                    reads += obs.nbytes(x)
             for x in sids:
                 s = st.get(x)
                 if s is not None and s.status is not RESIDENT:
@@ -306,6 +321,7 @@ class NativeSource:
         obs = self._obs
         if obs is None:
             return
+        self._parse_due = False
         if self._read_already(in_step, light):
             return
         n_ops, first = len(self._ops), self.position
@@ -319,6 +335,24 @@ class NativeSource:
                 c.untrack_lists(self._frees, first, last)
                 c.untrack_lists(self._pre, first, last)
                 c.untrack_lists(self._hints, first, last, Hint)
+
+    def _can_defer_parse(self) -> bool:
+        """A fault may put its read of the log off (``defer_fault_parse``): the observer keeps the
+        policy's order (nothing the read tells goes to the policy), this step's log was read
+        already (the first full read, which may wake the policy, has happened) and no saved tensor
+        waits for its birth to be read."""
+        return (self.defer_fault_parse and self._native_order and self._obs.recency_live
+                and self._recency_read == self._step_index and self._engaged and self._held_at_start is None
+                and not self._saved_unlogged)
+
+    def status(self, sid: int) -> str:
+        """MemoryView: as :meth:`~dynn_runtime.residency.Residency.status`; a storage without a record
+        while a fault's read of the log is put off is read first (it may have been born since)."""
+        s = self.st.get(sid)
+        if s is None and self._parse_due:
+            self._native_parse(in_step=self._in_step)
+            s = self.st.get(sid)
+        return "absent" if s is None else s.status._value_
 
     def _read_already(self, in_step: bool, light: bool) -> bool:
         """The compact parse (the observer keeps the order) would read nothing and change nothing: it

@@ -213,6 +213,7 @@ class Steps:
         self._in_step = True
         self._engaged = False
         self._recency_read = -1
+        self._parse_due = False
         self._idle_step = False
         self._nodes.begin()  # a step's operators' autograd nodes are those it made (AutogradNodes)
         if self._modules is not None:
