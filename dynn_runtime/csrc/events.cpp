@@ -519,6 +519,10 @@ class Observer {
            !held_.empty();
   }
 
+  // Whether a collective (a c10d:: operator) ran on storages since take_recency() last returned them:
+  // until they are read, nothing else says they may not move.
+  bool held_pending() const { return !held_.empty(); }
+
   void compact_log() {
     // A storage born in this batch has a sid from batch_first_sid_ on (sids are issued in order):
     // born_at_[sid - batch_first_sid_] is the index of its kAlloc record. A pair found dead is
@@ -1648,6 +1652,7 @@ PYBIND11_MODULE(_C, m) {
       .def("sweep", &Observer::sweep)
       .def("take_log", &Observer::take_log, py::arg("compact") = false)
       .def("log_pending", &Observer::log_pending)
+      .def("held_pending", &Observer::held_pending)
       .def("take_error", &Observer::take_error)
       .def("set_recency", &Observer::set_recency, py::arg("fraction"))
       .def("set_recency_live", &Observer::set_recency_live)

@@ -340,10 +340,12 @@ class NativeSource:
         """A fault may put its read of the log off (``defer_fault_parse``): the observer keeps the
         policy's order (nothing the read tells goes to the policy), this step's log was read
         already (the first full read, which may wake the policy, has happened) and no saved tensor
-        waits for its birth to be read."""
-        return (self.defer_fault_parse and self._native_order and self._obs.recency_live
+        waits for its birth to be read, and no collective ran since the last read (the read is what
+        holds its storages on the device: ``Observer.held_pending``)."""
+        obs = self._obs
+        return (self.defer_fault_parse and self._native_order and obs.recency_live
                 and self._recency_read == self._step_index and self._engaged and self._held_at_start is None
-                and not self._saved_unlogged)
+                and not self._saved_unlogged and not obs.held_pending())
 
     def status(self, sid: int) -> str:
         """MemoryView: as :meth:`~dynn_runtime.residency.Residency.status`; a storage without a record

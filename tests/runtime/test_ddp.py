@@ -127,3 +127,36 @@ def test_a_collective_keeps_its_tensors_on_the_device_until_its_work_completes(o
             opt.step()
     finally:
         mm.detach()
+
+
+def test_a_fault_after_a_collective_reads_the_log_so_the_collectives_storages_stay(one_rank):
+    """A fault may put its read of the log off (``defer_fault_parse``), but not while a collective ran
+    since the last read: that read is what holds the collective's storages on the device, and the
+    room the fault makes would otherwise take the all-reduced gradient."""
+    import dynn_runtime as dr
+
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mm = dr.MemoryManager(1 << 30, policy="lru", device="cpu", events="native").attach(model, opt)
+    if mm.event_source != "native" or not mm._native_order:
+        mm.detach()
+        pytest.skip("the native event source with lru's order in the observer is not built here")
+    try:
+        mm.pin(model)
+        with mm.step():
+            model(torch.randn(64, 256)).pow(2).mean().backward()
+            grad = model.weight.grad
+            a = torch.randn(256, 256)
+            assert mm.offload(a) > 0
+            work = dist.all_reduce(grad, async_op=True)
+            assert not mm._can_defer_parse()  # the collective's storages are not held until the log is read
+            mm.budget = mm.used + (a.untyped_storage().nbytes() >> 1)  # a's return needs the gradient's room
+            mm._obs.set_budget(mm.budget)
+            b = a + 0.0  # a fault: a comes back
+            work.wait()
+            assert mm.status(mm._sid(grad)) == "resident", "the fault moved the gradient a collective reads"
+            del b
+            opt.step()
+    finally:
+        mm.detach()
