@@ -14,8 +14,8 @@ loop (``stops_in_c = False``), ``pilot-pywalk`` for the pilot with the module ho
 table at each new peak while storages are exposed), ``none-swept`` for none with CUDA deaths swept
 for rather than heard from the caching allocator (``hear_frees = False``), ``lru-nofloor`` for lru
 with the room ahead of the next operator made of every victim, however small (``reserve_floor =
-False``), ``lru-faultparse`` for lru with every fault reading the
-log first (``defer_fault_parse = False``), ``lru-ccopies`` for lru with
+False``), ``lru-parse`` for lru with every fault and decision
+point reading the log first (``defer_parse = False``), ``lru-ccopies`` for lru with
 its copies issued by the C++ engine (``MemoryManager.copies_in_c``; ``--device cuda`` only), ``lru-py`` for lru
 with its order kept in Python, ``@F`` a budget).
 
@@ -123,7 +123,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         policy = "none"
     elif policy == "lru-nofloor":  # lru with the reserve made of every victim (reserve_floor = False)
         policy = "lru"
-    elif policy == "lru-faultparse":  # lru with every fault reading the log (defer_fault_parse = False), below
+    elif policy == "lru-parse":  # lru reading the log at every fault and decision (defer_parse = False), below
         policy = "lru"
     elif policy == "lru-ccopies":  # lru with the C++ copy engine (copies_in_c), below
         if _DEVICE == "cpu":
@@ -150,7 +150,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     mm._opt_post = _timed(mm._opt_post, hooks)
     mm.reserve_floor = not config.startswith("lru-nofloor")  # room ahead of the next operator: every victim
     mm.tag_nodes_in_c = not config.startswith("pilot-pywalk")  # modules' autograd nodes tagged by Python's walk
-    mm.defer_fault_parse = not config.startswith("lru-faultparse")  # every fault reads the log first
+    mm.defer_parse = not config.startswith("lru-parse")  # every fault and decision reads the log first
     mm.hear_frees = config != "none-swept"  # CUDA deaths swept for, not heard from the allocator
     mm.attach(m_model, m_opt)
     obs = QUIET[-1]

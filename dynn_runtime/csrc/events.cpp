@@ -523,6 +523,11 @@ class Observer {
   // until they are read, nothing else says they may not move.
   bool held_pending() const { return !held_.empty(); }
 
+  // The last operator take_recency() would report: (name id, phase, inputs, outputs), the log left as it is.
+  py::tuple last_op() const {
+    return py::make_tuple(last_name_, last_phase_, py::cast(last_ins_), py::cast(last_outs_));
+  }
+
   void compact_log() {
     // A storage born in this batch has a sid from batch_first_sid_ on (sids are issued in order):
     // born_at_[sid - batch_first_sid_] is the index of its kAlloc record. A pair found dead is
@@ -1653,6 +1658,7 @@ PYBIND11_MODULE(_C, m) {
       .def("take_log", &Observer::take_log, py::arg("compact") = false)
       .def("log_pending", &Observer::log_pending)
       .def("held_pending", &Observer::held_pending)
+      .def("last_op", &Observer::last_op)
       .def("take_error", &Observer::take_error)
       .def("set_recency", &Observer::set_recency, py::arg("fraction"))
       .def("set_recency_live", &Observer::set_recency_live)

@@ -241,7 +241,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._pending_error: BaseException | None = None
         self._last_busy: set[int] = set()
         self._recency_read = -1  # the step whose log a compact parse read last (NativeSource)
-        self._parse_due = False  # a fault put its read of the log off (NativeSource.defer_fault_parse)
+        self._parse_due = False  # a fault or a decision point put its read of the log off (NativeSource.defer_parse)
         self._last_outs: Sequence[int] = ()  # the last operator's outputs (made or written)
         self._last_name = ""
         self._native_order = False  # the observer keeps the policy's order (attach)

@@ -147,11 +147,11 @@ class NativeSource:
     #: since the last one (``Observer.log_pending``); off, every decision point reads the log (the
     #: reference)
     skip_empty_parse = True
-    #: where the observer keeps the order and the step's log was read already, a fault does not read
-    #: the log before it brings storages back: the read is put off until something needs a record
-    #: it would make (a victim search meeting a storage the manager has no record of, the next
-    #: decision point); off, every fault reads the log first (the reference)
-    defer_fault_parse = True
+    #: where the observer keeps the order and the step's log was read already, neither a fault nor
+    #: a decision point reads the log before it makes room: the read is put off until something
+    #: needs a record it would make (a victim search meeting a storage the manager has no record
+    #: of, the step's end); off, every fault and decision point reads the log first (the reference)
+    defer_parse = True
 
     def _native_fault(self, sids: list[int], ins: list[int], name: str) -> None:
         try:
@@ -234,13 +234,12 @@ class NativeSource:
         st = self.st
         if in_step and not self._measure_step:
             reads = back = 0
-            obs = self._obs
             for x in need:
                 s = st.get(x)
                 if s is not None:
                     reads += s.nbytes
                 elif due:  # born since the last read: the observer's size is its record's
-                    reads += obs.nbytes(x)
+                    reads += self._born_size(x)
             for x in sids:
                 s = st.get(x)
                 if s is not None and s.status is not RESIDENT:
@@ -278,13 +277,19 @@ class NativeSource:
 
     def _decide(self, position: int) -> None:
         """After operator ``position``: the budget is exceeded, or the policy's periodic turn."""
-        self._native_parse(in_step=self._in_step)
+        due = self._in_step and not self._measure_step and self._can_defer_parse() and self._last_op_known()
+        if due:
+            self._parse_due = True  # as at a fault: the first victim without a record reads the log
+        else:
+            self._native_parse(in_step=self._in_step)
         if not self._in_step or self._measure_step:
             return
         reserve = self._obs.max_made  # room for the next operator (events.cpp, invariant 6)
         if self.used + reserve > self.budget:
             where = f"after operator {self._last_name} (position {position}, {self.phase})"
-            busy = sum(self.st[x].nbytes for x in self._last_busy if x in self.st)
+            st = self.st
+            # a storage born since the last read has the observer's size, its record's
+            busy = sum(st[x].nbytes if x in st else self._born_size(x) if due else 0 for x in self._last_busy)
             if busy > self.budget:
                 raise BudgetError(
                     f"runtime: the budget {format_bytes(self.budget)} is smaller than what one operator needs: "
@@ -337,19 +342,40 @@ class NativeSource:
                 c.untrack_lists(self._hints, first, last, Hint)
 
     def _can_defer_parse(self) -> bool:
-        """A fault may put its read of the log off (``defer_fault_parse``): the observer keeps the
+        """A fault or a decision point may put its read of the log off (``defer_parse``): the observer keeps the
         policy's order (nothing the read tells goes to the policy), this step's log was read
         already (the first full read, which may wake the policy, has happened) and no saved tensor
         waits for its birth to be read, and no collective ran since the last read (the read is what
         holds its storages on the device: ``Observer.held_pending``)."""
         obs = self._obs
-        return (self.defer_fault_parse and self._native_order and obs.recency_live
+        return (self.defer_parse and self._native_order and obs.recency_live
                 and self._recency_read == self._step_index and self._engaged and self._held_at_start is None
                 and not self._saved_unlogged and not obs.held_pending())
 
+    def _born_size(self, sid: int) -> int:
+        """The size of a storage born since the last read (what its record will say); 0 if the observer
+        forgot it already."""
+        try:
+            return self._obs.nbytes(sid)
+        except RuntimeError:
+            return 0
+
+    def _last_op_known(self) -> bool:
+        """What a read would say of the last operator (``_last_busy``, ``_last_outs``, ``_last_name``,
+        ``phase``), taken from the observer without reading the log; False where its name is new since
+        the last read (only a read brings the names)."""
+        name_id, phase, ins, outs = self._obs.last_op()
+        if name_id < 0 or name_id >= len(self._names):
+            return False
+        self._last_busy = set(ins).union(outs)
+        self._last_outs = outs
+        self._last_name = self._names[name_id]
+        self.phase = _PHASES[phase]
+        return True
+
     def status(self, sid: int) -> str:
         """MemoryView: as :meth:`~dynn_runtime.residency.Residency.status`; a storage without a record
-        while a fault's read of the log is put off is read first (it may have been born since)."""
+        while a read of the log is put off is read first (it may have been born since)."""
         s = self.st.get(sid)
         if s is None and self._parse_due:
             self._native_parse(in_step=self._in_step)

@@ -130,7 +130,7 @@ def test_a_collective_keeps_its_tensors_on_the_device_until_its_work_completes(o
 
 
 def test_a_fault_after_a_collective_reads_the_log_so_the_collectives_storages_stay(one_rank):
-    """A fault may put its read of the log off (``defer_fault_parse``), but not while a collective ran
+    """A fault may put its read of the log off (``defer_parse``), but not while a collective ran
     since the last read: that read is what holds the collective's storages on the device, and the
     room the fault makes would otherwise take the all-reduced gradient."""
     import dynn_runtime as dr

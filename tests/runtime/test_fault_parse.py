@@ -1,6 +1,6 @@
 """A fault puts its read of the log off where the observer keeps the order (lru): the storages a
 step moves, in order, and the numbers are those of the reference, which reads the log at every
-fault (``NativeSource.defer_fault_parse = False``), with far fewer reads."""
+fault (``NativeSource.defer_parse = False``), with far fewer reads."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _run(family, budget, defer, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(MemoryManager, "set_status", logged)
         m.setattr(NativeSource, "_native_parse", counted)
-        m.setattr(NativeSource, "defer_fault_parse", defer)
+        m.setattr(NativeSource, "defer_parse", defer)
         losses, state, stats = train_family(family, "lru", budget, events="native")
     return losses, state, stats, moves, reads[0]
 

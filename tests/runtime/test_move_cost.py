@@ -40,7 +40,7 @@ def _run(family: str, fraction: float, reference: bool, monkeypatch) -> tuple:
     monkeypatch.setattr(NativeSource, "skip_empty_parse", not reference)
     # every fault reads the log in both (test_fault_parse.py compares putting that read off): the
     # reads an empty log skips are those of a fault right after a decision
-    monkeypatch.setattr(NativeSource, "defer_fault_parse", False)
+    monkeypatch.setattr(NativeSource, "defer_parse", False)
     transitions: list[tuple[int, str, str]] = []
     calls = {"parse": 0, "byte_view": 0}
     set_status = Residency.set_status

@@ -238,7 +238,7 @@ class _Checked(LRUPolicy):
 def test_training_with_the_observers_order_is_bit_identical_and_walks_the_python_order(family, monkeypatch):
     # the shadow is told what the manager reads of the log, so every search must follow a read: faults
     # read the log first here (test_fault_parse.py compares putting that read off)
-    monkeypatch.setattr(NativeSource, "defer_fault_parse", False)
+    monkeypatch.setattr(NativeSource, "defer_parse", False)
     fraction = 0.6 if family in ("tree_lstm", "early_exit") else 0.5
     base_losses, base_state, _ = train_family(family)
     pol = _Checked()
