@@ -342,9 +342,9 @@ class NativeSource:
                 c.untrack_lists(self._hints, first, last, Hint)
 
     def _can_defer_parse(self) -> bool:
-        """A fault or a decision point may put its read of the log off (``defer_parse``): the observer keeps the
-        policy's order (nothing the read tells goes to the policy), this step's log was read
-        already (the first full read, which may wake the policy, has happened) and no saved tensor
+        """A fault or a decision point may put its read of the log off (``defer_parse``): the observer
+        keeps the policy's order (nothing the read tells goes to the policy), this step's log was
+        read already (the first full read, which may wake the policy, has happened), no saved tensor
         waits for its birth to be read, and no collective ran since the last read (the read is what
         holds its storages on the device: ``Observer.held_pending``)."""
         obs = self._obs
