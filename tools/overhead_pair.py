@@ -28,7 +28,7 @@ module hooks and ``saved_tensors_hooks`` of a policy that reads them: the pilot)
 costs without a manager attached. Prints, per configuration,
 the median of the per-step ratios (the first two steps left out: the measuring step and the first
 managed one) and their range, the median of the per-step differences, the median step times, the
-time spent opening and closing the step, the pilot's decision points run and deferred and its
+time spent opening and closing the step, the reads of the native log per step and their time, the pilot's decision points run and deferred and its
 inference time per step (all steps), and whether the managed side's losses are PyTorch
 alone's. ``--profile CONFIG`` writes a cProfile of that configuration's managed steps to
 ``/tmp/overhead_pair.<family>.<config>.prof`` and prints its top.
@@ -158,6 +158,8 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     sweeps0 = obs.sweeps
     mm._begin_step = _timed(mm._begin_step, begin)
     mm._end_step = _timed(mm._end_step, end)
+    reads: list[float] = []  # the managed side's reads of the native log (NativeSource._native_parse_log)
+    mm._native_parse_log = _timed(mm._native_parse_log, reads)
     prof = cProfile.Profile() if profile else None
     ratios, mt, at, ml, al = [], [], [], [], []
     alt = config == "pilot-alt"
@@ -208,6 +210,8 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     try:
         for s, batch in enumerate(batches):
             gc.collect()
+            if s == 2:
+                reads.clear()  # counted from the third step, as the ratios (the first two measure and warm up)
             if alt:
                 mm.policy.defer_idle = s % 4 < 2
             if s % 2:
@@ -239,6 +243,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         "decisions": sum(p["decision_points"] for p in per) / max(len(per), 1),
         "ops": statistics.median(p["ops"] for p in per),
         "pilot": pilot, "sweeps": sweeps, "deaths": deaths,
+        "reads": len(reads) / max(steps - 2, 1), "reads_ms": 1e3 * sum(reads) / max(steps - 2, 1),
         "halves": {k: 1e3 * statistics.median(v) for k, v in halves.items() if v},
         "phases": {k: 1e3 * statistics.median(m[k] - a[k] for m, a in zip(mph.steps[2:], aph.steps[2:]))
                    for k in ("forward", "backward", "optimizer")},
@@ -276,7 +281,8 @@ def main() -> None:
                       f"{o['ratio_range'][0]:.3f}-{o['ratio_range'][1]:.3f}; managed - alone {o['extra_ms']:.2f} ms; managed "
                       f"{o['managed_ms']:.2f} ms, alone {o['alone_ms']:.2f} ms; begin {o['begin_ms']:.3f}, end "
                       f"{o['end_ms']:.3f} ms, optimizer hooks {o['hooks_ms']:.3f} ms; ops {o['ops']}, decisions/step {o['decisions']:.1f}, evictions/step "
-                      f"{o['evictions']:.1f}, sweeps/step {o['sweeps']:.1f}, deaths {o['deaths']}; managed - alone ms: "
+                      f"{o['evictions']:.1f}, sweeps/step {o['sweeps']:.1f}, log reads/step {o['reads']:.1f} "
+                      f"({o['reads_ms']:.2f} ms), deaths {o['deaths']}; managed - alone ms: "
                       + ", ".join(f"{k} {v:+.3f}" for k, v in o["phases"].items())
                       + f"); pilot per step: {o['pilot']['decisions']:.1f} decision points run, "
                       f"{o['pilot']['deferred_idle']:.1f} deferred, inference {o['pilot']['inference_s'] * 1e3:.2f} ms"
