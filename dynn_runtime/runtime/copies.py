@@ -175,10 +175,6 @@ def native_copies(device_type: str, index: int, pinned: bool) -> Any | None:
         class NativeCopies(mod.CopyEngine):
             asynchronous = True
 
-            def __init__(self, device_type: str, index: int, pinned: bool) -> None:
-                super().__init__(device_type, index, pinned)
-                self.device_type = device_type
-
             def release(self, st: torch.UntypedStorage) -> None:
                 st.resize_(0)  # stream-ordered: to_host recorded the block on its side stream
 
