@@ -1,6 +1,7 @@
-"""A fault puts its read of the log off where the observer keeps the order (lru): the storages a
-step moves, in order, and the numbers are those of the reference, which reads the log at every
-fault (``NativeSource.defer_parse = False``), with far fewer reads."""
+"""Faults and decision points put their reads of the log off where the observer keeps the order
+(lru): the storages a step moves, in order, and the numbers are those of the reference, which reads
+the log at every fault and decision point (``NativeSource.defer_parse = False``), with far fewer
+reads."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _run(family, budget, defer, monkeypatch):
 
 
 @pytest.mark.parametrize("family,fraction", [("moe", 0.25), ("tree_lstm", 0.5), ("evoformer", 0.25)])
-def test_a_fault_that_puts_its_read_off_moves_what_the_reference_moves(family, fraction, monkeypatch):
+def test_reads_put_off_move_what_the_reference_moves(family, fraction, monkeypatch):
     want_losses, want, _ = train_family(family)
     _, _, big = train_family(family, "lru", 1 << 40, events="native")
     budget = int(big["peak_device_bytes"] * fraction)
@@ -53,6 +54,6 @@ def test_a_fault_that_puts_its_read_off_moves_what_the_reference_moves(family, f
     assert ref[2]["evictions"] > 0
     assert got[0] == ref[0] == want_losses
     assert all(torch.equal(a, b) for a, b in zip(got[1], want, strict=True))
-    assert got[3] == ref[3], "the deferred reads changed which storages moved, or when"
+    assert got[3] == ref[3], "the reads put off changed which storages moved, or when"
     assert got[2]["evictions"] == ref[2]["evictions"] and got[2]["peak_device_bytes"] == ref[2]["peak_device_bytes"]
-    assert got[4] < ref[4], f"{got[4]} reads of the log against {ref[4]}: no fault put its read off"
+    assert got[4] < ref[4], f"{got[4]} reads of the log against {ref[4]}: no read was put off"
