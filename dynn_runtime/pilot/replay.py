@@ -78,7 +78,7 @@ class ReplayState:
             return
         self._prev_extra = self._opt_memory.skipped(prev)
         self._index_ops(prev.ops, self._prev_extra)
-        born = {sid for op in prev.ops for sid in op.allocs}
+        born = set(itertools.chain.from_iterable(op.allocs for op in prev.ops))
         self._prev_external = [sid for sid in self._prev_sids if sid not in born]  # dict order: first access
         self._previous_changed()
 
@@ -329,15 +329,12 @@ def _opt_blocks(it: Any) -> tuple[int, list[Any], list[Block], list[Any], set[in
     end = next((j for j in range(start, len(ops)) if ops[j].phase != "optimizer"), len(ops))
     if any(op.inputs or op.outputs or op.writes or op.allocs for op in ops[end:]):
         return None
-    born: set[int] = set()
-    born_bwd: set[int] = set()
-    before: set[int] = set()
-    for op in ops[:start]:
-        born.update(op.allocs)
-        if op.phase == "backward":
-            born_bwd.update(op.allocs)
-        before.update(op.inputs, op.outputs, op.writes)
-    freed = {sid for lst in it.frees.values() for sid in lst}
+    pre = ops[:start]
+    flat = itertools.chain.from_iterable
+    born = set(flat(op.allocs for op in pre))
+    born_bwd = set(flat(op.allocs for op in pre if op.phase == "backward"))
+    before = set(flat(itertools.chain(op.inputs, op.outputs, op.writes) for op in pre))
+    freed = set(flat(it.frees.values()))
     params = before - born
     lead: list[Any] = []
     j = start
@@ -453,7 +450,9 @@ class OptimizerMemory:
         before it there, as far after it as there."""
         if not self.ok or self.last != prev.index:
             return []
-        used = {sid for op in prev.ops for sid in (*op.inputs, *op.outputs, *op.writes)}
+        if all(it is prev for it in self.last_used.values()):
+            return []  # every parameter's latest use is prev's: none skipped (the common step)
+        used = set(itertools.chain.from_iterable(itertools.chain(op.inputs, op.outputs, op.writes) for op in prev.ops))
         by_it: dict[int, tuple[Any, set[int]]] = {}
         for sid, it in self.last_used.items():
             if sid not in used and it is not prev:
