@@ -1,9 +1,10 @@
 """Python's cyclic collector in managed steps: its seconds per step, full collections, with the step's
 records in it or out of it.
 
-    python tools/collector_share.py FAMILY [STEPS] [--policy pilot|lru|none] [--keep-tracked]
+    python tools/collector_share.py FAMILY [STEPS] [--policy pilot|lru|none] [--keep-tracked] [--budget F]
 
-One manager (``small`` preset, native source, budget far above the peak: nothing moves), two warm-up
+One manager (``small`` preset, native source, budget far above the peak: nothing moves; ``--budget F``:
+F of the peak the first step measures), two warm-up
 steps, then STEPS steps timed (thread CPU time) with a ``gc.callbacks`` clock: the collector's
 seconds per step (all generations, and the full collections alone), the collections of each
 generation, and the collector's microseconds per operator. ``--keep-tracked`` sets the manager's
@@ -32,6 +33,7 @@ def main() -> None:
     ap.add_argument("--policy", default="pilot", choices=["pilot", "lru", "none"])
     ap.add_argument("--keep-tracked", action="store_true")
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--budget", default=None, help="a fraction of the peak (0.5, 1/2); default: far above it")
     args = ap.parse_args()
     torch.set_num_threads(1)
     wl = load_workload(args.family, preset="small", seed=0)
@@ -39,7 +41,8 @@ def main() -> None:
     model = wl.model
     opt = make_optimizer(wl, model.parameters())
     policy = PilotPolicy(backend="native") if args.policy == "pilot" else args.policy
-    mm = dr.MemoryManager(1 << 50, policy=policy, device="cpu", events="native",
+    budget = 1 << 50 if args.budget is None else args.budget
+    mm = dr.MemoryManager(budget, policy=policy, device="cpu", events="native",
                           record_every_op=args.record).attach(model, opt)
     mm.untrack_history = not args.keep_tracked
     clock = {"t": 0.0, "full_t": 0.0, "n": [0, 0, 0], "t0": 0.0}

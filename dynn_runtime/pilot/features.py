@@ -432,7 +432,7 @@ class FeatureState(ReplayState, MirrorState):
             new_phase = position == 0
         self.position = position
         if ph == 0:  # forward, indexed for the mirror when backward starts
-            self._fwd_log.append((position, op))
+            self._log_forward(position, op)
         elif ph == 1:  # the mirror moves to the forward operator of the node running
             if self._fwd_log:
                 self._build_mirror()

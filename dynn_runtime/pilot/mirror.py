@@ -53,6 +53,19 @@ class MirrorState:
         if self._native_tab is not None:  # the kernel's table points at the new segments
             self._native_tab.set_mirror(self)
 
+    def _log_forward(self, position: int, op: Any) -> None:
+        """Index a forward operator for the mirror: ``(position, op)`` onto ``_fwd_log``, out of the
+        cyclic collector where ``kernel/pack.c`` is built (its ``log_forward``, as its walk logs
+        them: the pair lives into backward, and holds nothing that could close a cycle)."""
+        if self.native_index:
+            from .kernel import pack_module
+
+            mod = pack_module()
+            if mod is not None:
+                mod.log_forward(self._fwd_log, position, op)
+                return
+        self._fwd_log.append((position, op))
+
     def _build_mirror(self) -> None:
         """Backward starts: index the forward accesses since the last backward (several forward and
         backward passes in one step: each backward mirrors its own forward) per storage, as sorted

@@ -809,7 +809,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                             heapq.heappush(relink, (-int(first[tgt]), s, sid, tgt))
                 state.position = position  # FeatureState.enter in the same phase, past the first operator
                 if ph == 0:  # indexed for the mirror (a list the mirror replaces when backward starts)
-                    state._fwd_log.append((position, op))
+                    state._log_forward(position, op)
                 state._hist_allocs = state._hist_allocs * sl + na * (1 - sl)
                 if position - state._last_decision >= group:  # FeatureState._tick
                     state._last_decision = position
@@ -1120,7 +1120,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
                 # FeatureState.enter in forward, past its first operator: the position, and the
                 # operator indexed for the mirror
                 state.position = position
-                state._fwd_log.append((position, op))
+                state._log_forward(position, op)
                 ph, new_phase = 0, False
             else:
                 ph, new_phase = state.enter(position, op)

@@ -97,6 +97,29 @@ def test_a_step_history_is_out_of_the_collector_and_still_holds_its_records(poli
     assert probe() is None
 
 
+def test_the_pilots_forward_log_reaches_backward_out_of_the_collector(monkeypatch):
+    """The (position, operator) pairs the pilot logs through forward for its backward mirror live
+    until backward starts: the walk (``kernel/pack.c``) makes them untracked, so young collections
+    do not promote a pair per forward operator to the oldest generation."""
+    from dynn_runtime.pilot.features import FeatureState
+    from dynn_runtime.pilot.kernel import pack_module
+
+    if pack_module() is None:
+        pytest.skip("the pilot's pack module is not built")
+    seen: list[tuple[int, int]] = []  # per backward start: (pairs, pairs still tracked)
+    build = FeatureState._build_mirror
+
+    def spy(self):
+        seen.append((len(self._fwd_log), sum(gc.is_tracked(e) for e in self._fwd_log)))
+        return build(self)
+
+    monkeypatch.setattr(FeatureState, "_build_mirror", spy)
+    _, managed = _train(PilotPolicy(backend="native", defer_idle=False))
+    told = seen[1:]  # the first step measures; the pilot is told from the second
+    assert told and all(n > 50 for n, _ in told)
+    assert all(tracked == 0 for _, tracked in told), seen
+
+
 def test_training_with_the_records_untracked_gives_pytorch_alone_losses():
     _, managed = _train(PilotPolicy(backend="native", defer_idle=False))
     torch.manual_seed(0)

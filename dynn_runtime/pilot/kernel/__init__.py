@@ -235,7 +235,7 @@ def kernel() -> NativeKernel | None:
 
 #: the interface of ``pack.c`` this package calls (its module's ``VERSION``); a build of another
 #: version (an editable checkout not rebuilt since the source changed) is not used
-PACK_VERSION = 9
+PACK_VERSION = 10
 _packer: list = []
 
 

@@ -742,6 +742,19 @@ done:
   return rc;
 }
 
+/* log.append((position, op)), the pair out of the cyclic collector: an int and an Op (whose fields
+   are strings, numbers and tuples of them) cannot close a reference cycle through it, and the pair
+   lives from forward into backward, so a tracked one would be promoted to the oldest generation
+   (reference counts still free it) */
+static int append_pair(PyObject *log, PyObject *position, PyObject *op) {
+  PyObject *entry = PyTuple_Pack(2, position, op);
+  if (entry == NULL) return -1;
+  PyObject_GC_UnTrack(entry);
+  int rc = PyList_Append(log, entry);
+  Py_DECREF(entry);
+  return rc;
+}
+
 /* One operator of the state's phase past the iteration's first, handled as the Python loop handles it.
  * Returns 1: done, 0: left to Python (nothing was changed), -1: error. *tick and *decide: the decision
  * point's inputs (FeatureState._tick, and whether _after_update must run now). */
@@ -923,9 +936,7 @@ static int walk_op(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *pr
   if (ph == 0) {
     PyObject *log = PyObject_GetAttr(state, a_fwd_log);
     if (log == NULL) goto done;
-    PyObject *entry = PyTuple_Pack(2, pos_obj, op);
-    bad = entry == NULL || PyList_Append(log, entry) < 0;
-    Py_XDECREF(entry);
+    bad = append_pair(log, pos_obj, op) < 0;
     Py_DECREF(log);
     if (bad) goto done;
   }
@@ -1025,6 +1036,16 @@ static int walk_free(PyObject *ev, PyObject *const *w, PyObject *ctx, PyObject *
   bad = PySet_Discard(smalls, sid) < 0;
   Py_DECREF(smalls);
   return bad ? -1 : 1;
+}
+
+static PyObject *log_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 3 || !PyList_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "log_forward(log: list, position, op)");
+    return NULL;
+  }
+  if (append_pair(args[0], args[1], args[2]) < 0) return NULL;
+  Py_RETURN_NONE;
 }
 
 /* walk(events, i, ctx, wctx, prev_idx, run, freed, widest) -> (i, decide, position, tick, widest)
@@ -1417,6 +1438,8 @@ static PyMethodDef methods[] = {
      "access_positions(log) -> (sids, positions): MirrorState._build_mirror's flattened accesses as int64 bytes"},
     {"operators", (PyCFunction)(void (*)(void))operators, METH_FASTCALL,
      "operators(fn, state_table, batch, run, state, first) -> rc: dynn_pilot_operators over a Run's words"},
+    {"log_forward", (PyCFunction)(void (*)(void))log_forward, METH_FASTCALL,
+     "log_forward(log, position, op): MirrorState's forward log gets the pair (position, op), untracked"},
     {"index_ops", (PyCFunction)(void (*)(void))index_ops, METH_FASTCALL,
      "index_ops(ops, extra) -> (prev_ops, prev_allocs, seen, prev_idx, flat, start): ReplayState._index_ops_py in C"},
     {NULL, NULL, 0, NULL}};
@@ -1463,7 +1486,7 @@ PyMODINIT_FUNC PyInit__pack(void) {
   Py_DECREF(heapq);
   if (heappush == NULL) return NULL;
   PyObject *m = PyModule_Create(&module);
-  if (m != NULL && (PyModule_AddIntConstant(m, "VERSION", 9) /* kernel.PACK_VERSION */ < 0 ||
+  if (m != NULL && (PyModule_AddIntConstant(m, "VERSION", 10) /* kernel.PACK_VERSION */ < 0 ||
                     PyModule_AddObjectRef(m, "Run", (PyObject *)&RunType) < 0)) {
     Py_DECREF(m);
     return NULL;
