@@ -18,6 +18,9 @@
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/DynamicTypes.h>
+
+#include "bytes.h"
 
 #include <optional>
 #include <string>
@@ -190,6 +193,17 @@ class CopyEngine {
     return done;
   }
 
+  // to_host and to_device with the device side given as its UntypedStorage (the manager's moves): the
+  // byte view over it is made here, so no tensor of it reaches Python
+  CopyEvent evict(py::handle storage, at::Tensor& dst, std::optional<int64_t> last_stream) {
+    at::Tensor src = bytes_of(torch::createStorage(storage.ptr()));
+    return to_host(src, dst, last_stream);
+  }
+  CopyEvent fetch(const at::Tensor& src, py::handle storage, const CopyEvent* after) {
+    at::Tensor dst = bytes_of(torch::createStorage(storage.ptr()));
+    return to_device(src, dst, after);
+  }
+
   void compute_waits(const CopyEvent& event) { event.block(impl_->getStream(device_)); }
 
   std::pair<CopyEvent, CopyEvent> timed_wait(const CopyEvent& event) {
@@ -257,6 +271,10 @@ void define_copies(py::module_& m) {
            py::arg("non_blocking"))
       .def("to_host", &CopyEngine::to_host, py::arg("src"), py::arg("dst"), py::arg("last_stream") = py::none())
       .def("to_device", &CopyEngine::to_device, py::arg("src"), py::arg("dst"), py::arg("after") = py::none())
+      .def("evict", &CopyEngine::evict, py::arg("storage"), py::arg("dst"), py::arg("last_stream") = py::none(),
+           "to_host from the whole of a device UntypedStorage")
+      .def("fetch", &CopyEngine::fetch, py::arg("src"), py::arg("storage"), py::arg("after") = py::none(),
+           "to_device into the whole of a device UntypedStorage")
       .def("compute_waits", &CopyEngine::compute_waits, py::arg("event"))
       .def("timed_wait", &CopyEngine::timed_wait, py::arg("event"))
       .def("sync", &CopyEngine::sync)

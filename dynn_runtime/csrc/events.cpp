@@ -107,6 +107,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include "bytes.h"
 #include "covered.h"
 #include "flat_map.h"
 #include "heard.h"
@@ -1587,12 +1588,7 @@ void arm_test_oom(int64_t n) {
 // A uint8 tensor over the whole of `storage` (an UntypedStorage), what the manager's copies read and
 // write: the operators `torch.empty(0, dtype=torch.uint8, device=d).set_(st, 0, (n,), (1,))` runs,
 // without their two Python argument parses (runtime/storages.py's _u8 is the reference).
-at::Tensor byte_view(py::handle storage) {
-  const c10::Storage st = torch::createStorage(storage.ptr());
-  at::Tensor t = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(st.device()));
-  t.set_(st, 0, {static_cast<int64_t>(st.nbytes())}, {1});
-  return t;
-}
+at::Tensor byte_view(py::handle storage) { return bytes_of(torch::createStorage(storage.ptr())); }
 
 }  // namespace
 
@@ -1605,7 +1601,7 @@ bool add_operator_parse(PyObject* module);  // operators.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 13;
+  m.attr("ABI") = 14;
   if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;

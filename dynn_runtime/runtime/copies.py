@@ -21,6 +21,10 @@ module docstring of :mod:`~dynn_runtime.runtime.manager` is one call here:
 
 Events have ``query()`` and ``synchronize()`` (host pool buffers wait on them).
 
+An engine whose ``takes_storages`` is true also has ``evict(st, dst, last_stream)`` and
+``fetch(src, st, after)``: ``to_host`` and ``to_device`` with the device side given as its
+``UntypedStorage``, the byte view over it made by the engine (the manager then makes none).
+
 :class:`CudaCopies` is the real one (two side streams, pinned buffers, ``record_stream``).
 :func:`native_copies` makes the same engine in C++ (``csrc/copies.cpp``: each copy one call from
 Python, its streams and events through c10's backend-generic interface); on its ``log`` device it
@@ -174,6 +178,7 @@ def native_copies(device_type: str, index: int, pinned: bool) -> Any | None:
 
         class NativeCopies(mod.CopyEngine):
             asynchronous = True
+            takes_storages = True  # evict(st, dst, last_stream), fetch(src, st, after)
 
             def release(self, st: torch.UntypedStorage) -> None:
                 st.resize_(0)  # stream-ordered: to_host recorded the block on its side stream

@@ -183,6 +183,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
                       else SyncCopies())
         self._copies = copies
         self.async_copies = bool(copies.asynchronous)
+        self._copy_storages = bool(getattr(copies, "takes_storages", False))
         self.hard_cap = hard_cap
         self.cap_bytes: int | None = None  # hard_cap: the allocator's cap; the budget is what the storages get
         self.unmanaged_bytes = 0  # hard_cap: device bytes outside the managed storages grown since the cap was set

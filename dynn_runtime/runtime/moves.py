@@ -12,9 +12,9 @@ Storages a collective still runs on (``c10d::`` operators: DDP's buckets) and th
 never leave. An eviction's copy waits for the compute stream and for the stream of the storage's
 last access (the native observer's ``last_stream``; ``_S.stream`` on the Python source).
 
-State: ``_copies``, ``async_copies``, ``pool``, ``_cur`` (the step's statistics), ``_pending_stalls``,
-``_held`` and ``_collectives`` (what collectives hold), ``_pinned``, ``_no_prefetch`` (a prefetch ran
-out of device memory in this step).
+State: ``_copies``, ``async_copies``, ``_copy_storages`` (the engine takes storages: ``copies.py``),
+``pool``, ``_cur`` (the step's statistics), ``_pending_stalls``, ``_held`` and ``_collectives`` (what
+collectives hold), ``_pinned``, ``_no_prefetch`` (a prefetch ran out of device memory in this step).
 """
 
 from __future__ import annotations
@@ -83,10 +83,13 @@ class Moves(Residency):
             if host is None or host.nbytes != nbytes:
                 self._drop_host(s)
                 s.host = host = self.pool.alloc(nbytes)
-            src = self._bytes(st)
             last = obs.last_stream(sid) if obs is not None else s.stream
-            s.event = self._copies.to_host(src, host.tensor, last)
-            del src
+            if self._copy_storages:
+                s.event = self._copies.evict(st, host.tensor, last)
+            else:
+                src = self._bytes(st)
+                s.event = self._copies.to_host(src, host.tensor, last)
+                del src
             s.host_valid = True
             if obs is not None:
                 obs.set_host_valid(sid, True)
@@ -201,9 +204,12 @@ class Moves(Residency):
         copies.allocate(st, s.nbytes)
         if self._obs is not None:
             self._obs.set_away(s.sid, False)
-        dst = self._bytes(st)
-        ev = copies.to_device(s.host.tensor, dst, s.event)
-        del dst
+        if self._copy_storages:
+            ev = copies.fetch(s.host.tensor, st, s.event)
+        else:
+            dst = self._bytes(st)
+            ev = copies.to_device(s.host.tensor, dst, s.event)
+            del dst
         if self.async_copies:
             s.fetch_event = ev
             s.event = ev

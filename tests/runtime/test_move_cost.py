@@ -98,6 +98,7 @@ def test_the_native_byte_view_is_the_reference_view():
         assert view.stride() == ref.stride() and view.storage_offset() == ref.storage_offset() == 0
         assert view.device == ref.device
         assert view.untyped_storage().data_ptr() == st.data_ptr()
+        assert view.is_contiguous() and not view.requires_grad and view.grad_fn is None
         if n:
             view.fill_(7)  # a view over the storage itself, not a copy
             assert bytes(st) == bytes([7]) * st.nbytes()

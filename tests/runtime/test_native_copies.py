@@ -100,6 +100,30 @@ def test_a_fetch_waits_for_the_copy_that_filled_its_host_buffer_and_the_compute_
     assert torch.equal(x, want)
 
 
+def test_evict_and_fetch_take_the_storage_and_ask_what_the_views_ask():
+    """The manager's calls (``takes_storages``): the byte view over the device storage made in the
+    engine, the same streams, events, waits and copies as ``to_host``/``to_device`` on views."""
+    logs = []
+    for storages in (True, False):
+        eng = _engine()
+        x = torch.randn(256)
+        want = x.clone()
+        host = torch.empty(x.untyped_storage().nbytes(), dtype=torch.uint8)
+        if storages:
+            out = eng.evict(x.untyped_storage(), host, 5)
+            x.zero_()
+            back = eng.fetch(host, x.untyped_storage(), out)
+        else:
+            out = eng.to_host(_bytes(x), host, 5)
+            x.zero_()
+            back = eng.to_device(host, _bytes(x), out)
+        eng.compute_waits(back)
+        assert torch.equal(x, want)
+        logs.append(eng.take_log())
+    assert logs[0] == logs[1] and any(e[0] == "copy" for e in logs[0])
+    assert native_copies("log", 0, False).takes_storages
+
+
 def test_events_query_synchronize_and_time_a_late_wait():
     eng = _engine()
     x = torch.randn(16)
