@@ -38,8 +38,10 @@ class PredictionHeaps:
         out = self._away_out
         if len(out[0]) < m:
             out = self._away_out = (np.empty(2 * m, dtype=np.int64), np.empty(2 * m, dtype=np.float64))
+        pt = self._pt
         merged, na = self._kernel.merge(self._state, self._heap, score_addr, due_addr, sids_addr, slots_addr, m,
-                                        self._due, self._away, out)
+                                        pt.address_of("due", self._due), pt.address_of("away", self._away),
+                                        (pt.address_of("out_sids", out[0]), pt.address_of("out_scores", out[1])))
         if na:
             off = self._off
             for v, sid in zip(out[1][:na].tolist(), out[0][:na].tolist()):

@@ -1291,7 +1291,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         if len(self._due) < state._cap or self._pt.due is not self._due:
             self._grow_due()
         n_live, m = self._kernel.select(state, self._pt, position, full,
-                                        self._skip.ctypes.data if self._skip_small() else None)
+                                        self._pt.address_of("skip", self._skip) if self._skip_small() else None)
         if not n_live:
             return False
         self._full_due = False
@@ -1313,7 +1313,7 @@ class PilotPolicy(Scheduling, PredictionHeaps, NextUsePolicy):
         self.candidates += m
         if rows_addr is None:
             rows_addr = state._native_tab.rows_addr
-        self._absorb(pt.score_out.ctypes.data, None, pt.sids_out.ctypes.data, rows_addr, m, n_live)
+        self._absorb(pt.score_addr, None, pt.sids_addr, rows_addr, m, n_live)
 
     def _score(self, rows: np.ndarray, position: int, n_live: int) -> None:
         """Score slots ``rows`` at decision point ``position``: features, model, predicted positions,

@@ -499,6 +499,23 @@ def test_log_bucket_reps_pointer_is_stable():
     assert _log_bucket_reps(123) is _log_bucket_reps(123)
 
 
+def test_the_policy_tables_addresses_follow_the_arrays_given():
+    import pickle
+
+    from dynn_runtime.pilot.kernel.tables import PolicyTable
+
+    pt = PolicyTable(np.zeros(3), 0.5, 1.0)
+    a, b = np.zeros(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
+    assert pt.address_of("skip", a) == a.ctypes.data == pt.address_of("skip", a)
+    assert pt.address_of("skip", b) == b.ctypes.data != a.ctypes.data  # a grown array: its own address
+    assert pt.address_of("away", a) == a.ctypes.data
+    assert (pt.score_addr, pt.sids_addr) == (pt.score_out.ctypes.data, pt.sids_out.ctypes.data)
+    pt.grow(512)
+    assert (pt.score_addr, pt.sids_addr) == (pt.score_out.ctypes.data, pt.sids_out.ctypes.data)
+    clone = pickle.loads(pickle.dumps(pt))  # addresses do not survive pickling: none is carried over
+    assert clone._addrs == {} and clone.score_addr == clone.score_out.ctypes.data
+
+
 def test_rows_out_of_range_raise(kernel):
     st = FeatureState(_View(_Kinds({7: ("param", False)})), backend="native")
     st.alloc(7, -1)

@@ -275,20 +275,21 @@ class NativeKernel:
         return NativeHeap(self)
 
     def merge(self, st: Any, heap: NativeHeap, score_addr: int, due_in_addr: int | None, sids_addr: int,
-              slots_addr: int, m: int, due: np.ndarray, away: np.ndarray, out: tuple[np.ndarray, np.ndarray]
+              slots_addr: int, m: int, due_addr: int, away_addr: int, out_addrs: tuple[int, int]
               ) -> tuple[int, int]:
         """A decision point's ``m`` rows (scores, sids, slots at those addresses) into ``heap``
         (``dynn_pilot_merge``); ``due_in_addr`` not None: results back from the worker, so
-        rows whose storage moved on are left out and the others' ``pred`` and ``due`` are written.
-        The rows whose byte in ``away`` is set go to ``out`` (sids, scores; room for ``m``). Returns
-        (rows merged, away rows)."""
+        rows whose storage moved on are left out and the others' ``pred`` and ``due`` (float64 per
+        slot, at ``due_addr``) are written. The rows whose byte in ``away`` (uint8 per slot, at
+        ``away_addr``) is set go to ``out_addrs`` (int64 sids, float64 scores; room for ``m``).
+        Returns (rows merged, away rows)."""
         t = st._native_tab
         if t is None:
             t = self.table(st)
         n = self._n_rows
         na = self.lib.dynn_pilot_merge(t.addr, heap.h, score_addr, due_in_addr, sids_addr, slots_addr, m,
-                                       due_in_addr is not None, due.ctypes.data, away.ctypes.data,
-                                       out[0].ctypes.data, out[1].ctypes.data, self._n_rows_addr)
+                                       due_in_addr is not None, due_addr, away_addr, out_addrs[0], out_addrs[1],
+                                       self._n_rows_addr)
         if na < 0:
             raise MemoryError("pilot native: no memory for the eviction heap")
         return n.value, na

@@ -338,6 +338,7 @@ class PolicyTable:
         self.logreps: np.ndarray | None = None
         self.due: np.ndarray | None = None
         self.due_addr = 0
+        self._addrs: dict[str, tuple[np.ndarray, int]] = {}  # address_of()'s: not pickled (__reduce__)
         self.grow(256)
 
     def __reduce__(self) -> Any:  # rebuilt with fresh addresses
@@ -346,9 +347,19 @@ class PolicyTable:
     def grow(self, n: int) -> None:
         self.sids_out = np.zeros(n, dtype=np.int64)
         self.score_out = np.zeros(n, dtype=np.float64)
-        self.q.sids_out = self.sids_out.ctypes.data
-        self.q.score_out = self.score_out.ctypes.data
+        self.sids_addr = self.q.sids_out = self.sids_out.ctypes.data
+        self.score_addr = self.q.score_out = self.score_out.ctypes.data
         self.n = n
+
+    def address_of(self, slot: str, a: np.ndarray) -> int:
+        """The data address of the policy's array ``a``, kept per ``slot`` while ``a`` is the array
+        last given for it (a ``.ctypes.data`` costs about a microsecond per call; the policy's arrays
+        change only when they grow). The entry holds ``a``, so its address cannot be reused by
+        another array meanwhile."""
+        hit = self._addrs.get(slot)
+        if hit is None or hit[0] is not a:
+            hit = self._addrs[slot] = (a, a.ctypes.data)
+        return hit[1]
 
     def set_logreps(self, logreps: np.ndarray) -> None:
         if logreps is not self.logreps:
