@@ -1,13 +1,15 @@
 """The pilot's host cost per operator on the native event source, and where it goes.
 
-    python tools/pilot_host_cost.py [--reps 60] [VARIANT ...]
+    python tools/pilot_host_cost.py [--reps 60] [--device cuda] [VARIANT ...]
 
 Runs the operator loop of ``dynn bench --overhead`` (small ATen operators and a small ``Linear``
 forward and backward, one thread, budget far above the peak) under one manager per variant, and
 PyTorch alone before every managed step; prints the manager's host microseconds per operator
 over PyTorch alone (thread CPU time: the median of per-repetition differences, and the minimum
 managed minus the minimum PyTorch alone, which other processes on a shared machine disturb
-less). Variants (default: all):
+less). ``--device cuda`` runs the loop on the GPU, synchronized after each side outside the timed
+part: the thread's CPU time is then the host's alone, whatever the GPU waits for (``dynn bench
+--overhead --device cuda`` times the wall clock). Variants (default: all):
 
 - ``pilot``: the pilot as shipped (with nothing moved it sits every step out: ``Policy.idle_step``,
   no operator told);
@@ -115,11 +117,11 @@ class _Switchable(PilotPolicy):
         return self.bulk and super().operators_in_bulk()
 
 
-def _work() -> tuple[Any, torch.nn.Module]:
+def _work(device: str = "cpu") -> tuple[Any, torch.nn.Module]:
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
-    lin = torch.nn.Linear(16, 16)
-    inp = torch.randn(4, 16, generator=g)
+    x, w = torch.randn(8, 8, generator=g).to(device), torch.randn(8, 8, generator=g).to(device)
+    lin = torch.nn.Linear(16, 16).to(device)
+    inp = torch.randn(4, 16, generator=g).to(device)
 
     def work() -> None:
         y = x
@@ -174,10 +176,13 @@ def measure_paired(reps: int, kernel: bool = False, pack: bool = False,
     return ops, statistics.median(diff[True]) * 1e6, statistics.median(diff[False]) * 1e6
 
 
-def measure(variant: str, reps: int) -> tuple[int, float, float]:
-    """(operators per step, median us per operator over PyTorch alone, min-min us per operator)."""
-    work, lin = _work()
-    mm = MemoryManager(1 << 50, policy=VARIANTS[variant](), device="cpu", events="native")
+def measure(variant: str, reps: int, device: str = "cpu") -> tuple[int, float, float]:
+    """(operators per step, median us per operator over PyTorch alone, min-min us per operator).
+    On ``cuda`` the thread's CPU time is the host's alone (the kernels run on the GPU; it is
+    synchronized after each side, outside the timed part)."""
+    work, lin = _work(device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    mm = MemoryManager(1 << 50, policy=VARIANTS[variant](), device=device, events="native")
     mm.attach(lin)
     try:
         for _ in range(3):  # warm-up: the pilot's history, the allocator
@@ -185,13 +190,16 @@ def measure(variant: str, reps: int) -> tuple[int, float, float]:
                 work()
         diff, plain, managed = [], [], []
         for _ in range(reps):
+            sync()
             t0 = time.thread_time()
             work()
             p = time.thread_time() - t0
+            sync()
             with mm.step():
                 t0 = time.thread_time()
                 work()
                 m = time.thread_time() - t0
+                sync()
             ops = mm.steps[-1].ops
             diff.append((m - p) / ops)
             plain.append(p / ops)
@@ -207,6 +215,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("variants", nargs="*", metavar="VARIANT", help=f"any of {', '.join(VARIANTS)} (default: all)")
     ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the loop runs (the variants only; the --paired modes run on the CPU)")
     ap.add_argument("--paired", action="store_true",
                     help="only the pilot, its batches told in bulk and per operator on alternate steps of one manager")
     ap.add_argument("--paired-kernel", action="store_true",
@@ -262,7 +272,7 @@ def main() -> None:
         return
     print("| variant | ops/step | +us/op (median) | +us/op (min-min) |\n|---|---:|---:|---:|")
     for v in args.variants or list(VARIANTS):
-        ops, med, low = measure(v, args.reps)
+        ops, med, low = measure(v, args.reps, args.device)
         print(f"| {v} | {ops} | {med:.1f} | {low:.1f} |")
 
 
