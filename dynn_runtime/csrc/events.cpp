@@ -1586,8 +1586,8 @@ void arm_test_oom(int64_t n) {
 }
 
 // A uint8 tensor over the whole of `storage` (an UntypedStorage), what the manager's copies read and
-// write: the operators `torch.empty(0, dtype=torch.uint8, device=d).set_(st, 0, (n,), (1,))` runs,
-// without their two Python argument parses (runtime/storages.py's _u8 is the reference).
+// write: the tensor `torch.empty(0, dtype=torch.uint8, device=d).set_(st, 0, (n,), (1,))` makes, built
+// without those operators (bytes.h; runtime/storages.py's _u8 is the reference).
 at::Tensor byte_view(py::handle storage) { return bytes_of(torch::createStorage(storage.ptr())); }
 
 }  // namespace

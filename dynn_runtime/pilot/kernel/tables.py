@@ -353,7 +353,7 @@ class PolicyTable:
 
     def address_of(self, slot: str, a: np.ndarray) -> int:
         """The data address of the policy's array ``a``, kept per ``slot`` while ``a`` is the array
-        last given for it (a ``.ctypes.data`` costs about a microsecond per call; the policy's arrays
+        last given for it (a ``.ctypes.data`` costs one to three microseconds per call; the policy's arrays
         change only when they grow). The entry holds ``a``, so its address cannot be reused by
         another array meanwhile."""
         hit = self._addrs.get(slot)
