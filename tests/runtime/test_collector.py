@@ -99,8 +99,9 @@ def test_a_step_history_is_out_of_the_collector_and_still_holds_its_records(poli
 
 def test_the_pilots_forward_log_reaches_backward_out_of_the_collector(monkeypatch):
     """The (position, operator) pairs the pilot logs through forward for its backward mirror live
-    until backward starts: the walk (``kernel/pack.c``) makes them untracked, so young collections
-    do not promote a pair per forward operator to the oldest generation."""
+    until backward starts: the walk (``kernel/pack.c``) and the Python paths
+    (``MirrorState._log_forward``) make them untracked, so young collections do not promote a pair
+    per forward operator to the oldest generation."""
     from dynn_runtime.pilot.features import FeatureState
     from dynn_runtime.pilot.kernel import pack_module
 
@@ -114,7 +115,7 @@ def test_the_pilots_forward_log_reaches_backward_out_of_the_collector(monkeypatc
         return build(self)
 
     monkeypatch.setattr(FeatureState, "_build_mirror", spy)
-    _, managed = _train(PilotPolicy(backend="native", defer_idle=False))
+    _train(PilotPolicy(backend="native", defer_idle=False))
     told = seen[1:]  # the first step measures; the pilot is told from the second
     assert told and all(n > 50 for n, _ in told)
     assert all(tracked == 0 for _, tracked in told), seen
