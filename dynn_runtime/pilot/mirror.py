@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .._log import logger
+from .kernel import pack_module
 from .layout import KEY_BASE
 
 __all__ = ["MirrorState"]
@@ -58,8 +59,6 @@ class MirrorState:
         cyclic collector where ``kernel/pack.c`` is built (its ``log_forward``, as its walk logs
         them: the pair lives into backward, and holds nothing that could close a cycle)."""
         if self.native_index:
-            from .kernel import pack_module
-
             mod = pack_module()
             if mod is not None:
                 mod.log_forward(self._fwd_log, position, op)
@@ -110,8 +109,6 @@ class MirrorState:
         and writes, and the operator's position beside it: ``kernel/pack.c``'s ``access_positions``
         where it is built and ``native_index`` is set, else in Python (the reference)."""
         if self.native_index:
-            from .kernel import pack_module
-
             mod = pack_module()
             if mod is not None:
                 sids, pos = mod.access_positions(log)
