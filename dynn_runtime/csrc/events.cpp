@@ -49,8 +49,9 @@
 //      data address of each heard entry back to it, and the drain judges each reported address's
 //      entry by its own state, as it judges covered ones. An entry is heard only while its data is
 //      the caching allocator's (the probe's deleter) at the address `by_data_` holds; anything
-//      else (data the allocator does not own, data replaced or given up while away, two storages
-//      at one address) stays exposed, and its death is swept for.
+//      else (data the allocator does not own, data replaced or given up while away, two live
+//      storages at one address) stays exposed, and its death is swept for. A dead entry whose
+//      address a new one takes before its free is drained stays heard (`shadowed_`).
 //  10. A wrapped number (a Python scalar an operator's binding made a tensor of) is never tracked: no
 //      entry, no log record, no fault. Nothing but that operator's argument holds it, so it can be
 //      neither away nor read by a later kernel.
@@ -360,6 +361,11 @@ class Observer {
     covered::take_released(released_);  // left by an earlier observer
     covered::listen(true);
     start_hearing();
+    if (hearing_)  // entries registered before the start (the model's parameters): heard from now on
+      table_.for_each([&](uint64_t, Entry* e) {
+        if (e->covered || e->heard) return;
+        if (auto strong = e->weak.lock()) hear_entry(*e, strong.get());
+      });
     was_included_ = c10::impl::tls_is_dispatch_key_included(kKey);
     c10::impl::tls_set_dispatch_key_included(kKey, true);
     last_node_ = thread_last_node();  // invariant 15
@@ -662,6 +668,33 @@ class Observer {
   int64_t position() const { return position_; }
   int64_t tracked() const { return static_cast<int64_t>(table_.size()); }
   int64_t exposed_count() const { return exposed_; }
+  // The exposed entries (sid, why): "unheard" (hearing is off), "dead" (not swept for yet), "not the
+  // allocator's" (its data has another deleter), "shared" (another live entry is heard at its
+  // address), "unseen" (not heard since it was registered or its data moved; heard when an
+  // operator next touches it).
+  std::vector<std::pair<int64_t, std::string>> exposed_entries() {
+    std::vector<std::pair<int64_t, std::string>> out;
+    table_.for_each([&](uint64_t, Entry* e) {
+      if (exposed(*e) == 0) return;
+      std::string why = "unseen";
+      auto strong = e->weak.lock();
+      if (!hearing_) {
+        why = "unheard";
+      } else if (!strong) {
+        why = "dead";
+      } else {
+        c10::DataPtr& dp = strong->_mutable_data_ptr_no_checks();
+        Entry** at = by_data_.find(reinterpret_cast<uintptr_t>(dp.get()));
+        if (hear_deleter_ != nullptr && dp.get_deleter() != hear_deleter_)
+          why = "not the allocator's";
+        else if (at != nullptr && *at != e && !(*at)->weak.expired())
+          why = "shared";
+      }
+      out.emplace_back(e->sid, why);
+    });
+    std::sort(out.begin(), out.end());
+    return out;
+  }
   int64_t sweeps() const { return sweeps_; }
   bool exact_peak() const { return exact_peak_; }
   bool hear() const { return hear_; }
@@ -670,7 +703,7 @@ class Observer {
     hear_ = on;
   }
   bool hearing() const { return hearing_; }
-  int64_t heard_count() const { return static_cast<int64_t>(by_data_.size()); }
+  int64_t heard_count() const { return static_cast<int64_t>(by_data_.size() + shadowed_.size()); }
   void set_exact_peak(bool on) { exact_peak_ = on; }
   bool cover() const { return cover_; }
   void set_cover(bool on) {
@@ -734,10 +767,22 @@ class Observer {
     if (dp.get() == nullptr || e.nbytes == 0) return;
     if (hear_deleter_ != nullptr && dp.get_deleter() != hear_deleter_) return;
     const uint64_t addr = reinterpret_cast<uintptr_t>(dp.get());
-    // Another entry holds the address: a storage that died there, its free not drained yet (a
-    // drain here would log its death at a place that depends on addresses, invariant 14), or two
-    // live storages at one address. This one stays exposed; it is heard when next seen.
-    if (by_data_.find(addr) != nullptr) return;
+    // Another entry holds the address. A storage that died there (its free reported, not drained
+    // yet: a drain here would log deaths at a place that depends on addresses, invariant 14) is
+    // shadowed: still heard, its death logged by the drain that takes its free, which comes before
+    // any later free of the address. A live one whose data moved elsewhere is no longer heard
+    // (seen again, it is heard at its new address). Two live storages over one address: this one
+    // stays exposed, and is heard when next seen.
+    if (Entry** at = by_data_.find(addr)) {
+      Entry* old = *at;
+      if (!old->weak.expired()) {
+        if (reinterpret_cast<uintptr_t>(old->impl->_mutable_data_ptr_no_checks().get()) == addr) return;
+        unhear(*old);
+      } else {
+        by_data_.erase(addr);
+        shadowed_.push_back(old);
+      }
+    }
     exposed_ -= exposed(e);
     e.heard = true;
     e.data = addr;
@@ -748,7 +793,11 @@ class Observer {
   void unhear(Entry& e) {
     if (!e.heard) return;
     exposed_ -= exposed(e);
-    by_data_.erase(e.data);
+    Entry** at = by_data_.find(e.data);
+    if (at != nullptr && *at == &e)
+      by_data_.erase(e.data);
+    else
+      shadowed_.erase(std::find(shadowed_.begin(), shadowed_.end(), &e));
     e.heard = false;
     e.data = 0;
     exposed_ += exposed(e);
@@ -805,6 +854,13 @@ class Observer {
   void drain_heard() {
     heard::take(freed_);
     for (uint64_t addr : freed_) {
+      if (!shadowed_.empty()) {  // the earliest free of a shadowed entry's address is its own
+        auto it = std::find_if(shadowed_.begin(), shadowed_.end(), [&](const Entry* e) { return e->data == addr; });
+        if (it != shadowed_.end()) {
+          forget(*it);  // unhear takes it out of shadowed_
+          continue;
+        }
+      }
       Entry** found = by_data_.find(addr);
       if (found == nullptr) continue;
       Entry* e = *found;
@@ -1363,6 +1419,7 @@ class Observer {
   int heard_device_ = heard::kNobody;
   c10::DeleterFnPtr hear_deleter_ = nullptr;  // the caching allocator's deleter (the probe's)
   FlatMap<Entry*> by_data_;  // heard entries by their data's address
+  std::vector<Entry*> shadowed_;  // heard dead entries whose address a newer entry holds in by_data_
   std::vector<uint64_t> freed_;  // drain_heard()'s buffer
   // whether storages registered from now on are covered (invariant 9): on the CPU by default; off,
   // the CPU observer keeps the books as it does on CUDA (every storage exposed, deaths swept for)
@@ -1676,6 +1733,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("position", &Observer::position)
       .def_property_readonly("tracked", &Observer::tracked)
       .def_property_readonly("exposed", &Observer::exposed_count)
+      .def("exposed_entries", &Observer::exposed_entries,
+           "(sid, why) of each entry whose death only a sweep finds (invariant 9)")
       .def_property_readonly("sweeps", &Observer::sweeps)
       .def_property("exact_peak", &Observer::exact_peak, &Observer::set_exact_peak)
       .def_property("hear", &Observer::hear, &Observer::set_hear)

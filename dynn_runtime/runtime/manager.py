@@ -115,9 +115,9 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
     #: operators the timeline keeps (the oldest go first); bounded so a long run's memory stays flat
     TIMELINE_ENTRIES = 1 << 20
     #: CUDA copies through the C++ engine (``copies.native_copies``: one call per copy) where the
-    #: extension loads, instead of :class:`~dynn_runtime.runtime.copies.CudaCopies` (the reference).
-    #: Off until the GPU tests have run it: its CPU tests read its protocol, not a GPU's ordering.
-    copies_in_c = False
+    #: extension loads, instead of :class:`~dynn_runtime.runtime.copies.CudaCopies` (the reference,
+    #: and the engine where the extension does not load). Both pass the same GPU tests.
+    copies_in_c = True
 
     def __init__(
         self,

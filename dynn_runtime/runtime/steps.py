@@ -84,6 +84,10 @@ class StepStats:
     left_on_host: int = 0
     """Storages the program holds at the step's end that could not come back (the allocator ran out
     twice for one): they stay on the host, their copy valid, and come back at their next access."""
+    table_sweeps: int = 0
+    """Walks of the native observer's table for storages that died, from the step's start to its
+    end (its own sweeps included): every operator of a measuring step; else only where a death
+    would not be heard (csrc/events.cpp, invariant 9)."""
     idle: bool = False
     """The policy sat the step out (``Policy.idle_step``; memory was never short in it and nothing
     needed the log read before its end): its operator log was read light, no operator told."""
@@ -92,7 +96,7 @@ class StepStats:
         for k in ("ops", "bytes_offloaded", "bytes_prefetched", "bytes_fetched_on_demand", "evictions",
                   "stall_seconds", "late_fetches", "copy_seconds", "policy_seconds", "recomputed_ops",
                   "prefetch_hits", "prefetch_misses", "wall_seconds", "decision_points", "host_syncs",
-                  "oom_retries", "prefetches_dropped", "left_on_host"):
+                  "oom_retries", "prefetches_dropped", "left_on_host", "table_sweeps"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.peak_device_bytes = max(self.peak_device_bytes, other.peak_device_bytes)
         if other.budget_overshoot_bytes > self.budget_overshoot_bytes:
@@ -188,6 +192,7 @@ class Steps:
         self._drain()
         obs = self._obs
         if obs is not None:
+            self._sweeps0 = obs.sweeps
             obs.sweep()
             self._native_parse(in_step=False, light=True)  # between steps: the program's work, not the step's
             self._forget_pending()
@@ -331,6 +336,7 @@ class Steps:
                 self._cur.peak_device_bytes = obs.peak
                 self._peak_pos = obs.peak_position
             self._cur.decision_points = obs.decisions - self._decisions0
+            self._cur.table_sweeps = obs.sweeps - self._sweeps0
             self._cur.idle = self._idle_step and not self._engaged
             self._idle_step = False
             self._held_at_start = None  # never needed: the next step's start tells them again

@@ -185,6 +185,22 @@ def test_a_death_is_known_at_the_next_operator_without_a_sweep():
         ob.stop()
 
 
+def test_each_step_counts_its_own_table_sweeps(monkeypatch):
+    """A measuring step walks the table after every operator; with every death known (covered on
+    the CPU) a managed step walks it only at its start and end, and at a make-room."""
+    from dynn_runtime.runtime.train import train_managed
+
+    monkeypatch.setenv("DYNN_EVENTS", "native")
+    r = train_managed("moe", "1/2", "lru", steps=3, preset="tiny", device="cpu")
+    assert r.stats["event_source"] == "native"
+    measuring, *managed = r.stats["per_step"]
+    assert not measuring["managed"] and measuring["table_sweeps"] >= measuring["ops"]
+    assert all(s["managed"] and 2 <= s["table_sweeps"] < s["ops"] for s in managed)
+    assert r.stats["table_sweeps"] == sum(s["table_sweeps"] for s in r.stats["per_step"])
+    idle = train_managed("moe", 1 << 40, "lru", steps=2, preset="tiny", device="cpu")
+    assert [s["table_sweeps"] for s in idle.stats["per_step"]] == [2, 2]
+
+
 def test_an_earlier_observer_destroyed_meanwhile_does_not_deafen_the_running_one():
     old = C.Observer("cpu")
     old.start(None, None)

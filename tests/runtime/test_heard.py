@@ -55,6 +55,27 @@ def test_hearing_is_the_cuda_default_and_needs_covering_off_on_the_cpu():
         ob.stop()
 
 
+def test_storages_tracked_before_the_start_are_heard_from_it():
+    """The model's parameters are registered at attach, before the observer starts: an operator
+    may not touch them for a whole step (an expert no token chose), and until something hears them
+    every new peak would sweep the table."""
+    ob = C.Observer("cpu")
+    ob.cover = False
+    ob.hear = True
+    w = torch.ones(512)
+    sid = ob.track(w)
+    assert ob.exposed == 1
+    ob.start(None, None)
+    try:
+        assert ob.hearing and ob.exposed == 0 and ob.exposed_entries() == []
+        addr, n, used = _addr(w), w.untyped_storage().nbytes(), ob.used
+        del w
+        C.report_free(CPU, addr)
+        assert ob.used == used - n and not ob.alive(sid)
+    finally:
+        ob.stop()
+
+
 def test_a_heard_death_is_learned_from_its_free_without_a_sweep(hearing):
     ob = hearing
     x = torch.ones(1024)
@@ -107,9 +128,11 @@ def test_a_storage_away_is_not_heard_and_is_heard_again_when_back(hearing):
     assert ob.heard == heard and ob.exposed == 0
 
 
-def test_a_new_storage_at_an_address_a_dead_one_still_holds_stays_exposed_until_seen_again(hearing):
-    """Two storages over one buffer (``torch.frombuffer``: the same data address, as a block the
-    allocator gave back and handed out again before its free was drained)."""
+def test_a_new_storage_at_an_address_a_dead_one_still_holds_is_heard_at_once(hearing):
+    """Storages over one buffer (``torch.frombuffer``: the same data address, as a block the
+    allocator gave back and handed out again before its free was drained). The dead one is
+    shadowed: its own free, reported first, still logs its death, and the new one is heard from
+    its birth (no sweep needed). Only two live storages over one address leave one exposed."""
     ob = hearing
     buf = bytearray(4096)
     a = torch.frombuffer(buf, dtype=torch.float32)
@@ -119,17 +142,45 @@ def test_a_new_storage_at_an_address_a_dead_one_still_holds_stays_exposed_until_
     del a  # its free not reported: the dead entry still holds the address
     b = torch.frombuffer(buf, dtype=torch.float32)
     b.add_(1)
-    sid = ob.sid_of(b)
-    assert ob.exposed == 1, "two entries at one address: the new one is swept for"
+    sid, heard, sweeps = ob.sid_of(b), ob.heard, ob.sweeps
+    assert ob.exposed == 0 and ob.alive(dead) is False and heard >= 2, "both heard: the dead one shadowed"
     C.report_free(CPU, _addr(b))  # a's free, reported late
-    assert ob.used > 0  # reading `used` drains: the dead one is forgotten
-    assert not ob.alive(dead) and ob.alive(sid)
-    b.add_(1)  # seen again: heard now
+    assert ob.used > 0  # reading `used` drains
+    assert ob.sid_of(b) == sid and ob.heard == heard - 1 and ob.exposed == 0
+    assert dead in _frees(ob.take_log()[0]) and ob.sweeps == sweeps, "a's death heard, not swept for"
+    b2 = torch.frombuffer(buf, dtype=torch.float32)  # a second live storage at the same address
+    b2.add_(1)
+    s2 = ob.sid_of(b2)
+    assert ob.exposed == 1 and ob.exposed_entries() == [(s2, "shared")]
+    del b2
+    assert ob.exposed_entries() == [(s2, "dead")], "a dead exposed entry waits for a sweep"
+    used, n, addr = ob.used, b.untyped_storage().nbytes(), _addr(b)
+    del b
+    C.report_free(CPU, addr)  # b's own free
+    assert ob.used == used - n and not ob.alive(sid)
+
+
+def test_shadowed_deaths_at_one_address_are_logged_in_the_order_of_their_frees(hearing):
+    """Two storages die at one address before either free is drained, a third lives there: each
+    reported free logs the death of the oldest entry still waiting for it."""
+    ob = hearing
+    buf = bytearray(1024)
+    sids = []
+    for _ in range(3):
+        t = torch.frombuffer(buf, dtype=torch.float32)
+        t.mul_(1)
+        sids.append(ob.sid_of(t))
+        if len(sids) < 3:
+            del t
+    ob.take_log()
     assert ob.exposed == 0
-    c = torch.frombuffer(buf, dtype=torch.float32)  # a second live storage at the same address
-    c.add_(1)
-    assert ob.exposed == 1 and ob.alive(ob.sid_of(c))
-    del b, c
+    addr = _addr(t)
+    C.report_free(CPU, addr)
+    assert ob.used > 0 and _frees(ob.take_log()[0]) == [sids[0]]
+    C.report_free(CPU, addr)
+    assert ob.used > 0 and _frees(ob.take_log()[0]) == [sids[1]]
+    assert ob.alive(sids[2]) and ob.exposed == 0
+    del t
 
 
 def test_a_stopped_observer_no_longer_hears():
