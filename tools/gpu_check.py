@@ -214,7 +214,7 @@ def _gpu_sections(a: argparse.Namespace, want: set[str], sec: dict, say, out: Pa
         sj = out / "soc.json"
         sec["soc"] = _run([py, str(ROOT / "tools" / "soc_match.py"), *(["tree_lstm", "evoformer"] if a.quick else []),
                            "--steps", "5" if a.quick else "6", "--rounds", "1" if a.quick else "2", "--policies",
-                           "lru,lru-ccopies,pilot", "--json", str(sj)],
+                           "lru,lru-pycopies,pilot", "--json", str(sj)],
                           limit(150))
     if "thirdparty" in want:
         say("8/8 networks outside the zoo, live on the GPU (tools/third_party/evaluate.py --device cuda)")

@@ -15,8 +15,9 @@ table at each new peak while storages are exposed), ``none-swept`` for none with
 for rather than heard from the caching allocator (``hear_frees = False``), ``lru-nofloor`` for lru
 with the room ahead of the next operator made of every victim, however small (``reserve_floor =
 False``), ``lru-parse`` for lru with every fault and decision
-point reading the log first (``defer_parse = False``), ``lru-ccopies`` for lru with
-its copies issued by the C++ engine (``MemoryManager.copies_in_c``; ``--device cuda`` only), ``lru-py`` for lru
+point reading the log first (``defer_parse = False``), ``lru-pycopies`` for lru with
+its copies issued by the Python engine (``CudaCopies``; ``--device cuda`` only; every other CUDA
+configuration uses the C++ one, ``MemoryManager.copies_in_c``), ``lru-py`` for lru
 with its order kept in Python, ``@F`` a budget).
 
 Two copies of the model start from the same weights and train on the same batches: one under a
@@ -125,9 +126,9 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         policy = "lru"
     elif policy == "lru-parse":  # lru reading the log at every fault and decision (defer_parse = False), below
         policy = "lru"
-    elif policy == "lru-ccopies":  # lru with the C++ copy engine (copies_in_c), below
+    elif policy == "lru-pycopies":  # lru with the Python copy engine (CudaCopies), below
         if _DEVICE == "cpu":
-            raise SystemExit("overhead_pair: lru-ccopies needs --device cuda (the CPU's copies are synchronous)")
+            raise SystemExit("overhead_pair: lru-pycopies needs --device cuda (the CPU's copies are synchronous)")
         policy = "lru"
     elif policy == "lru-py":  # lru with its order kept in Python, told every touch (no observer-kept order)
         from dynn_runtime.policies.basic import LRUPolicy
@@ -137,10 +138,8 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     m_model, a_model = copy.deepcopy(initial), copy.deepcopy(initial)
     m_opt, a_opt = make_optimizer(wl, m_model.parameters()), make_optimizer(wl, a_model.parameters())
     copies = None
-    if config.startswith("lru-ccopies"):
-        copies = cuda_copies(torch.device(_DEVICE), True, native=True)
-        if type(copies).__name__ != "NativeCopies":
-            raise SystemExit("overhead_pair: lru-ccopies: the native extension did not load")
+    if config.startswith("lru-pycopies"):
+        copies = cuda_copies(torch.device(_DEVICE), True, native=False)
     mm = dr.MemoryManager(budget, policy=policy, device=_DEVICE, events="native", copies=copies)
     mm.records_in_batch = config.startswith("pilot-rec")
     mm.operators_in_c = not config.startswith("pilot-pyparse")

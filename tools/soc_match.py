@@ -2,8 +2,8 @@
 
 Usage: ``python tools/soc_match.py [FAMILY ...] [--steps N] [--policies lru,pilot] [--device cuda]
 [--rounds R] [--json PATH]`` (``small`` presets; default families moe, skipnet, early_exit, tree_lstm,
-evoformer, varlen; a policy ``P-ccopies`` is P with its copies issued by the C++ engine,
-``MemoryManager.copies_in_c``).
+evoformer, varlen; a policy ``P-pycopies`` is P with its copies issued by the Python engine,
+``CudaCopies``, rather than the C++ one, ``MemoryManager.copies_in_c``).
 
 Per family and round: PyTorch alone, then ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
 (pinned on CUDA only), each for ``--steps`` steps, their peaks measured as ``train_unmanaged``
@@ -36,11 +36,10 @@ def _managed(family: str, policy: str, budget: int, steps: int, dev: torch.devic
     held = device_baseline(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    native = policy.endswith("-ccopies")
     was = MemoryManager.copies_in_c
-    MemoryManager.copies_in_c = native
+    MemoryManager.copies_in_c = was and not policy.endswith("-pycopies")
     try:
-        r = train_managed(family, budget, policy.removesuffix("-ccopies"), steps=steps, preset="small", device=dev)
+        r = train_managed(family, budget, policy.removesuffix("-pycopies"), steps=steps, preset="small", device=dev)
     finally:
         MemoryManager.copies_in_c = was
     peak = torch.cuda.max_memory_allocated(dev) - held if dev.type == "cuda" else r.max_managed_peak()
