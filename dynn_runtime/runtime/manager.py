@@ -270,8 +270,9 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._frees: dict[int, list[int]] = {}
         self._pre: dict[int, list[int]] = {}
         self._hints: dict[int, list[Hint]] = {}
-        #: id of an optimizer state tensor -> (weak reference to it, its storage id): labelled already
-        self._opt_marked: dict[int, tuple[Any, int]] = {}
+        #: id of an optimizer state tensor -> (weak reference to it, its storage id, None), or (its weak
+        #: reference, None, its device) for one on a device the manager does not manage: labelled already
+        self._opt_marked: dict[int, tuple[Any, int | None, Any]] = {}
         self._grad_params: list[torch.nn.Parameter] = []
         self._meta_cache: dict[Any, int | None] = {}
         self._idiom_cache: dict[str, tuple[int, ...]] = {}

@@ -480,7 +480,8 @@ class Steps:
     def _mark_optimizer_state(self) -> None:
         """Label the optimizer's state tensors. One already labelled is skipped while the same tensor
         object is there and its storage tracked (optimizers update their state in place), so that a
-        step costs a dictionary lookup per state tensor, not a storage lookup."""
+        step costs a dictionary lookup per state tensor, not a storage lookup. So is one the manager
+        does not manage (Adam's step counters on the host of a CUDA manager): it stays where it is."""
         if self.optimizer is None:
             return
         seen = self._opt_marked
@@ -490,11 +491,13 @@ class Steps:
                     continue
                 key = id(v)
                 mark = seen.get(key)
-                if mark is not None and mark[0]() is v and mark[1] in self.st:
+                if mark is not None and mark[0]() is v and (mark[1] in self.st or mark[2] == v.device):
                     continue
                 sid = self._track(v, "opt_state", fresh=False)
                 if sid is not None:
-                    seen[key] = (weakref.ref(v), sid)
+                    seen[key] = (weakref.ref(v), sid, None)
+                elif v.device != self.device:
+                    seen[key] = (weakref.ref(v), None, v.device)
         if len(seen) > 2 * len(self.st) + 64:  # forget marks of state tensors long gone
             self._opt_marked = {k: m for k, m in seen.items() if m[0]() is not None}
 

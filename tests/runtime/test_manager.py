@@ -727,3 +727,35 @@ def test_an_operator_whose_meta_kernel_refuses_the_dtype_is_still_sized_exactly(
     finally:
         mm.detach()
     assert stats["budget_overshoot_bytes"] == 0 and stats["peak_device_bytes"] <= budget
+
+
+@pytest.mark.parametrize("events", ["python"] + (["native"] if NATIVE else []))
+def test_optimizer_state_on_another_device_is_looked_at_once(events, monkeypatch):
+    """State the manager does not manage (Adam's step counters stay on the host of a CUDA manager;
+    here a meta tensor for a CPU one) is labelled once, not looked up again at every step's end."""
+    monkeypatch.setenv("DYNN_EVENTS", events)
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    mm = dr.MemoryManager(1 << 30, policy="lru").attach(model, opt)
+    seen: list[torch.device] = []
+    track = mm._track
+
+    def spy(t, kind, fresh):
+        if kind == "opt_state":
+            seen.append(t.device)
+        return track(t, kind, fresh)
+
+    monkeypatch.setattr(mm, "_track", spy)
+    x = torch.randn(4, 8)
+    with mm:
+        for step in range(3):
+            with mm.step():
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            if step == 0:
+                for p in model.parameters():
+                    opt.state[p]["elsewhere"] = torch.empty(2, device="meta")
+    # step 0: the two momentum buffers; step 1: the two meta tensors (not managed); step 2: nothing
+    assert [d.type for d in seen] == ["cpu", "cpu", "meta", "meta"]
+    assert mm.stats()["managed_storages"] > 0
