@@ -9,8 +9,8 @@ Per family and round: PyTorch alone, then ``torch.autograd.graph.save_on_cpu(pin
 (pinned on CUDA only), each for ``--steps`` steps, their peaks measured as ``train_unmanaged``
 measures them (CUDA: ``max_memory_allocated`` over what the process held before the model). Then
 each policy trains under a logical budget of save_on_cpu's peak in bytes; while the managed run's
-own peak, measured the same way, lands above save_on_cpu's, the budget shrinks by that ratio (less
-3%) and the run is repeated, up to three times, so the row compares runs at the same memory (a row
+own peak, measured the same way, lands above save_on_cpu's, the budget becomes what the manager
+counted at its peak less that excess (and 3%), and the run is repeated, up to three times, so the row compares runs at the same memory (a row
 whose peak stays above says so: its peak is printed beside save_on_cpu's). Rounds alternate the order
 of the methods. Step times are medians without the first step, under deterministic algorithms;
 "identical" compares every parameter and optimizer-state tensor with PyTorch alone's.
@@ -46,6 +46,17 @@ def _managed(family: str, policy: str, budget: int, steps: int, dev: torch.devic
     return r, int(peak)
 
 
+def _shrunk(budget: int, r, excess: int) -> int:
+    """The next budget of a run whose peak was ``excess`` bytes above save_on_cpu's: the bytes the
+    manager counted at its peak (below the budget where the allocator also holds what no tensor
+    shows: workspaces, rounding), less the excess and 3%."""
+    counted = max((s["peak_device_bytes"] for s in (r.stats or {}).get("per_step", []) if s["managed"]), default=budget)
+    out = int((min(budget, counted) - excess) * 0.97)
+    if out <= 0:
+        raise ValueError(f"no budget reaches save_on_cpu's peak: {excess} bytes over it at {budget}")
+    return out
+
+
 def one_round(family: str, policies: list[str], steps: int, dev: torch.device, reverse: bool) -> list[dict]:
     rows: list[dict] = []
     pin = dev.type == "cuda"
@@ -67,7 +78,7 @@ def one_round(family: str, policies: list[str], steps: int, dev: torch.device, r
             for _ in range(SHRINKS):  # the allocator holds more than the manager counts: shrink until it fits
                 if peak <= p_soc:
                     break
-                budget = int(budget * p_soc / peak * 0.97)
+                budget = _shrunk(budget, r, peak - p_soc)
                 r, peak = _managed(family, pol, budget, steps, dev)
         except Exception as exc:  # a budget the policy cannot meet is a row, not the end of the run
             rows.append(dict(family=family, method=pol, error=f"{type(exc).__name__}: {str(exc)[:300]}",
