@@ -794,10 +794,12 @@ class Observer {
     if (!e.heard) return;
     exposed_ -= exposed(e);
     Entry** at = by_data_.find(e.data);
-    if (at != nullptr && *at == &e)
+    if (at != nullptr && *at == &e) {
       by_data_.erase(e.data);
-    else
-      shadowed_.erase(std::find(shadowed_.begin(), shadowed_.end(), &e));
+    } else {  // shadowed: a newer entry holds its address in by_data_
+      auto it = std::find(shadowed_.begin(), shadowed_.end(), &e);
+      if (it != shadowed_.end()) shadowed_.erase(it);
+    }
     e.heard = false;
     e.data = 0;
     exposed_ += exposed(e);
