@@ -269,6 +269,13 @@ void visit_tensors(const at::ITensorListRef& ts, F&& f) {
   for (const at::Tensor& t : ts) f(t);
 }
 template <class F>
+void visit_tensors(const c10::List<std::optional<at::Tensor>>& ts, F&& f) {  // Tensor?[] (indexing)
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const std::optional<at::Tensor> t = ts.get(i);
+    if (t.has_value()) f(*t);
+  }
+}
+template <class F>
 void visit_tensors(const std::vector<at::Tensor>& ts, F&& f) {
   for (const at::Tensor& t : ts) f(t);
 }
@@ -1548,6 +1555,32 @@ void register_unboxed(torch::Library& lib) {
   register_one<at::_ops::empty_memory_format>(lib);
   register_one<at::_ops::mse_loss>(lib);
   register_one<at::_ops::mse_loss_backward>(lib);
+  register_one<at::_ops::_log_softmax>(lib);
+  register_one<at::_ops::_log_softmax_backward_data>(lib);
+  register_one<at::_ops::nll_loss_forward>(lib);
+  register_one<at::_ops::nll_loss_backward>(lib);
+  // indexing and routing (mixtures of experts, variable lengths), embeddings, convolutions
+  register_one<at::_ops::index_Tensor>(lib);
+  register_one<at::_ops::index_put_>(lib);
+  register_one<at::_ops::_index_put_impl_>(lib);
+  register_one<at::_ops::index_copy>(lib);
+  register_one<at::_ops::nonzero>(lib);
+  register_one<at::_ops::gt_Scalar>(lib);
+  register_one<at::_ops::slice_backward>(lib);
+  register_one<at::_ops::detach_>(lib);
+  register_one<at::_ops::embedding>(lib);
+  register_one<at::_ops::embedding_dense_backward>(lib);
+  register_one<at::_ops::convolution>(lib);
+  register_one<at::_ops::convolution_backward>(lib);
+  register_one<at::_ops::native_batch_norm>(lib);
+  register_one<at::_ops::native_batch_norm_backward>(lib);
+  register_one<at::_ops::mean>(lib);
+  register_one<at::_ops::sum>(lib);
+  register_one<at::_ops::neg>(lib);
+  register_one<at::_ops::zeros_like>(lib);
+  register_one<at::_ops::zeros>(lib);
+  register_one<at::_ops::arange>(lib);
+  register_one<at::_ops::_to_copy>(lib);
   // the zoo's own data (random draws inside a step)
   register_one<at::_ops::linspace>(lib);
   register_one<at::_ops::rand_generator>(lib);

@@ -119,6 +119,49 @@ def test_operators_with_an_unboxed_kernel_are_recorded_as_the_boxed_fallback_rec
     assert norm[:2] == ("aten::native_layer_norm", [sx, sw]) and len(norm[2]) == 3 and norm[2] == norm[4]
 
 
+def test_indexing_with_an_unboxed_kernel_sees_every_index_tensor():
+    """``index.Tensor`` and ``index_put_`` take their indices as ``Tensor?[]`` (a list of optional
+    tensors): each index is an input, so one that is away comes back before the kernel reads it."""
+    ob = C.Observer("cpu")
+    ob.start(None, None)
+    try:
+        assert _served_unboxed("aten::index.Tensor") and _served_unboxed("aten::index_put_")
+        ob.set_in_step(True)
+        x, rows, cols, v = torch.randn(6, 5), torch.tensor([0, 2, 5]), torch.tensor([1, 1, 4]), torch.ones(3)
+        _, names = ob.take_log()
+        sx, sr, sc, sv = (ob.sid_of(t) for t in (x, rows, cols, v))
+        y = x[rows, cols]  # aten::index.Tensor(x, [rows, cols])
+        z = x[:, cols]  # a None in the list (a slice first): aten::index.Tensor(x, [None, cols])
+        x.index_put_((rows, cols), v)  # writes its first argument
+        log, more = ob.take_log()
+    finally:
+        ob.stop()
+    names = names + more
+    recs = {names[r[0]]: r[1:] for r in _op_records(log)}
+    sy, sz = ob.sid_of(y), ob.sid_of(z)
+    idx = [r[1:] for r in _op_records(log) if names[r[0]] == "aten::index.Tensor"]
+    assert idx[0] == ([sx, sr, sc], [sy], [], [sy])
+    assert idx[1][1:] == ([sz], [], [sz]) and sx in idx[1][0] and sc in idx[1][0]
+    assert recs["aten::index_put_"] == ([sx, sr, sc, sv], [sx], [sx], [])
+
+
+def test_an_index_tensor_away_faults_back_before_indexing():
+    model, opt = _mlp()
+    mm = dr.MemoryManager(1 << 30, policy="lru", device="cpu", events="native").attach(model, opt)
+    try:
+        x = torch.randn(8, 4)
+        want = x[torch.tensor([7, 0, 3])]
+        with mm.step():
+            idx = torch.tensor([7, 0, 3]) + 0  # made by an operator in the step: the manager may move it
+            assert mm.offload(idx) > 0 and idx.untyped_storage().nbytes() == 0
+            faults = mm._obs.faults
+            got = x[idx]
+            assert mm._obs.faults == faults + 1
+        assert torch.equal(got, want)
+    finally:
+        mm.detach()
+
+
 def test_a_python_number_wrapped_for_one_operator_is_not_tracked():
     ob = C.Observer("cpu")
     ob.start(None, None)
