@@ -1,6 +1,6 @@
 """The pilot's host cost per operator on the native event source, and where it goes.
 
-    python tools/pilot_host_cost.py [--reps 60] [--device cuda] [VARIANT ...]
+    python tools/pilot_host_cost.py [--reps 60] [--device cuda] [--clock process] [VARIANT ...]
 
 Runs the operator loop of ``dynn bench --overhead`` (small ATen operators and a small ``Linear``
 forward and backward, one thread, budget far above the peak) under one manager per variant, and
@@ -9,7 +9,8 @@ over PyTorch alone (thread CPU time: the median of per-repetition differences, a
 managed minus the minimum PyTorch alone, which other processes on a shared machine disturb
 less). ``--device cuda`` runs the loop on the GPU, synchronized after each side outside the timed
 part: the thread's CPU time is then the host's alone, whatever the GPU waits for (``dynn bench
---overhead --device cuda`` times the wall clock). Variants (default: all):
+--overhead --device cuda`` times the wall clock); there backward runs on autograd's device thread,
+which only ``--clock process`` (every thread's CPU time) counts. Variants (default: all):
 
 - ``pilot``: the pilot as shipped (with nothing moved it sits every step out: ``Policy.idle_step``,
   no operator told);
@@ -176,10 +177,12 @@ def measure_paired(reps: int, kernel: bool = False, pack: bool = False,
     return ops, statistics.median(diff[True]) * 1e6, statistics.median(diff[False]) * 1e6
 
 
-def measure(variant: str, reps: int, device: str = "cpu") -> tuple[int, float, float]:
+def measure(variant: str, reps: int, device: str = "cpu", clock=time.thread_time) -> tuple[int, float, float]:
     """(operators per step, median us per operator over PyTorch alone, min-min us per operator).
     On ``cuda`` the thread's CPU time is the host's alone (the kernels run on the GPU; it is
-    synchronized after each side, outside the timed part)."""
+    synchronized after each side, outside the timed part). ``clock``: ``time.thread_time`` (the
+    stepping thread) or ``time.process_time`` (every thread: on CUDA, backward runs on autograd's
+    device thread, which the stepping thread's time does not see)."""
     work, lin = _work(device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     mm = MemoryManager(1 << 50, policy=VARIANTS[variant](), device=device, events="native")
@@ -191,14 +194,14 @@ def measure(variant: str, reps: int, device: str = "cpu") -> tuple[int, float, f
         diff, plain, managed = [], [], []
         for _ in range(reps):
             sync()
-            t0 = time.thread_time()
+            t0 = clock()
             work()
-            p = time.thread_time() - t0
+            p = clock() - t0
             sync()
             with mm.step():
-                t0 = time.thread_time()
+                t0 = clock()
                 work()
-                m = time.thread_time() - t0
+                m = clock() - t0
                 sync()
             ops = mm.steps[-1].ops
             diff.append((m - p) / ops)
@@ -215,6 +218,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("variants", nargs="*", metavar="VARIANT", help=f"any of {', '.join(VARIANTS)} (default: all)")
     ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--clock", default="thread", choices=["thread", "process"],
+                    help="the stepping thread's CPU time, or the process's (every thread: on CUDA, backward runs "
+                         "on autograd's device thread)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="where the loop runs (the variants only; the --paired modes run on the CPU)")
     ap.add_argument("--paired", action="store_true",
@@ -272,7 +278,7 @@ def main() -> None:
         return
     print("| variant | ops/step | +us/op (median) | +us/op (min-min) |\n|---|---:|---:|---:|")
     for v in args.variants or list(VARIANTS):
-        ops, med, low = measure(v, args.reps, args.device)
+        ops, med, low = measure(v, args.reps, args.device, time.process_time if args.clock == "process" else time.thread_time)
         print(f"| {v} | {ops} | {med:.1f} | {low:.1f} |")
 
 
