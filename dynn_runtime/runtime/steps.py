@@ -496,16 +496,10 @@ class Steps:
                 sid = self._track(v, "opt_state", fresh=False)
                 if sid is not None:
                     seen[key] = (weakref.ref(v), sid, None)
-                elif not self._manages(v.device):
+                elif v.device != self.device:  # the manager's device carries its index (cuda:N)
                     seen[key] = (weakref.ref(v), None, v.device)
         if len(seen) > 2 * len(self.st) + 64:  # forget marks of state tensors long gone
             self._opt_marked = {k: m for k, m in seen.items() if m[0]() is not None}
-
-    def _manages(self, device: torch.device) -> bool:
-        """Whether storages on ``device`` are the manager's (its device type, and its index where it
-        has one)."""
-        mine = self.device
-        return device.type == mine.type and (mine.index is None or device.index == mine.index)
 
     def _hint_step(self) -> None:
         self._give_hint(Hint("step"))
