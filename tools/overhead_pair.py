@@ -1,7 +1,7 @@
 """The managed step against PyTorch alone, paired step by step in one process (native event source).
 
 Usage: ``python tools/overhead_pair.py FAMILY[,FAMILY...] [--steps N] [--configs none,lru,lru@0.5]
-[--profile CONFIG] [--rounds R] [--device cuda]`` (``small`` presets; a family may be ``examples/my_workload.py:build``;
+[--profile CONFIG] [--rounds R] [--device cuda] [--preset P]`` (``small`` presets by default; a family may be ``examples/my_workload.py:build``;
 a configuration is a policy name, ``pilot-every`` for the pilot with every decision point run
 (``defer_idle=False``), ``pilot-alt`` for one pilot that defers its idle decision points in steps 4k and
 4k+1 and runs every one in steps 4k+2 and 4k+3 (both in both orders against PyTorch alone; the two
@@ -59,6 +59,7 @@ _EXPERIMENT = ""
 
 _CLOCK = time.thread_time  # the stepping thread's CPU time; wall time with the GPU synchronized on CUDA
 _DEVICE = "cpu"
+_PRESET = "small"
 
 
 def _sync() -> None:
@@ -98,7 +99,7 @@ class _Phases:
 
 def run(family: str, config: str, steps: int, profile: bool) -> dict:
     torch.manual_seed(0)
-    wl = load_workload(family, preset="small", seed=0)
+    wl = load_workload(family, preset=_PRESET, seed=0)
     initial = copy.deepcopy(wl.model).to(_DEVICE)
     batches = [to_device(wl.make_batch(s), torch.device(_DEVICE)) for s in range(steps)]
     policy, _, frac = config.partition("@")
@@ -262,11 +263,13 @@ def main() -> None:
     ap.add_argument("--profile", default="")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--experiment", default="")
+    ap.add_argument("--preset", default="small", help="the zoo preset (tiny: CPU steps whose host work dominates, as on a GPU)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: wall time with the GPU synchronized around each side's step, default threads")
     args = ap.parse_args()
-    global _EXPERIMENT, _CLOCK, _DEVICE
+    global _EXPERIMENT, _CLOCK, _DEVICE, _PRESET
     _EXPERIMENT = args.experiment
+    _PRESET = args.preset
     _DEVICE = args.device
     if _DEVICE == "cuda":
         _CLOCK = time.perf_counter

@@ -178,6 +178,7 @@ class Observer;
 // worker threads inherit it), the observer it serves is not. Operators run on one thread at a time
 // (autograd's caller waits for the engine), so the observer's tables need no lock.
 std::atomic<Observer*> g_active{nullptr};
+std::atomic<size_t> g_slots{0};  // slots drawn by the unboxed operators (Unboxed<Op>::call)
 
 thread_local int tls_suspended = 0;            // suspend() depth on this thread
 thread_local bool tls_suspend_excluded = false;  // the key's excluded state the outermost suspend() found
@@ -882,17 +883,19 @@ class Observer {
   }
 
   c10::StorageImpl* managed_impl(const at::Tensor& t) const {
-    if (!t.defined() || t.layout() != c10::kStrided || !t.has_storage()) return nullptr;
-    const c10::Device d = t.device();
+    if (!t.defined()) return nullptr;
+    const c10::TensorImpl& ti = *t.unsafeGetTensorImpl();
+    // tensor subclasses and wrappers (fake, functional) manage their own storage
+    static const c10::DispatchKeySet wrappers({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
+    if (ti.key_set().has_any(wrappers) || ti.layout() != c10::kStrided) return nullptr;
+    const c10::Device d = ti.device();
     if (d.type() != device_type_) return nullptr;
     if (device_index_ >= 0 && d.index() != device_index_) return nullptr;
-    // tensor subclasses and wrappers (fake, functional) manage their own storage
-    if (t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize})))
-      return nullptr;
     // a Python number wrapped for one operator (`x.add_(1)`): only that operator's arguments hold it,
     // and on an accelerator it lives on the CPU anyway; untracked on every device alike (invariant 10)
-    if (t.unsafeGetTensorImpl()->is_wrapped_number()) return nullptr;
-    return t.storage().unsafeGetStorageImpl();
+    if (ti.is_wrapped_number()) return nullptr;
+    // the storage field itself: neither virtual nor out of line, and null where there is none
+    return ti.unsafe_storage().unsafeGetStorageImpl();
   }
 
   Recency& rec() {
@@ -934,9 +937,30 @@ class Observer {
     exposed_ += exposed(fresh_entry);
     if (!fresh_entry.covered) hear_entry(fresh_entry, impl);
     used_ += n;
-    log_.insert(log_.end(), {kAlloc, sid, n, fresh ? int64_t(1) : int64_t(0)});
+    int64_t* w = log_extend(4);
+    w[0] = kAlloc;
+    w[1] = sid;
+    w[2] = n;
+    w[3] = fresh ? 1 : 0;
     if (!fresh && recency_live_) recency_->alloc(sid, n);  // told where the Python parse tells its kAlloc
     return {&fresh_entry, true};
+  }
+
+  // Appends `k` words to the log and returns the first: one capacity check per record.
+  int64_t* log_extend(size_t k) {
+    const size_t n = log_.size();
+    log_.resize(n + k);
+    return log_.data() + n;
+  }
+
+  // An unboxed operator's info by the slot its Unboxed<Op> drew at registration: an index, not a
+  // hash of its schema, on every call after the first.
+  OpInfo& info(const c10::OperatorHandle& op, size_t slot) {
+    if (slot < by_slot_.size() && by_slot_[slot] != nullptr) return *by_slot_[slot];
+    OpInfo& inf = info(op);
+    if (slot >= by_slot_.size()) by_slot_.resize(slot + 1, nullptr);
+    by_slot_[slot] = &inf;  // unordered_map's elements stay where they are as it grows
+    return inf;
   }
 
   OpInfo& info(const c10::OperatorHandle& op) {
@@ -988,9 +1012,10 @@ class Observer {
     v.push_back(sid);
   }
 
-  int64_t current_phase() {
+  // The phase of an operator that runs `in_node` (inside an autograd node's apply: backward) or not.
+  int64_t phase_of(bool in_node) {
     if (phase_override_ == kOptimizer) return kOptimizer;
-    if (torch::autograd::get_current_node()) {
+    if (in_node) {
       seen_backward_ = true;
       return kBackward;
     }
@@ -1133,8 +1158,9 @@ class Observer {
   // Inlined into its Unboxed<Op>::call, whatever the compiler's size heuristics say: one call less
   // per operator.
   template <class Op, class Ret, class... Args>
-  C10_ALWAYS_INLINE Ret dispatch_unboxed(const c10::OperatorHandle& op, c10::DispatchKeySet below, Args... args) {
-    OpInfo& inf = info(op);
+  C10_ALWAYS_INLINE Ret dispatch_unboxed(const c10::OperatorHandle& op, size_t slot, c10::DispatchKeySet below,
+                                         Args... args) {
+    OpInfo& inf = info(op, slot);
     if (inf.skip) return Op::redispatch(below, args...);
     Ctx& ctx = enter();
     Leave leave{depth_};
@@ -1146,7 +1172,8 @@ class Observer {
       visit_tensors(arg, [&](const at::Tensor& t) { see_input(t, written, ctx); });
     };
     (in(args), ...);
-    before_kernel(Op::name, ctx, current_stream());
+    const int64_t stream = current_stream();  // no kernel below the key changes the current stream
+    before_kernel(Op::name, ctx, stream);
     if (inf.random && inf.retry && in_step_) {  // invariant 11: the generator it draws from, for a retry
       std::optional<at::Generator> gen;
       auto pick = [&](const auto& a) {
@@ -1176,7 +1203,6 @@ class Observer {
     } else {
       Ret out = run();
       const int64_t j = begin_outputs();
-      const int64_t stream = current_stream();
       int64_t made = 0;
       visit_tensors(out, [&](const at::Tensor& t) { see_output(t, j, stream, made, ctx); });
       finish(inf, j, made, ctx);
@@ -1272,8 +1298,9 @@ class Observer {
     // the autograd node: in backward the one running; in forward the one this op created, if any
     // (invariant 15)
     int64_t node = -1;
-    const int64_t phase = current_phase();
-    if (auto cur = torch::autograd::get_current_node()) {
+    const auto cur = torch::autograd::get_current_node();
+    const int64_t phase = phase_of(cur != nullptr);
+    if (cur != nullptr) {
       const uint64_t q = cur->sequence_nr();
       node = q < (uint64_t(1) << 62) ? static_cast<int64_t>(q) : -1;
     } else {
@@ -1283,13 +1310,21 @@ class Observer {
         node = q;
       }
     }
-    log_.insert(log_.end(), {kOp, inf.id, phase | (module_ << 2), node, used_, static_cast<int64_t>(ctx.ins.size()),
-                             static_cast<int64_t>(outs.size()), static_cast<int64_t>(ctx.writes.size()),
-                             static_cast<int64_t>(allocs.size())});
-    log_.insert(log_.end(), ctx.ins.begin(), ctx.ins.end());
-    log_.insert(log_.end(), outs.begin(), outs.end());
-    log_.insert(log_.end(), ctx.writes.begin(), ctx.writes.end());
-    log_.insert(log_.end(), allocs.begin(), allocs.end());
+    const size_t n_in = ctx.ins.size(), n_out = outs.size(), n_w = ctx.writes.size(), n_a = allocs.size();
+    int64_t* w = log_extend(9 + n_in + n_out + n_w + n_a);
+    w[0] = kOp;
+    w[1] = inf.id;
+    w[2] = phase | (module_ << 2);
+    w[3] = node;
+    w[4] = used_;
+    w[5] = static_cast<int64_t>(n_in);
+    w[6] = static_cast<int64_t>(n_out);
+    w[7] = static_cast<int64_t>(n_w);
+    w[8] = static_cast<int64_t>(n_a);
+    w = std::copy(ctx.ins.begin(), ctx.ins.end(), w + 9);
+    w = std::copy(outs.begin(), outs.end(), w);
+    w = std::copy(ctx.writes.begin(), ctx.writes.end(), w);
+    std::copy(allocs.begin(), allocs.end(), w);
     if (recency_live_) told_live(inf, j, phase, ctx);
     bool swept = false;
     if (sweep_every_ > 0 && position_ % sweep_every_ == 0) {
@@ -1402,6 +1437,7 @@ class Observer {
   std::vector<std::unique_ptr<Ctx>> ctxs_;  // by nesting depth
   size_t depth_ = 0;
   std::unordered_map<const void*, OpInfo> ops_;  // by the operator's schema (its address is stable)
+  std::vector<OpInfo*> by_slot_;                  // ops_'s entries of the unboxed operators, by slot
   std::vector<std::string> names_;
   size_t names_sent_ = 0;
   std::vector<int64_t> log_;
@@ -1481,7 +1517,8 @@ struct Unboxed<Op, Ret(Args...)> {
     }
     static const c10::OperatorHandle handle =
         c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, Op::overload_name);
-    return self->template dispatch_unboxed<Op, Ret, Args...>(handle, below, args...);
+    static const size_t slot = g_slots.fetch_add(1);  // this operator's index into each observer's OpInfo
+    return self->template dispatch_unboxed<Op, Ret, Args...>(handle, slot, below, args...);
   }
 };
 
