@@ -1,7 +1,7 @@
 """Host instructions per step, managed against PyTorch alone, counted by valgrind (CPU; no GPU needed).
 
 Usage: ``python tools/host_instructions.py FAMILY[,FAMILY...] [--preset tiny] [--steps 4,12]
-[--policy none] [--jobs 2] [--objects]``
+[--policy none] [--jobs 2] [--keep DIR]``
 
 Timings on a shared machine move by 10-30% from step to step; instruction counts do not. Each
 workload runs four times under ``valgrind --tool=callgrind`` (managed and alone, each for two
@@ -11,13 +11,14 @@ Managed runs ``MemoryManager(policy, budget far above the peak, events="native")
 so what it adds is the manager's bookkeeping, the host work that decides the nothing-moved ratio
 of a host-bound GPU step. ``tiny`` presets keep the kernels small, as a GPU's are to its host.
 
-``--objects`` also splits each managed step's extra by shared object (the native observer ``_C``,
-``libtorch_cpu``, ``libpython``, ...) with ``callgrind_annotate``.
+``--keep DIR`` keeps the callgrind files, for ``callgrind_annotate`` by function. (Not by shared
+object: it merges functions of one name in different libraries, the stripped ones' inlined
+``std::string`` members among them, under the first library it met, which changes from run to run.)
 
-The runs set ``PYTHONHASHSEED=0`` and one BLAS thread, so that two runs of the same build execute the
-same instructions to within about 0.1%. A count is not a time (a cache miss costs more than an
-add), so a change is judged by both: this for what the host executes, ``tools/overhead_pair.py``
-for what it costs.
+The runs set ``PYTHONHASHSEED=0`` and one BLAS thread, so that two runs of one build execute nearly
+the same instructions (docs/benchmarks.md says how nearly). A count is not a time (a cache miss
+costs more than an add), so a change is judged by both: this for what the host executes,
+``tools/overhead_pair.py`` for what it costs.
 """
 
 from __future__ import annotations
@@ -60,27 +61,18 @@ _TOTAL = re.compile(r"Collected : (\d+)")
 
 
 def _run(family: str, preset: str, mode: str, policy: str, warm: int, steps: int, out: str) -> tuple[int, int]:
+    # run outside the checkout, so that the child imports the installed package (the checkout's own
+    # directory would shadow a package installed elsewhere, as when a build is compared with another)
     env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
                MKL_NUM_THREADS="1")
     cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-c", _CHILD,
            family, preset, mode, policy, str(warm), str(steps)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=os.path.dirname(out))
     m = _TOTAL.search(p.stderr)
     if p.returncode != 0 or m is None:
         raise SystemExit(f"host_instructions: {family} {mode} {steps} steps failed:\n{p.stderr[-2000:]}")
     ops = re.search(r"ops (\d+)", p.stdout)
     return int(m.group(1)), int(ops.group(1)) if ops else 0
-
-
-def _by_object(path: str) -> dict[str, int]:
-    p = subprocess.run(["callgrind_annotate", "--auto=no", "--threshold=100", path], capture_output=True, text=True)
-    out: dict[str, int] = {}
-    for line in p.stdout.splitlines():
-        m = re.match(r"\s*([\d,]+) \([^)]*\)\s+.*\[([^\]]+)\]\s*$", line)
-        if m:
-            obj = os.path.basename(m.group(2)).split(".cpython")[0].split(".so")[0]
-            out[obj] = out.get(obj, 0) + int(m.group(1).replace(",", ""))
-    return out
 
 
 def main() -> None:
@@ -90,7 +82,6 @@ def main() -> None:
     ap.add_argument("--steps", default="4,12", help="the two step counts, after one warm-up step")
     ap.add_argument("--policy", default="none")
     ap.add_argument("--jobs", type=int, default=2, help="valgrind runs at once")
-    ap.add_argument("--objects", action="store_true", help="split the managed extra by shared object")
     ap.add_argument("--keep", default="", help="a folder to keep the callgrind files in")
     args = ap.parse_args()
     if shutil.which("valgrind") is None:
@@ -112,17 +103,6 @@ def main() -> None:
         print(f"{family} ({args.preset}, {args.policy}, nothing moved): alone {per['alone'] / 1e6:.2f} M "
               f"instructions/step, managed {per['managed'] / 1e6:.2f} M: x{per['managed'] / per['alone']:.4f}, "
               f"+{extra / 1e6:.2f} M a step, +{extra / max(ops, 1):.0f} a operator ({ops} operators)", flush=True)
-        if args.objects:
-            split = {}
-            for mode in ("alone", "managed"):
-                a = _by_object(os.path.join(work, f"cg.{family}.{mode}.{lo}"))
-                b = _by_object(os.path.join(work, f"cg.{family}.{mode}.{hi}"))
-                split[mode] = {k: (b.get(k, 0) - a.get(k, 0)) / (hi - lo) for k in set(a) | set(b)}
-            diff = {k: split["managed"].get(k, 0) - split["alone"].get(k, 0)
-                    for k in set(split["managed"]) | set(split["alone"])}
-            top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:8]
-            print("  managed - alone by object, a step: "
-                  + ", ".join(f"{k} {v / 1e6:+.2f} M" for k, v in top), flush=True)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
 
