@@ -234,6 +234,10 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._idiom_by_name: dict[str, tuple[int, ...]] = {}
         self._saved_pending: set[int] = set()
         self._grad_pending: set[int] = set()
+        # records made movable in a step, of a kind that is not always movable: what a successful
+        # step's end must bring back and make unmovable (Steps._end_step); only a step makes such a
+        # record, and a kind only ever gets more specific, so no other record needs that
+        self._transient: list[Any] = []
         self._saved_unlogged: list[tuple[int, torch.Tensor]] = []
         self._tell_labels = False
         self._engaged = False

@@ -362,15 +362,19 @@ class Steps:
             # back at its next access.
             if ok and error is None:
                 left = 0
-                for s in list(self.st.values()):
-                    if s.kind not in _MOVABLE_ALWAYS:
+                st = self.st
+                for s in self._transient:  # (a record that died since: skipped)
+                    if s.kind not in _MOVABLE_ALWAYS and st.get(s.sid) is s:
                         if s.status != RESIDENT and not self._fetch_back(s):
                             left += 1
                         s.movable = False
+                self._transient = []
                 if left:
                     logger.warning("runtime: %d storage(s) the program holds after step %d stay on the host: the "
                                    "caching allocator ran out bringing them back, also after room was made. "
                                    "They come back at their next access.", left, self._step_index)
+            else:  # the next successful step's end does it; what died meanwhile is let go
+                self._transient = [s for s in self._transient if self.st.get(s.sid) is s]
             self._sync()
             self._resolve_stalls()
         cur = self._cur

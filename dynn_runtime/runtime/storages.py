@@ -148,6 +148,8 @@ class StorageTable:
         # offloaded storage.
         movable = st.resizable() and (self._in_step or kind in _MOVABLE_ALWAYS)
         s = _S(sid, key, ref, n, kind, movable=movable, step=self._step_index)
+        if movable and kind not in _MOVABLE_ALWAYS:
+            self._transient.append(s)
         s.born_pos = self.position
         self.st[sid] = s
         self._key_sid[key] = sid
@@ -180,6 +182,8 @@ class StorageTable:
     def _new_native(self, sid: int, kind: str, nbytes: int, movable: bool, born: int) -> _S:
         obs = self._obs
         s = _S(sid, sid, None, nbytes, kind, movable=movable, step=self._step_index)
+        if movable and kind not in _MOVABLE_ALWAYS:
+            self._transient.append(s)
         s.obs = obs
         self.set_status(s, RESIDENT)  # the observer counted its bytes already (_account)
         s.born_pos = born

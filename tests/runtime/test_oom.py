@@ -430,6 +430,37 @@ def test_a_prefetch_that_runs_out_is_dropped_and_its_storage_fetched_on_demand(e
 
 
 @pytest.mark.parametrize("events", _SOURCES)
+def test_what_a_step_made_and_the_program_keeps_is_brought_back_and_stays_put_from_a_successful_end(events):
+    """A storage made in a step and still held at its end comes back to the device and may not move
+    any more; after a failed step it stays movable (and where it is) until a later step ends well,
+    which brings it back. Tensors made in earlier steps are left as they were."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    with _mm(events, model, None) as mm:
+        with mm.step():
+            early = model(torch.randn(8, 64)).detach() * 1.0
+        with mm.step():
+            kept = model(torch.randn(8, 64)).detach() * 1.0
+            want = kept.clone()
+            assert mm.offload(kept) > 0
+        s = mm.st[mm._sid(kept)]
+        assert s.status == "resident" and not s.movable
+        assert mm.offload(kept) == 0 and mm.offload(early) == 0
+        with pytest.raises(RuntimeError, match="inside the step"):
+            with mm.step():
+                failed = model(torch.randn(8, 64)).detach() * 1.0
+                failed_want = failed.clone()
+                assert mm.offload(failed) > 0
+                raise RuntimeError("inside the step")
+        f = mm.st[mm._sid(failed)]
+        assert f.status == "host" and f.movable  # a failed step leaves it where it is, movable
+        with mm.step():
+            model(torch.randn(8, 64)).sum()
+        assert f.status == "resident" and not f.movable
+        assert mm.offload(failed) == 0
+        assert torch.equal(kept, want) and torch.equal(failed, failed_want)
+
+
+@pytest.mark.parametrize("events", _SOURCES)
 def test_a_fetch_back_at_the_end_of_a_step_that_runs_out_leaves_the_storage_on_the_host(events, failing_allocations):
     """What the program holds comes back at the step's end; where the allocator runs out for it, also
     once room was made, it stays on the host (its copy valid) and comes back at its next access, and
