@@ -488,20 +488,20 @@ class Steps:
         does not manage (Adam's step counters on the host of a CUDA manager): it stays where it is."""
         if self.optimizer is None:
             return
-        seen = self._opt_marked
+        seen, st, tensor = self._opt_marked, self.st, torch.Tensor
+        get = seen.get
         for state in self.optimizer.state.values():
             for v in state.values():
-                if type(v) is not torch.Tensor:
+                if type(v) is not tensor:
                     continue
-                key = id(v)
-                mark = seen.get(key)
-                if mark is not None and mark[0]() is v and (mark[1] in self.st or mark[2] == v.device):
+                mark = get(id(v))
+                if mark is not None and mark[0]() is v and (mark[1] in st or mark[2] == v.device):
                     continue
                 sid = self._track(v, "opt_state", fresh=False)
                 if sid is not None:
-                    seen[key] = (weakref.ref(v), sid, None)
+                    seen[id(v)] = (weakref.ref(v), sid, None)
                 elif v.device != self.device:  # the manager's device carries its index (cuda:N)
-                    seen[key] = (weakref.ref(v), None, v.device)
+                    seen[id(v)] = (weakref.ref(v), None, v.device)
         if len(seen) > 2 * len(self.st) + 64:  # forget marks of state tensors long gone
             self._opt_marked = {k: m for k, m in seen.items() if m[0]() is not None}
 
