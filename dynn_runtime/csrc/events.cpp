@@ -457,6 +457,18 @@ class Observer {
     return out;
   }
 
+  // sid_of() of each parameter's gradient (-2: it has none), read in C++: no Python object is made
+  // for a gradient autograd created (the optimizer's pre-hook asks for every one, every step).
+  std::vector<int64_t> grad_sids_of(const std::vector<at::Tensor>& params) {
+    std::vector<int64_t> out;
+    out.reserve(params.size());
+    for (const at::Tensor& p : params) {
+      const at::Tensor& g = p.grad();
+      out.push_back(g.defined() ? sid_of(g) : -2);
+    }
+    return out;
+  }
+
   // The storage behind `sid` as a Python object, or None if it died.
   py::object storage(int64_t sid) {
     Entry** e = by_sid_.find(static_cast<uint64_t>(sid));
@@ -1730,7 +1742,7 @@ bool add_operator_parse(PyObject* module);  // operators.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 14;
+  m.attr("ABI") = 15;
   if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
@@ -1767,6 +1779,7 @@ PYBIND11_MODULE(_C, m) {
       .def("track", &Observer::track)
       .def("sid_of", &Observer::sid_of)
       .def("sids_of", &Observer::sids_of)
+      .def("grad_sids_of", &Observer::grad_sids_of)
       .def("storage", &Observer::storage)
       .def("set_away", &Observer::set_away)
       .def("set_host_valid", &Observer::set_host_valid)

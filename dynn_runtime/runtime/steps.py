@@ -465,21 +465,22 @@ class Steps:
 
     def _mark_kind_of_grads(self) -> None:
         """Label the gradients "grad", as :meth:`_label_grad` does one, with the sids looked up in one
-        native call."""
+        native call that reads the gradients in C++ (a gradient's Python object is made only where the
+        observer's lookup is not the end of it: a subclass, or a storage already recorded)."""
         track, obs, st, pending = self._track, self._obs, self.st, self._grad_pending
-        grads = [g for g in (p.grad for p in self._grad_params) if g is not None]
+        params = self._grad_params
         if obs is None:
-            for g in grads:
-                track(g, "grad", fresh=False)
+            for p in params:
+                if p.grad is not None:
+                    track(p.grad, "grad", fresh=False)
             return
-        sids = iter(obs.sids_of([g for g in grads if type(g) is torch.Tensor]))  # one native call
-        for g in grads:
-            if type(g) is torch.Tensor:
-                sid = next(sids)
-                if sid >= 0 and sid not in st:
-                    pending.add(sid)
-                    continue
-            track(g, "grad", fresh=False)
+        for p, sid in zip(params, obs.grad_sids_of(params)):
+            if sid == -2:  # no gradient
+                continue
+            if sid >= 0 and sid not in st:
+                pending.add(sid)
+                continue
+            track(p.grad, "grad", fresh=False)
 
     def _mark_optimizer_state(self) -> None:
         """Label the optimizer's state tensors. One already labelled is skipped while the same tensor

@@ -668,6 +668,32 @@ def test_gradients_are_labelled_when_read_and_never_registered_when_they_die_unr
         mm.detach()
 
 
+def test_gradients_are_labelled_beside_frozen_parameters_and_gradients_already_recorded():
+    """The optimizer's pre-hook reads every parameter's gradient natively: a frozen parameter (no
+    gradient) is passed over, a gradient born since the log was read waits for its birth to be read,
+    and one already recorded (kept across steps by accumulation) is relabelled at once."""
+    model, _ = _mlp()
+    model[0].weight.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    mm = dr.MemoryManager(1 << 30, device="cpu", events="native").attach(model, opt)
+    try:
+        with mm.step():
+            model(torch.randn(4, 32)).sum().backward()
+            opt.step()
+        assert model[0].weight.grad is None
+        trained = [p for p in model.parameters() if p.requires_grad]
+        grads = {mm._obs.sid_of(p.grad) for p in trained}
+        assert len(grads) == len(trained) and {mm.st[sid].kind for sid in grads} == {"grad"}
+        with mm.step():  # no zero_grad: the same gradients accumulate, already in the table
+            model(torch.randn(4, 32)).sum().backward()
+            assert {mm._obs.sid_of(p.grad) for p in trained} == grads
+            opt.step()
+            assert not mm._grad_pending  # recorded already: labelled at once, nothing waits
+        assert {mm.st[sid].kind for sid in grads} == {"grad"}
+    finally:
+        mm.detach()
+
+
 def test_doctor_says_which_event_source_is_used(monkeypatch):
     from dynn_runtime.runtime.doctor import doctor_report
 
