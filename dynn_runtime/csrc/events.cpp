@@ -449,14 +449,6 @@ class Observer {
     return e == nullptr ? -1 : (*e)->sid;
   }
 
-  // sid_of() of each tensor, in one call (the optimizer's pre-hook asks for every gradient).
-  std::vector<int64_t> sids_of(const std::vector<at::Tensor>& ts) {
-    std::vector<int64_t> out;
-    out.reserve(ts.size());
-    for (const at::Tensor& t : ts) out.push_back(sid_of(t));
-    return out;
-  }
-
   // sid_of() of each parameter's gradient (-2: it has none), read in C++: no Python object is made
   // for a gradient autograd created (the optimizer's pre-hook asks for every one, every step).
   std::vector<int64_t> grad_sids_of(const std::vector<at::Tensor>& params) {
@@ -1778,7 +1770,6 @@ PYBIND11_MODULE(_C, m) {
       .def("set_seen_backward", &Observer::set_seen_backward)
       .def("track", &Observer::track)
       .def("sid_of", &Observer::sid_of)
-      .def("sids_of", &Observer::sids_of)
       .def("grad_sids_of", &Observer::grad_sids_of)
       .def("storage", &Observer::storage)
       .def("set_away", &Observer::set_away)
