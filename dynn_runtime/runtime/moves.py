@@ -12,7 +12,7 @@ Storages a collective still runs on (``c10d::`` operators: DDP's buckets) and th
 never leave. An eviction's copy waits for the compute stream and for the stream of the storage's
 last access (the native observer's ``last_stream``; ``_S.stream`` on the Python source).
 
-State: ``_copies``, ``async_copies``, ``_copy_storages`` (the engine takes storages: ``copies.py``),
+State: ``_copies``, ``async_copies``, ``_copy_storages`` (the engine takes storages: ``copies.py``), ``_rooms_unwalked``,
 ``pool``, ``_cur`` (the step's statistics), ``_pending_stalls``, ``_held`` and ``_collectives`` (what
 collectives hold), ``_pinned``, ``_no_prefetch`` (a prefetch ran out of device memory in this step).
 """
@@ -263,12 +263,37 @@ class Moves(Residency):
     def _room_before(self, need: int) -> bool:
         if self._collectives:
             self._release_collectives(wait=False)
-        if self._obs is not None and self._obs.sweep():  # storages that died since the last look
+        if self._obs is not None and self._walk_for_room(need) and self._obs.sweep():  # died since the last look
             self._native_parse(in_step=self._in_step)
             if self.fits(need):
                 return True
         self._reap()
         return False
+
+    #: walk the observer's table for deaths before every make-room, whatever the drain found (off:
+    #: only where the walk can help, :meth:`_walk_for_room`)
+    walk_every_room = False
+    #: where a walk finds only storages that died away, one make-room in this many walks
+    walk_room_every = 8
+
+    def _walk_for_room(self, need: int) -> bool:
+        """Whether a walk of the observer's table (``sweep``) can help make room for ``need`` bytes.
+        Where no entry counted in ``used`` is exposed (events.cpp, invariant 9), the drain that read
+        ``used`` found every death that frees device bytes, and a walk finds only storages that died
+        away, whose host buffers it frees. Then it walks at one make-room in ``walk_room_every``, and
+        at every one where the host pool has less than a quarter of a chunk (or ``need``) free, so
+        that those buffers come back before the evictions would make the pool grow (a pinned chunk
+        is slow to make)."""
+        obs = self._obs
+        if self.walk_every_room or obs.exposed:
+            return True
+        self._rooms_unwalked += 1
+        pool = self.pool
+        roomy = pool.reserved - pool.in_use >= max(need, pool.chunk_bytes >> 2)
+        if roomy and self._rooms_unwalked < self.walk_room_every:
+            return False
+        self._rooms_unwalked = 0
+        return True
 
     def _evict_for_room(self, s: _S) -> bool:
         return self._evict(s)

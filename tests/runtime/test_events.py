@@ -12,7 +12,7 @@ from torch import nn
 import dynn_runtime as dr
 from dynn_runtime.errors import BudgetError, ConfigError
 from dynn_runtime.runtime import native_source
-from dynn_runtime.runtime.events import native_module, resolve
+from dynn_runtime.runtime.events import native_module, no_mode, resolve
 
 C = native_module()
 pytestmark = pytest.mark.skipif(C is None, reason="the native event source is not built")
@@ -242,6 +242,48 @@ def test_each_step_counts_its_own_table_sweeps(monkeypatch):
     assert r.stats["table_sweeps"] == sum(s["table_sweeps"] for s in r.stats["per_step"])
     idle = train_managed("moe", 1 << 40, "lru", steps=2, preset="tiny", device="cpu")
     assert [s["table_sweeps"] for s in idle.stats["per_step"]] == [2, 2]
+
+
+def test_a_make_room_walks_the_table_only_where_the_host_pool_is_short():
+    """With every death of a storage counted in ``used`` known (covered on the CPU, heard on CUDA), a
+    walk of the table before a make-room can find only storages that died away (on CUDA: their data
+    is given up, so nothing hears them), which free host buffers: it runs where the host pool is
+    short, not where the pool has room."""
+    mm = dr.MemoryManager(4 << 20, policy="lru", device="cpu", events="native")
+    mm.attach(nn.Linear(4, 4))  # 80 bytes of parameters, the first victims
+    obs = mm._obs
+    try:
+        with mm.step():
+            a, b, c = torch.ones(1 << 16), torch.ones(1 << 16), torch.ones(1 << 17)
+            assert mm.offload(a) == 1 << 18  # the host pool makes its first chunk; b and c get records
+            sweeps = obs.sweeps
+            assert obs.exposed == 0
+            with no_mode():  # as the manager makes room: its own copies unobserved
+                mm.make_room(mm.budget - mm.used + (1 << 18), set())  # evicts b; the pool has room
+            assert obs.sweeps == sweeps and obs.away == (2 << 18) + 80
+            mm.pool.chunk_bytes = 1 << 30  # a quarter chunk is more than the pool has free
+            with no_mode():
+                mm.make_room(mm.budget - mm.used + (1 << 18), set())  # evicts c
+            assert obs.sweeps == sweeps + 1 and obs.away == (4 << 18) + 80
+            assert torch.equal(a, b) and torch.equal(b + 1, torch.full((1 << 16,), 2.0)) and torch.equal(c, torch.ones(1 << 17))
+    finally:
+        mm.detach()
+
+
+def test_walking_the_table_at_every_make_room_changes_no_decision(monkeypatch):
+    from dynn_runtime.runtime.moves import Moves
+    from dynn_runtime.runtime.train import train_managed
+
+    monkeypatch.setenv("DYNN_EVENTS", "native")
+    runs = []
+    for every in (True, False):
+        monkeypatch.setattr(Moves, "walk_every_room", every)
+        runs.append(train_managed("moe", "1/2", "lru", steps=4, preset="tiny", device="cpu"))
+    walked, skipped = runs
+    assert walked.losses == skipped.losses
+    for key in ("evictions", "bytes_offloaded", "prefetch_misses"):
+        assert walked.stats[key] == skipped.stats[key] > 0
+    assert walked.stats["table_sweeps"] > skipped.stats["table_sweeps"]
 
 
 def test_an_earlier_observer_destroyed_meanwhile_does_not_deafen_the_running_one():
