@@ -222,11 +222,17 @@ class Moves(Residency):
     def _finish_fetch(self, s: _S, st: torch.UntypedStorage) -> None:
         """A fetched storage becomes usable: the compute stream waits on its copy (invariant 3)."""
         if s.fetch_event is not None:
-            if not s.fetch_event.query():  # a demand fetch or a late prefetch: time the wait on the GPU
-                self._cur.late_fetches += 1
-                pair = self._copies.timed_wait(s.fetch_event)
-                if pair is not None:
-                    self._pending_stalls.append(pair)
+            if not s.fetch_event.query():  # a demand fetch or a late prefetch: a wait on the GPU
+                cur = self._cur
+                cur.late_fetches += 1
+                # timed (two timing events on the compute stream) for the step's first late fetch
+                # and one in `time_late_every` after it
+                if (cur.late_fetches - 1) % self.time_late_every == 0:
+                    pair = self._copies.timed_wait(s.fetch_event)
+                    if pair is not None:
+                        self._pending_stalls.append(pair)
+                else:
+                    self._copies.compute_waits(s.fetch_event)
             else:
                 self._copies.compute_waits(s.fetch_event)
             s.fetch_event = None
@@ -368,9 +374,17 @@ class Moves(Residency):
             elif a.kind == "prefetch" and s.status == HOST:
                 self._prefetch(s)
 
+    #: one late fetch in this many has its wait timed on the device (the step's first always is):
+    #: ``stall_seconds`` is their time scaled up to every late fetch
+    time_late_every = 8
+
     def _resolve_stalls(self) -> None:
-        """The step's timed waits into ``stall_seconds``; after the step's copies completed (``_sync``),
-        so every pair's events have been reached."""
-        for before, after in self._pending_stalls:
-            self._cur.stall_seconds += before.elapsed_time(after) * 1e-3
+        """The step's timed waits into ``stall_seconds``, scaled up to all its late fetches; after the
+        step's copies completed (``_sync``), so every pair's events have been reached."""
+        pairs = self._pending_stalls
+        if pairs:
+            cur = self._cur
+            timed = sum(before.elapsed_time(after) for before, after in pairs) * 1e-3
+            cur.late_fetches_timed += len(pairs)
+            cur.stall_seconds += timed * max(1.0, cur.late_fetches / len(pairs))
         self._pending_stalls = []

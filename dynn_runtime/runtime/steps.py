@@ -56,11 +56,14 @@ class StepStats:
     stall_seconds: float = 0.0
     """Synchronous copies: their wall time. Asynchronous ones: the compute stream's waits for the
     fetches that had not landed when it needed them (``late_fetches``), timed on the device (CUDA
-    events bracketing each wait), so a copy that lands while the host is still issuing the
-    operator costs nothing here."""
+    events bracketing a sample of the waits, ``late_fetches_timed``, scaled up to all), so a copy
+    that lands while the host is still issuing the operator costs nothing here."""
     late_fetches: int = 0
     """Asynchronous copies: fetches (on demand, or a prefetch not landed yet) the compute stream was
-    made to wait for; each wait's time is in ``stall_seconds``."""
+    made to wait for; their waits' time is in ``stall_seconds``."""
+    late_fetches_timed: int = 0
+    """The late fetches whose waits were timed on the device (the step's first, then one in
+    ``MemoryManager.time_late_every``): ``stall_seconds`` scales their time up to all of them."""
     copy_seconds: float = 0.0
     policy_seconds: float = 0.0
     recomputed_ops: int = 0
@@ -94,7 +97,7 @@ class StepStats:
 
     def add(self, other: StepStats) -> None:
         for k in ("ops", "bytes_offloaded", "bytes_prefetched", "bytes_fetched_on_demand", "evictions",
-                  "stall_seconds", "late_fetches", "copy_seconds", "policy_seconds", "recomputed_ops",
+                  "stall_seconds", "late_fetches", "late_fetches_timed", "copy_seconds", "policy_seconds", "recomputed_ops",
                   "prefetch_hits", "prefetch_misses", "wall_seconds", "decision_points", "host_syncs",
                   "oom_retries", "prefetches_dropped", "left_on_host", "table_sweeps"):
             setattr(self, k, getattr(self, k) + getattr(other, k))

@@ -95,3 +95,22 @@ def test_a_late_fetch_is_a_timed_stall_and_a_landed_one_is_none(events):
         assert (s["stall_seconds"] > 0) == (s["late_fetches"] > 0)
     _, _, landed = _train("moe", budget, copies=FakeAsyncCopies(seed=2, p_complete=1.0), events=events)
     assert landed["bytes_fetched_on_demand"] > 0 and landed["late_fetches"] == 0 and landed["stall_seconds"] == 0
+
+
+def test_a_sample_of_the_late_fetches_is_timed_and_scaled_up_to_all(monkeypatch):
+    """Each late fetch's wait is ordered on the device; the step's first and one in
+    ``time_late_every`` after it are also timed (two timing events each), and ``stall_seconds``
+    is their time scaled up to every late fetch."""
+    from dynn_runtime.runtime.moves import Moves
+
+    budget = _base("moe")[2]
+    losses, state, st = _train("moe", budget, copies=FakeAsyncCopies(seed=0, p_complete=0.0), events="native")
+    assert _same("moe", losses, state)
+    every = Moves.time_late_every
+    for s in st["per_step"]:
+        assert s["late_fetches_timed"] == -(-s["late_fetches"] // every)
+        assert (s["stall_seconds"] > 0) == (s["late_fetches"] > 0)
+    assert st["late_fetches"] > 2 * st["late_fetches_timed"] > 0
+    monkeypatch.setattr(Moves, "time_late_every", 1)
+    _, _, each = _train("moe", budget, copies=FakeAsyncCopies(seed=0, p_complete=0.0), events="native")
+    assert each["late_fetches_timed"] == each["late_fetches"] == st["late_fetches"]
