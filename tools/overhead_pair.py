@@ -17,7 +17,9 @@ with the room ahead of the next operator made of every victim, however small (``
 False``), ``lru-parse`` for lru with every fault and decision
 point reading the log first (``defer_parse = False``), ``lru-pycopies`` for lru with
 its copies issued by the Python engine (``CudaCopies``; ``--device cuda`` only; every other CUDA
-configuration uses the C++ one, ``MemoryManager.copies_in_c``), ``lru-py`` for lru
+configuration uses the C++ one, ``MemoryManager.copies_in_c``), ``lru-s34`` for lru as session 34 left
+it (a walk of the observer's table before every make-room, every late fetch's wait timed, and on
+CUDA an event made and destroyed per copy), ``lru-py`` for lru
 with its order kept in Python, ``@F`` a budget).
 
 Two copies of the model start from the same weights and train on the same batches: one under a
@@ -49,7 +51,7 @@ import time
 import torch
 
 import dynn_runtime as dr
-from dynn_runtime.runtime.copies import cuda_copies
+from dynn_runtime.runtime.copies import cuda_copies, native_copies
 from dynn_runtime.runtime.events import QUIET
 from dynn_runtime.workload import load_workload, make_optimizer, to_device, train_step, workload_name
 
@@ -131,6 +133,8 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         if _DEVICE == "cpu":
             raise SystemExit("overhead_pair: lru-pycopies needs --device cuda (the CPU's copies are synchronous)")
         policy = "lru"
+    elif policy == "lru-s34":  # lru as session 34 left it, below
+        policy = "lru"
     elif policy == "lru-py":  # lru with its order kept in Python, told every touch (no observer-kept order)
         from dynn_runtime.policies.basic import LRUPolicy
 
@@ -141,6 +145,9 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     copies = None
     if config.startswith("lru-pycopies"):
         copies = cuda_copies(torch.device(_DEVICE), True, native=False)
+    s34 = config.startswith("lru-s34")
+    if s34 and _DEVICE != "cpu":  # the C++ engine making and destroying an event per copy
+        copies = native_copies("cuda", torch.device(_DEVICE).index or 0, True, reuse_events=False)
     mm = dr.MemoryManager(budget, policy=policy, device=_DEVICE, events="native", copies=copies)
     mm.records_in_batch = config.startswith("pilot-rec")
     mm.operators_in_c = not config.startswith("pilot-pyparse")
@@ -152,6 +159,8 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     mm.tag_nodes_in_c = not config.startswith("pilot-pywalk")  # modules' autograd nodes tagged by Python's walk
     mm.defer_parse = not config.startswith("lru-parse")  # every fault and decision reads the log first
     mm.hear_frees = config != "none-swept"  # CUDA deaths swept for, not heard from the allocator
+    mm.walk_every_room = s34  # a walk of the observer's table before every make-room
+    mm.time_late_every = 1 if s34 else mm.time_late_every  # every late fetch's wait timed
     mm.attach(m_model, m_opt)
     obs = QUIET[-1]
     obs.exact_peak = config != "none-lazy-peak"

@@ -22,6 +22,8 @@
 
 #include "bytes.h"
 
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -105,17 +107,61 @@ struct LogDevice final : DeviceGuardImplInterface {
 // may outlive its engine in Python).
 using Impl = std::shared_ptr<const DeviceGuardImplInterface>;
 
+// Events the CopyEvents that held them gave back, for the next copies of their engine: an event per
+// copy made and destroyed is two driver calls a copy. A given-back event is recorded again, which
+// changes no wait issued before (a wait is on the version recorded before it), and nothing else
+// holds it: only a CopyEvent's destruction gives it back. Each CopyEvent of the engine shares the
+// pool, so an event outliving its engine still has somewhere to go.
+class EventPool {
+ public:
+  EventPool(Impl impl, c10::DeviceIndex index) : impl_(std::move(impl)), index_(index) {}
+  EventPool(const EventPool&) = delete;
+  EventPool& operator=(const EventPool&) = delete;
+  ~EventPool() {
+    for (auto& events : free_)
+      for (void* e : events) impl_->destroyEvent(e, index_);
+  }
+  // an event made with `flag` before, or nullptr (record() then makes one)
+  void* take(c10::EventFlag flag) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& events = free_[slot(flag)];
+    if (events.empty()) return nullptr;
+    void* e = events.back();
+    events.pop_back();
+    return e;
+  }
+  // false where the pool is full: the caller destroys the event
+  bool give(void* event, c10::EventFlag flag) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& events = free_[slot(flag)];
+    if (events.size() >= kKeep) return false;
+    events.push_back(event);
+    return true;
+  }
+
+ private:
+  static constexpr size_t kKeep = 4096;
+  static int slot(c10::EventFlag flag) { return flag == c10::EventFlag::PYTORCH_DEFAULT ? 0 : 1; }
+  Impl impl_;
+  c10::DeviceIndex index_;
+  std::mutex mutex_;  // a CopyEvent may die on any thread that holds the last reference
+  std::vector<void*> free_[2];  // per flag: without timing (copies), with (timed waits)
+};
+
 class CopyEvent {
  public:
-  CopyEvent(Impl impl, c10::DeviceIndex index, c10::EventFlag flag)
-      : impl_(std::move(impl)), index_(index), flag_(flag) {}
+  CopyEvent(Impl impl, c10::DeviceIndex index, c10::EventFlag flag, std::shared_ptr<EventPool> pool = nullptr)
+      : impl_(std::move(impl)), index_(index), flag_(flag), pool_(std::move(pool)) {
+    if (pool_) event_ = pool_->take(flag_);
+  }
   CopyEvent(const CopyEvent&) = delete;
   CopyEvent& operator=(const CopyEvent&) = delete;
-  CopyEvent(CopyEvent&& o) noexcept : impl_(std::move(o.impl_)), index_(o.index_), flag_(o.flag_), event_(o.event_) {
+  CopyEvent(CopyEvent&& o) noexcept
+      : impl_(std::move(o.impl_)), index_(o.index_), flag_(o.flag_), pool_(std::move(o.pool_)), event_(o.event_) {
     o.event_ = nullptr;
   }
   ~CopyEvent() {
-    if (event_ != nullptr) impl_->destroyEvent(event_, index_);
+    if (event_ != nullptr && !(pool_ && pool_->give(event_, flag_))) impl_->destroyEvent(event_, index_);
   }
 
   void record(const c10::Stream& s) { impl_->record(&event_, s, index_, flag_); }
@@ -137,13 +183,16 @@ class CopyEvent {
   Impl impl_;
   c10::DeviceIndex index_;
   c10::EventFlag flag_;
+  std::shared_ptr<EventPool> pool_;  // where the event goes when this dies; null: destroyed
   void* event_ = nullptr;
 };
 
 class CopyEngine {
  public:
   // device_type "cuda" (the device's own streams and events) or "log" (tests: a LogDevice, CPU tensors)
-  CopyEngine(const std::string& device_type, int64_t index, bool non_blocking) : non_blocking_(non_blocking) {
+  // reuse_events: the copies' and timed waits' events come from, and go back to, the engine's pool
+  CopyEngine(const std::string& device_type, int64_t index, bool non_blocking, bool reuse_events)
+      : non_blocking_(non_blocking) {
     if (device_type == "log") {
       auto log = std::make_shared<LogDevice>();
       log_ = log.get();
@@ -158,6 +207,7 @@ class CopyEngine {
     }
     d2h_ = impl_->getStreamFromGlobalPool(device_, false);
     h2d_ = impl_->getStreamFromGlobalPool(device_, false);
+    if (reuse_events) pool_ = std::make_shared<EventPool>(impl_, device_.index());
     ready_ = std::make_unique<CopyEvent>(impl_, device_.index(), c10::EventFlag::PYTORCH_DEFAULT);
     also_ = std::make_unique<CopyEvent>(impl_, device_.index(), c10::EventFlag::PYTORCH_DEFAULT);
   }
@@ -173,7 +223,7 @@ class CopyEngine {
       also_->block(d2h_);
     }
     copy_on(d2h_, compute, dst, src);
-    CopyEvent done(impl_, device_.index(), c10::EventFlag::PYTORCH_DEFAULT);
+    CopyEvent done(impl_, device_.index(), c10::EventFlag::PYTORCH_DEFAULT, pool_);
     done.record(d2h_);
     impl_->recordDataPtrOnStream(src.storage().data_ptr(), d2h_);
     return done;
@@ -187,7 +237,7 @@ class CopyEngine {
     ready_->block(h2d_);
     if (after != nullptr) after->block(h2d_);
     copy_on(h2d_, compute, dst, src);
-    CopyEvent done(impl_, device_.index(), c10::EventFlag::PYTORCH_DEFAULT);
+    CopyEvent done(impl_, device_.index(), c10::EventFlag::PYTORCH_DEFAULT, pool_);
     done.record(h2d_);
     impl_->recordDataPtrOnStream(dst.storage().data_ptr(), h2d_);
     return done;
@@ -208,10 +258,10 @@ class CopyEngine {
 
   std::pair<CopyEvent, CopyEvent> timed_wait(const CopyEvent& event) {
     const c10::Stream compute = impl_->getStream(device_);
-    CopyEvent before(impl_, device_.index(), c10::EventFlag::BACKEND_DEFAULT);  // timing enabled
+    CopyEvent before(impl_, device_.index(), c10::EventFlag::BACKEND_DEFAULT, pool_);  // timing enabled
     before.record(compute);
     event.block(compute);
-    CopyEvent after(impl_, device_.index(), c10::EventFlag::BACKEND_DEFAULT);
+    CopyEvent after(impl_, device_.index(), c10::EventFlag::BACKEND_DEFAULT, pool_);
     after.record(compute);
     return {std::move(before), std::move(after)};
   }
@@ -254,6 +304,7 @@ class CopyEngine {
   bool non_blocking_;
   c10::Stream d2h_{c10::Stream::UNSAFE, c10::Device(c10::kCPU), 0};
   c10::Stream h2d_{c10::Stream::UNSAFE, c10::Device(c10::kCPU), 0};
+  std::shared_ptr<EventPool> pool_;    // null: every copy's event made and destroyed
   std::unique_ptr<CopyEvent> ready_;  // the compute stream's point a copy waits for (re-recorded each copy)
   std::unique_ptr<CopyEvent> also_;   // the last user's stream's point, where it is another
 };
@@ -267,8 +318,8 @@ void define_copies(py::module_& m) {
       .def("elapsed_time", &CopyEvent::elapsed_time, py::arg("end"),
            "milliseconds from this timing event to end (both reached)");
   py::class_<CopyEngine>(m, "CopyEngine")
-      .def(py::init<const std::string&, int64_t, bool>(), py::arg("device_type"), py::arg("index"),
-           py::arg("non_blocking"))
+      .def(py::init<const std::string&, int64_t, bool, bool>(), py::arg("device_type"), py::arg("index"),
+           py::arg("non_blocking"), py::arg("reuse_events") = true)
       .def("to_host", &CopyEngine::to_host, py::arg("src"), py::arg("dst"), py::arg("last_stream") = py::none())
       .def("to_device", &CopyEngine::to_device, py::arg("src"), py::arg("dst"), py::arg("after") = py::none())
       .def("evict", &CopyEngine::evict, py::arg("storage"), py::arg("dst"), py::arg("last_stream") = py::none(),

@@ -165,11 +165,13 @@ class CudaCopies:
 _NATIVE: Any = None  # the class native_copies makes, once
 
 
-def native_copies(device_type: str, index: int, pinned: bool) -> Any | None:
+def native_copies(device_type: str, index: int, pinned: bool, reuse_events: bool = True) -> Any | None:
     """:class:`CudaCopies`' protocol in C++ (``dynn_runtime._C.CopyEngine``) on ``device_type``
     ``"cuda"`` (device ``index``; ``pinned``: non-blocking copies) or ``"log"`` (tests: the CPU,
     ``take_log()`` says what its streams and events were asked); None where the extension does not
-    load. Its events (``_C.CopyEvent``) have ``query``, ``synchronize`` and ``elapsed_time``."""
+    load. Its events (``_C.CopyEvent``) have ``query``, ``synchronize`` and ``elapsed_time``; with
+    ``reuse_events`` each goes back to the engine's pool when it dies, for a later copy, rather
+    than being destroyed (an event made and destroyed per copy is two driver calls a copy)."""
     global _NATIVE
     if _NATIVE is None:
         mod = native_module()
@@ -187,7 +189,7 @@ def native_copies(device_type: str, index: int, pinned: bool) -> Any | None:
                 st.resize_(nbytes)
 
         _NATIVE = NativeCopies
-    return _NATIVE(device_type, index, pinned)
+    return _NATIVE(device_type, index, pinned, reuse_events)
 
 
 def cuda_copies(device: torch.device, pinned: bool, native: bool) -> Any:

@@ -144,6 +144,44 @@ def test_events_query_synchronize_and_time_a_late_wait():
     assert ev.query()  # an event outlives its engine
 
 
+def _last_copy_event(eng, full: list, side: int) -> int:
+    """The last copy's event id (recorded on its side stream right after the copy), ``full`` extended
+    with what the engine logged since."""
+    full.extend(eng.take_log())
+    i = max(i for i, e in enumerate(full) if e[0] == "copy")
+    assert full[i + 2][0] == "record" and full[i + 2][2] == side
+    return full[i + 2][1]
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_a_copy_reuses_the_event_of_a_copy_whose_event_died_and_never_one_still_held(reuse):
+    eng = native_copies("log", 0, False, reuse_events=reuse)
+    d2h, h2d = eng.stream_ids
+    full: list = []
+    x = torch.randn(16)
+    host = torch.empty(64, dtype=torch.uint8)
+    held = eng.to_host(_bytes(x), host, None)
+    first = _last_copy_event(eng, full, d2h)
+    gone = eng.to_host(_bytes(x), host, None)
+    second = _last_copy_event(eng, full, d2h)
+    assert second != first, "an event still held went to another copy"
+    del gone
+    back = eng.to_device(host, _bytes(x), held)
+    third = _last_copy_event(eng, full, h2d)
+    assert (third == second) == reuse
+    assert ("wait", first, h2d) in full, "the fetch waits for the eviction's own event"
+    eng.compute_waits(back)
+    full.extend(eng.take_log())
+    assert full[-1] == ("wait", third, COMPUTE)
+    check_protocol(full, d2h, h2d)
+    before, after = eng.timed_wait(back)
+    del before, after
+    again = eng.timed_wait(back)
+    timing = [e[1] for e in eng.take_log() if e[0] == "record"]
+    assert (set(timing[:2]) == set(timing[2:])) == reuse and third not in timing  # apart from copies'
+    del again
+
+
 def test_a_copy_that_raises_leaves_the_compute_stream_current():
     eng = _engine()
     d2h, _ = eng.stream_ids
