@@ -18,8 +18,8 @@ False``), ``lru-parse`` for lru with every fault and decision
 point reading the log first (``defer_parse = False``), ``lru-pycopies`` for lru with
 its copies issued by the Python engine (``CudaCopies``; ``--device cuda`` only; every other CUDA
 configuration uses the C++ one, ``MemoryManager.copies_in_c``), ``lru-s34`` for lru as session 34 left
-it (a walk of the observer's table before every make-room, every late fetch's wait timed, and on
-CUDA an event made and destroyed per copy), ``lru-py`` for lru
+it (a walk of the observer's table before every make-room, every late fetch's wait timed, a demand
+fetch on the side stream, and on CUDA an event made and destroyed per copy), ``lru-py`` for lru
 with its order kept in Python, ``@F`` a budget).
 
 Two copies of the model start from the same weights and train on the same batches: one under a
@@ -161,6 +161,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     mm.hear_frees = config != "none-swept"  # CUDA deaths swept for, not heard from the allocator
     mm.walk_every_room = s34  # a walk of the observer's table before every make-room
     mm.time_late_every = 1 if s34 else mm.time_late_every  # every late fetch's wait timed
+    mm.inline_demand_fetches = not s34  # a demand fetch on the side stream, as a prefetch
     mm.attach(m_model, m_opt)
     obs = QUIET[-1]
     obs.exact_peak = config != "none-lazy-peak"

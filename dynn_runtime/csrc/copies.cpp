@@ -5,8 +5,9 @@
 // stream that last used the bytes), the block it reads is recorded on that side stream before the
 // storage releases it; a fetch's copy runs on the host-to-device side stream after an event
 // recorded on the compute stream (the allocation) and the event of the copy that filled the host
-// buffer; the compute stream waits on a fetch's event before it reads the bytes. Nothing here waits
-// on the host except sync() and CopyEvent.synchronize().
+// buffer; the compute stream waits on a fetch's event before it reads the bytes. A demand fetch
+// (fetch_inline) is copied on the compute stream itself, after the event of the copy that filled the
+// host buffer. Nothing here waits on the host except sync() and CopyEvent.synchronize().
 //
 // Streams and events go through c10's backend-generic DeviceGuardImplInterface, so this file
 // compiles against a CPU-only torch and runs against a CUDA one. A second implementation of that
@@ -254,6 +255,31 @@ class CopyEngine {
     return to_device(src, dst, after);
   }
 
+  // A demand fetch: host bytes src into the whole of the device storage, copied on the compute stream
+  // itself after `after` (the copy that filled src), where given. On a side stream the copy would
+  // first wait for the compute stream's work so far (the allocation), and the compute stream would
+  // wait for the copy before its next kernel: the compute stream copying orders the same work with
+  // no event of the copy's own. With `timed`, two timing events bracket the copy (its stall).
+  std::optional<std::pair<CopyEvent, CopyEvent>> fetch_inline(const at::Tensor& src, py::handle storage,
+                                                              const CopyEvent* after, bool timed) {
+    at::Tensor dst = bytes_of(torch::createStorage(storage.ptr()));
+    const c10::Stream compute = impl_->getStream(device_);
+    if (after != nullptr) after->block(compute);
+    std::optional<std::pair<CopyEvent, CopyEvent>> stall;
+    if (timed) {
+      stall.emplace(CopyEvent(impl_, device_.index(), c10::EventFlag::BACKEND_DEFAULT, pool_),
+                    CopyEvent(impl_, device_.index(), c10::EventFlag::BACKEND_DEFAULT, pool_));
+      stall->first.record(compute);
+    }
+    {
+      if (log_ != nullptr) log_->log.emplace_back("copy", log_->current, static_cast<int64_t>(src.nbytes()));
+      py::gil_scoped_release unlocked;
+      dst.copy_(src, non_blocking_);
+    }
+    if (timed) stall->second.record(compute);
+    return stall;
+  }
+
   void compute_waits(const CopyEvent& event) { event.block(impl_->getStream(device_)); }
 
   std::pair<CopyEvent, CopyEvent> timed_wait(const CopyEvent& event) {
@@ -326,6 +352,10 @@ void define_copies(py::module_& m) {
            "to_host from the whole of a device UntypedStorage")
       .def("fetch", &CopyEngine::fetch, py::arg("src"), py::arg("storage"), py::arg("after") = py::none(),
            "to_device into the whole of a device UntypedStorage")
+      .def("fetch_inline", &CopyEngine::fetch_inline, py::arg("src"), py::arg("storage"), py::arg("after") = py::none(),
+           py::arg("timed") = false,
+           "a demand fetch into the whole of a device UntypedStorage, on the compute stream; with timed, the "
+           "(before, after) timing events around the copy, else None")
       .def("compute_waits", &CopyEngine::compute_waits, py::arg("event"))
       .def("timed_wait", &CopyEngine::timed_wait, py::arg("event"))
       .def("sync", &CopyEngine::sync)

@@ -25,6 +25,14 @@ An engine whose ``takes_storages`` is true also has ``evict(st, dst, last_stream
 ``fetch(src, st, after)``: ``to_host`` and ``to_device`` with the device side given as its
 ``UntypedStorage``, the byte view over it made by the engine (the manager then makes none).
 
+An engine with ``fetch_inline(src, st, after, timed)`` copies a demand fetch on the compute stream
+itself, after ``after`` (the copy that filled the host buffer; no event of its own): a side
+stream's copy would first wait for the compute stream's work so far, and the compute stream for
+the copy at once, so it orders the same work with three more events. ``timed``: it returns the
+(before, after) timing events around the copy (its stall), else None. A host buffer such a copy
+reads needs no event to be reused: the next copy that writes one is an eviction, which waits for
+the compute stream first.
+
 :class:`CudaCopies` is the real one (two side streams, pinned buffers, ``record_stream``).
 :func:`native_copies` makes the same engine in C++ (``csrc/copies.cpp``: each copy one call from
 Python, its streams and events through c10's backend-generic interface); on its ``log`` device it
@@ -337,6 +345,16 @@ class FakeAsyncCopies:
         op = _FakeOp("h2d", run, st)
         self.queues["h2d"].append(op)
         return _FakeEvent(self, op)
+
+    def fetch_inline(self, src: torch.Tensor, st: torch.UntypedStorage, after: Any,
+                     timed: bool = False) -> tuple[_FakeTime, _FakeTime] | None:
+        """The copy on the "compute stream" (the host, now), once ``after`` completed."""
+        self._tick()
+        before = _FakeTime() if timed else None
+        if after is not None:
+            self._finish(after.op)
+        torch.empty(0, dtype=torch.uint8).set_(st).copy_(src)
+        return (before, _FakeTime()) if before is not None else None
 
     def compute_waits(self, event: Any) -> None:
         self._finish(event.op)  # the CPU's "compute stream" runs now: waiting means completing

@@ -30,13 +30,17 @@ On CUDA (invariants, each one a classic source of silent corruption):
    data must be produced first). The source block is ``record_stream``-ed on the
    D2H stream and the storage released at once: the caching allocator does not recycle the block
    before the copy stream has passed the copy, and the host does not wait.
-2. A host-to-device copy into a freshly resized storage runs on the H2D stream after an event
-   recorded on the compute stream (the allocation is ordered there) and after the event of the
-   copy that filled the host buffer; the destination is ``record_stream``-ed on the H2D stream.
+2. A prefetch (a host-to-device copy into a freshly resized storage) runs on the H2D stream after
+   an event recorded on the compute stream (the allocation is ordered there) and after the event
+   of the copy that filled the host buffer; the destination is ``record_stream``-ed on the H2D
+   stream. A demand fetch, where the engine can, is copied on the compute stream itself after the
+   event of the copy that filled the host buffer (``fetch_inline``: the same order, no event of
+   its own).
 3. The compute stream never uses a fetched storage before ``wait_event`` on its H2D event
    (no device-wide synchronize on the hot path).
 4. A host buffer goes back to the pool only once every copy touching it has completed
-   (:meth:`HostPool.release` with the copy's event).
+   (:meth:`HostPool.release` with the copy's event); one a compute-stream fetch read needs no
+   event: the next copy that writes it is an eviction's, which waits for the compute stream.
 5. A storage written while its host copy exists makes that copy stale; it is never fetched again.
 
 Each rule is one call of the copy engine (:mod:`~dynn_runtime.runtime.copies`). On the CPU the same
@@ -184,6 +188,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._copies = copies
         self.async_copies = bool(copies.asynchronous)
         self._copy_storages = bool(getattr(copies, "takes_storages", False))
+        self._fetch_inline = self.async_copies and hasattr(copies, "fetch_inline")  # copies.py
         self.hard_cap = hard_cap
         self.cap_bytes: int | None = None  # hard_cap: the allocator's cap; the budget is what the storages get
         self.unmanaged_bytes = 0  # hard_cap: device bytes outside the managed storages grown since the cap was set

@@ -177,8 +177,9 @@ class Moves(Residency):
         if budgeted and self.budget is not None and self.used + nbytes > self.budget:
             self.make_room(nbytes, (exclude or set()) | {s.sid}, what())
         t0 = time.perf_counter()
+        start = self._start_inline if self._fetch_inline and self.inline_demand_fetches else self._start_fetch
         try:
-            self._start_fetch(s, st)
+            start(s, st)
         except torch.OutOfMemoryError as exc:
             if not (self._in_step if retry is None else retry):
                 raise
@@ -186,7 +187,7 @@ class Moves(Residency):
             # allocation changed nothing, so the fetch starts again from where it was
             self._room_after_oom(str(exc), (exclude or set()) | {s.sid}, what(), s.nbytes)
             try:
-                self._start_fetch(s, st)
+                start(s, st)
             except torch.OutOfMemoryError as again:
                 self._oom_retry_failed(str(again), what())
                 raise
@@ -217,6 +218,26 @@ class Moves(Residency):
         else:
             s.fetch_event = None
             self.set_status(s, RESIDENT)
+        self._note_peak()
+
+    #: a demand fetch is copied on the compute stream, where the engine can (``fetch_inline``,
+    #: copies.py); off: on the host-to-device side stream, as a prefetch is
+    inline_demand_fetches = True
+
+    def _start_inline(self, s: _S, st: torch.UntypedStorage) -> None:
+        """A demand fetch on the compute stream (the engine's ``fetch_inline``): resident at once, a
+        late fetch by construction (the compute stream runs its copy), timed as late fetches are."""
+        self._copies.allocate(st, s.nbytes)
+        if self._obs is not None:
+            self._obs.set_away(s.sid, False)
+        cur = self._cur
+        cur.late_fetches += 1
+        timed = (cur.late_fetches - 1) % self.time_late_every == 0
+        pair = self._copies.fetch_inline(s.host.tensor, st, s.event, timed)
+        if pair is not None:
+            self._pending_stalls.append(pair)
+        s.fetch_event = s.event = None  # the host buffer's next writer waits for the compute stream
+        self.set_status(s, RESIDENT)
         self._note_peak()
 
     def _finish_fetch(self, s: _S, st: torch.UntypedStorage) -> None:

@@ -67,7 +67,11 @@ def _corrupted(family, fake) -> bool:
 
 
 def test_a_missing_compute_wait_is_caught(monkeypatch):
-    """The manager without invariant 3 (compute waits for the H2D copy) reads poison."""
+    """The manager without invariant 3 (compute waits for the H2D copy) reads poison: demand
+    fetches on the side stream, as prefetches are."""
+    from dynn_runtime.runtime.moves import Moves
+
+    monkeypatch.setattr(Moves, "inline_demand_fetches", False)
     monkeypatch.setattr(FakeAsyncCopies, "compute_waits", lambda self, event: None)
     monkeypatch.setattr(FakeAsyncCopies, "timed_wait", lambda self, event: None)
     assert _corrupted("moe", FakeAsyncCopies(seed=0, p_complete=0.0))
@@ -82,11 +86,18 @@ def test_an_unordered_release_is_caught(monkeypatch):
 
 
 @pytest.mark.parametrize("events", SOURCES)
-def test_a_late_fetch_is_a_timed_stall_and_a_landed_one_is_none(events):
-    """Asynchronous copies: a fetch whose copy has not landed when the compute stream needs it is a
-    late fetch, its wait timed by the copy engine's pair of events and summed into stall_seconds at
-    the step's end (on CUDA: events on the compute stream); a copy that landed first costs nothing."""
+def test_a_late_fetch_is_a_timed_stall_and_a_landed_one_is_none(events, monkeypatch):
+    """Asynchronous copies on side streams: a fetch whose copy has not landed when the compute stream
+    needs it is a late fetch, its wait timed by the copy engine's pair of events and summed into
+    stall_seconds at the step's end (on CUDA: events on the compute stream); a copy that landed first
+    costs nothing. A demand fetch the engine copies on the compute stream (``fetch_inline``) is a
+    late fetch by construction."""
+    from dynn_runtime.runtime.moves import Moves
+
     budget = _base("moe")[2]
+    _, _, inline = _train("moe", budget, copies=FakeAsyncCopies(seed=2, p_complete=1.0), events=events)
+    assert inline["late_fetches"] == inline["prefetch_misses"] > 0 and inline["stall_seconds"] > 0
+    monkeypatch.setattr(Moves, "inline_demand_fetches", False)
     _, _, late = _train("moe", budget, copies=FakeAsyncCopies(seed=0, p_complete=0.0), events=events)
     assert late["bytes_fetched_on_demand"] > 0 and late["late_fetches"] >= late["prefetch_misses"] > 0
     assert late["stall_seconds"] > 0

@@ -32,10 +32,11 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def check_protocol(log, d2h: int, h2d: int) -> dict:
     """Every rule of runtime/copies.py that the log can show, for every copy in ``log``: a copy runs on
-    its side stream (never the compute stream), after that side stream waited, within the same call,
-    for a point just recorded on the compute stream; the compute stream is current again right
-    after it; the copy's event is recorded on its side stream and its device block is kept for that
-    stream. Returns, per copy's event id, the stream it was recorded on."""
+    its side stream, after that side stream waited, within the same call, for a point just recorded
+    on the compute stream; the compute stream is current again right after it; the copy's event is
+    recorded on its side stream and its device block is kept for that stream. A demand fetch
+    (``fetch_inline``) runs on the compute stream, with no stream switch around it. Returns, per
+    side-stream copy's event id, the stream it was recorded on."""
     current = COMPUTE
     recorded: dict[int, int] = {}  # event -> the stream of its latest record
     waited_since: set[tuple[int, int]] = set()  # (waiting stream, stream the event was recorded on) since the last copy
@@ -49,6 +50,9 @@ def check_protocol(log, d2h: int, h2d: int) -> dict:
             waited_since.add((b, recorded[a]))
         elif what == "stream":
             current = a
+        elif what == "copy" and current == COMPUTE:  # a demand fetch, inline
+            assert i + 1 == len(log) or log[i + 1][0] != "stream", "an inline copy switched streams"
+            waited_since = set()
         elif what == "copy":
             side = current
             assert side in (d2h, h2d), f"a copy ran on stream {side}, not a side stream"
@@ -144,6 +148,12 @@ def test_events_query_synchronize_and_time_a_late_wait():
     assert ev.query()  # an event outlives its engine
 
 
+def _last_copy_event_in(log: list, side: int) -> int:
+    i = max(i for i, e in enumerate(log) if e[0] == "copy")
+    assert log[i + 2][0] == "record" and log[i + 2][2] == side
+    return log[i + 2][1]
+
+
 def _last_copy_event(eng, full: list, side: int) -> int:
     """The last copy's event id (recorded on its side stream right after the copy), ``full`` extended
     with what the engine logged since."""
@@ -214,4 +224,26 @@ def test_training_through_the_engine_is_bit_identical_and_every_copy_keeps_the_p
     done = check_protocol(log, d2h, h2d)
     fetched = {e for e, s in done.items() if s == h2d}
     waited = {a for what, a, b in log if what == "wait" and b == COMPUTE}
-    assert fetched and fetched <= waited, f"{len(fetched - waited)} fetches the compute stream never waited for"
+    assert fetched <= waited, f"{len(fetched - waited)} fetches the compute stream never waited for"
+    copies_on = {stream: sum(e[0] == "copy" and e[1] == stream for e in log) for stream in (COMPUTE, d2h, h2d)}
+    assert copies_on[COMPUTE] > 0 and copies_on[d2h] > 0, copies_on  # demand fetches inline; evictions
+
+
+def test_a_demand_fetch_is_copied_on_the_compute_stream_after_the_copy_that_filled_its_host_buffer():
+    eng = _engine()
+    d2h, h2d = eng.stream_ids
+    x = torch.randn(256)
+    want = x.clone()
+    host = torch.empty(x.untyped_storage().nbytes(), dtype=torch.uint8)
+    out = eng.evict(x.untyped_storage(), host, None)
+    x.zero_()
+    assert eng.fetch_inline(host, x.untyped_storage(), out) is None
+    log = eng.take_log()
+    check_protocol(log, d2h, h2d)
+    out_id = _last_copy_event_in(log[:-1], d2h)
+    assert log[-2:] == [("wait", out_id, COMPUTE), ("copy", COMPUTE, 1024)], log[-3:]
+    assert torch.equal(x, want)
+    before, after = eng.fetch_inline(host, x.untyped_storage(), None, timed=True)
+    log = eng.take_log()
+    assert [e[0] for e in log] == ["record", "copy", "record"] and log[0][2] == log[2][2] == COMPUTE
+    assert before.elapsed_time(after) == 0.0
