@@ -29,9 +29,9 @@ An engine with ``fetch_inline(src, st, after, timed)`` copies a demand fetch on 
 itself, after ``after`` (the copy that filled the host buffer; no event of its own): a side
 stream's copy would first wait for the compute stream's work so far, and the compute stream for
 the copy at once, so it orders the same work with three more events. ``timed``: it returns the
-(before, after) timing events around the copy (its stall), else None. A host buffer such a copy
-reads needs no event to be reused: the next copy that writes one is an eviction, which waits for
-the compute stream first.
+(before, after) timing events around the copy (its stall), else None. The host buffer it read is
+ordered for reuse by the compute stream: the next copy that writes one is an eviction, which waits
+for the compute stream first (the manager keeps the event of the copy that filled it for host reads).
 
 :class:`CudaCopies` is the real one (two side streams, pinned buffers, ``record_stream``).
 :func:`native_copies` makes the same engine in C++ (``csrc/copies.cpp``: each copy one call from

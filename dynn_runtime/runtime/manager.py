@@ -39,8 +39,9 @@ On CUDA (invariants, each one a classic source of silent corruption):
 3. The compute stream never uses a fetched storage before ``wait_event`` on its H2D event
    (no device-wide synchronize on the hot path).
 4. A host buffer goes back to the pool only once every copy touching it has completed
-   (:meth:`HostPool.release` with the copy's event); one a compute-stream fetch read needs no
-   event: the next copy that writes it is an eviction's, which waits for the compute stream.
+   (:meth:`HostPool.release` with the copy's event; after a compute-stream fetch, the event of
+   the copy that filled the buffer: the next copy that writes it is an eviction's, which waits for
+   the compute stream, and so for the fetch).
 5. A storage written while its host copy exists makes that copy stale; it is never fetched again.
 
 Each rule is one call of the copy engine (:mod:`~dynn_runtime.runtime.copies`). On the CPU the same

@@ -236,7 +236,9 @@ class Moves(Residency):
         pair = self._copies.fetch_inline(s.host.tensor, st, s.event, timed)
         if pair is not None:
             self._pending_stalls.append(pair)
-        s.fetch_event = s.event = None  # the host buffer's next writer waits for the compute stream
+        # s.event stays the copy that filled the host buffer: a host read of the buffer (state_dict's
+        # copy of a storage away) waits for it, and a buffer given back waits for it
+        s.fetch_event = None
         self.set_status(s, RESIDENT)
         self._note_peak()
 

@@ -125,3 +125,32 @@ def test_a_sample_of_the_late_fetches_is_timed_and_scaled_up_to_all(monkeypatch)
     monkeypatch.setattr(Moves, "time_late_every", 1)
     _, _, each = _train("moe", budget, copies=FakeAsyncCopies(seed=0, p_complete=0.0), events="native")
     assert each["late_fetches_timed"] == each["late_fetches"] == st["late_fetches"]
+
+
+def test_a_demand_fetch_on_the_compute_stream_keeps_the_event_of_the_copy_that_filled_the_host_buffer():
+    """A host read of the buffer (``state_dict``'s copy of a storage away) waits for that event; the
+    compute stream's copy has none of its own."""
+    import dynn_runtime as dr
+    from dynn_runtime.residency import Status
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    want = model.weight.detach().clone()
+    mm = dr.MemoryManager(1 << 40, policy="lru", device="cpu", events="native",
+                          copies=FakeAsyncCopies(seed=0, p_complete=0.0))
+    mm.attach(model)
+    try:
+        with mm.step():
+            w = model.weight
+            assert mm.offload(w) == w.numel() * 4
+            s = mm.st[mm._sid(w)]
+            filled = s.event
+            assert filled is not None and not filled.op.done
+            assert torch.equal(w.detach() * 1, want)  # a demand fetch, on the "compute stream"
+            assert s.status is Status.RESIDENT and s.host_valid and s.event is filled and s.fetch_event is None
+            assert mm.offload(w) == w.numel() * 4  # its host copy is valid: no copy
+            assert s.event is filled
+        assert torch.equal(model.state_dict()["weight"], want)
+    finally:
+        mm.detach()
+
