@@ -118,6 +118,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -129,6 +130,27 @@ namespace py = pybind11;
 
 namespace dynn {
 namespace {
+
+// An allocator whose default construction leaves a word as it was: the log grows by words its
+// writer fills next (log_extend), which std::allocator would zero first.
+template <typename T>
+struct UninitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = UninitAllocator<U>;
+  };
+  UninitAllocator() = default;
+  template <typename U>
+  UninitAllocator(const UninitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
 
 // log record tags (first word of each record)
 constexpr int64_t kOp = 1;     // kOp, op_id, phase | module << 2, node, used, n_in, n_out, n_write, n_alloc, ids...
@@ -1444,7 +1466,7 @@ class Observer {
   std::vector<OpInfo*> by_slot_;                  // ops_'s entries of the unboxed operators, by slot
   std::vector<std::string> names_;
   size_t names_sent_ = 0;
-  std::vector<int64_t> log_;
+  std::vector<int64_t, UninitAllocator<int64_t>> log_;  // every word is written once log_extend hands it out
   std::unique_ptr<Recency> recency_;  // the lru policy's order, where it is kept here
   bool recency_live_ = false;
   std::vector<int64_t> timeline_;     // set_recency_live's records (take_recency)
