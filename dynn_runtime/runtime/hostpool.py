@@ -102,6 +102,7 @@ class HostPool:
         self.syncs = 0  # times alloc waited on a copy still holding a released buffer
         self.in_use = 0  # bytes handed out (aligned)
         self.peak_in_use = 0
+        self.handed_out = 0  # bytes handed out since the pool was made (aligned)
         self._pending: list[tuple[Any, HostBuffer]] = []  # released, waiting for a copy to finish
         self._warned = False
         #: (chunk, offset, nbytes) -> the uint8 view handed out for it before: a buffer carved where one
@@ -198,6 +199,7 @@ class HostPool:
 
     def _hand_out(self, ci: int, off: int, size: int, nbytes: int) -> HostBuffer:
         self.in_use += size
+        self.handed_out += size
         if self.in_use > self.peak_in_use:
             self.peak_in_use = self.in_use
         views = self._views

@@ -309,7 +309,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._oom_evicted = 0  # bytes the last room after an out-of-memory error evicted (oom.py)
         self._oom_failed: tuple = ()  # (where, the error's first line, bytes evicted): a retry ran out too
         self._no_prefetch = False  # a prefetch ran out of device memory in this step: no more start (moves.py)
-        self._rooms_unwalked = 0  # make-rooms since the last that walked the observer's table (moves.py)
+        self._walked_at = 0  # the host pool's handed_out at the last walk of the observer's table (moves.py)
         self._cap_short = 0  # hard cap: the most the allocator lacked when it ran out in this step (budget.py)
         self._in_dispatch = False
         self._checkpointed: list[nn.Module] = []

@@ -12,7 +12,7 @@ Storages a collective still runs on (``c10d::`` operators: DDP's buckets) and th
 never leave. An eviction's copy waits for the compute stream and for the stream of the storage's
 last access (the native observer's ``last_stream``; ``_S.stream`` on the Python source).
 
-State: ``_copies``, ``async_copies``, ``_copy_storages`` (the engine takes storages: ``copies.py``), ``_rooms_unwalked``,
+State: ``_copies``, ``async_copies``, ``_copy_storages`` (the engine takes storages: ``copies.py``), ``_walked_at``,
 ``pool``, ``_cur`` (the step's statistics), ``_pending_stalls``, ``_held`` and ``_collectives`` (what
 collectives hold), ``_pinned``, ``_no_prefetch`` (a prefetch ran out of device memory in this step).
 """
@@ -302,26 +302,21 @@ class Moves(Residency):
     #: walk the observer's table for deaths before every make-room, whatever the drain found (off:
     #: only where the walk can help, :meth:`_walk_for_room`)
     walk_every_room = False
-    #: where a walk finds only storages that died away, one make-room in this many walks
-    walk_room_every = 8
 
     def _walk_for_room(self, need: int) -> bool:
         """Whether a walk of the observer's table (``sweep``) can help make room for ``need`` bytes.
         Where no entry counted in ``used`` is exposed (events.cpp, invariant 9), the drain that read
         ``used`` found every death that frees device bytes, and a walk finds only storages that died
-        away, whose host buffers it frees. Then it walks at one make-room in ``walk_room_every``, and
-        at every one where the host pool has less than a quarter of a chunk (or ``need``) free, so
-        that those buffers come back before the evictions would make the pool grow (a pinned chunk
-        is slow to make)."""
+        away, whose host buffers it frees. Then it walks once the host pool has handed out a quarter
+        of what it holds since the last walk, or where it has less than ``need`` free, so that those
+        buffers come back before the pool grows for them (a pinned chunk is slow to make). Both
+        follow the moves alone, so two runs that move the same walk at the same points."""
         obs = self._obs
-        if self.walk_every_room or obs.exposed:
-            return True
-        self._rooms_unwalked += 1
         pool = self.pool
-        roomy = pool.reserved - pool.in_use >= max(need, pool.chunk_bytes >> 2)
-        if roomy and self._rooms_unwalked < self.walk_room_every:
+        if (not self.walk_every_room and not obs.exposed and pool.reserved - pool.in_use >= need
+                and pool.handed_out - self._walked_at < pool.in_use >> 2):
             return False
-        self._rooms_unwalked = 0
+        self._walked_at = pool.handed_out
         return True
 
     def _evict_for_room(self, s: _S) -> bool:

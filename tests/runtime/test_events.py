@@ -244,28 +244,32 @@ def test_each_step_counts_its_own_table_sweeps(monkeypatch):
     assert [s["table_sweeps"] for s in idle.stats["per_step"]] == [2, 2]
 
 
-def test_a_make_room_walks_the_table_only_where_the_host_pool_is_short():
+def test_a_make_room_walks_the_table_once_the_host_pool_has_handed_out_a_quarter_of_what_it_holds():
     """With every death of a storage counted in ``used`` known (covered on the CPU, heard on CUDA), a
     walk of the table before a make-room can find only storages that died away (on CUDA: their data
-    is given up, so nothing hears them), which free host buffers: it runs where the host pool is
-    short, not where the pool has room."""
+    is given up, so nothing hears them), which free host buffers: it runs once the host pool has
+    handed out a quarter of what it holds since the last walk (or has less than the room needed
+    free), not at every make-room."""
     mm = dr.MemoryManager(4 << 20, policy="lru", device="cpu", events="native")
     mm.attach(nn.Linear(4, 4))  # 80 bytes of parameters, the first victims
     obs = mm._obs
     try:
         with mm.step():
             a, b, c = torch.ones(1 << 16), torch.ones(1 << 16), torch.ones(1 << 17)
-            assert mm.offload(a) == 1 << 18  # the host pool makes its first chunk; b and c get records
-            sweeps = obs.sweeps
+            assert mm.offload(a) == 1 << 18  # the host pool hands out 256 KiB; b and c get records
             assert obs.exposed == 0
+            sweeps = obs.sweeps
             with no_mode():  # as the manager makes room: its own copies unobserved
-                mm.make_room(mm.budget - mm.used + (1 << 18), set())  # evicts b; the pool has room
-            assert obs.sweeps == sweeps and obs.away == (2 << 18) + 80
-            mm.pool.chunk_bytes = 1 << 30  # a quarter chunk is more than the pool has free
+                mm.make_room(mm.budget - mm.used + 1, set())  # a quarter handed out since: walks
+            assert obs.sweeps == sweeps + 1 and obs.away == (1 << 18) + 64  # a and the weight
             with no_mode():
-                mm.make_room(mm.budget - mm.used + (1 << 18), set())  # evicts c
-            assert obs.sweeps == sweeps + 1 and obs.away == (4 << 18) + 80
-            assert torch.equal(a, b) and torch.equal(b + 1, torch.full((1 << 16,), 2.0)) and torch.equal(c, torch.ones(1 << 17))
+                mm.make_room(mm.budget - mm.used + (1 << 18), set())  # 512 bytes handed out since: no walk
+            assert obs.sweeps == sweeps + 1 and obs.away == (2 << 18) + 80  # b and the bias too
+            with no_mode():
+                mm.make_room(mm.budget - mm.used + (1 << 18), set())  # b's 256 KiB handed out since
+            assert obs.sweeps == sweeps + 2 and obs.away == (4 << 18) + 80  # c too
+            assert torch.equal(a, b) and torch.equal(b + 1, torch.full((1 << 16,), 2.0))
+            assert torch.equal(c, torch.ones(1 << 17))
     finally:
         mm.detach()
 
