@@ -165,7 +165,6 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     mm.attach(m_model, m_opt)
     obs = QUIET[-1]
     obs.exact_peak = config != "none-lazy-peak"
-    sweeps0 = obs.sweeps
     mm._begin_step = _timed(mm._begin_step, begin)
     mm._end_step = _timed(mm._end_step, end)
     reads: list[float] = []  # the managed side's reads of the native log (NativeSource._native_parse_log)
@@ -238,7 +237,8 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         per = st["per_step"][2:]
         pol = mm.policy
         pilot = {k: getattr(pol, k, 0) / steps for k in ("decisions", "deferred_idle", "inference_s")}
-        sweeps = (obs.sweeps - sweeps0) / steps
+        # the measuring step walks the table after every operator: walks of the steps the medians keep
+        sweeps = sum(p["table_sweeps"] for p in per) / max(len(per), 1)
         deaths = st["deaths"]
     finally:
         mm.detach()
