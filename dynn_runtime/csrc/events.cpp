@@ -118,12 +118,12 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <utility>
 #include <mutex>
 #include <string>
 #include <tuple>
 #include <type_traits>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace py = pybind11;

@@ -12,9 +12,10 @@ Storages a collective still runs on (``c10d::`` operators: DDP's buckets) and th
 never leave. An eviction's copy waits for the compute stream and for the stream of the storage's
 last access (the native observer's ``last_stream``; ``_S.stream`` on the Python source).
 
-State: ``_copies``, ``async_copies``, ``_copy_storages`` (the engine takes storages: ``copies.py``), ``_walked_at``,
-``pool``, ``_cur`` (the step's statistics), ``_pending_stalls``, ``_held`` and ``_collectives`` (what
-collectives hold), ``_pinned``, ``_no_prefetch`` (a prefetch ran out of device memory in this step).
+State: ``_copies``, ``async_copies``, ``_copy_storages`` (the engine takes storages: ``copies.py``),
+``pool``, ``_walked_at`` (the pool's ``handed_out`` at the last walk of the observer's table), ``_cur``
+(the step's statistics), ``_pending_stalls``, ``_held`` and ``_collectives`` (what collectives hold),
+``_pinned``, ``_no_prefetch`` (a prefetch ran out of device memory in this step).
 """
 
 from __future__ import annotations
@@ -230,10 +231,7 @@ class Moves(Residency):
         self._copies.allocate(st, s.nbytes)
         if self._obs is not None:
             self._obs.set_away(s.sid, False)
-        cur = self._cur
-        cur.late_fetches += 1
-        timed = (cur.late_fetches - 1) % self.time_late_every == 0
-        pair = self._copies.fetch_inline(s.host.tensor, st, s.event, timed)
+        pair = self._copies.fetch_inline(s.host.tensor, st, s.event, self._late_fetch())
         if pair is not None:
             self._pending_stalls.append(pair)
         # s.event stays the copy that filled the host buffer: a host read of the buffer (state_dict's
@@ -245,17 +243,10 @@ class Moves(Residency):
     def _finish_fetch(self, s: _S, st: torch.UntypedStorage) -> None:
         """A fetched storage becomes usable: the compute stream waits on its copy (invariant 3)."""
         if s.fetch_event is not None:
-            if not s.fetch_event.query():  # a demand fetch or a late prefetch: a wait on the GPU
-                cur = self._cur
-                cur.late_fetches += 1
-                # timed (two timing events on the compute stream) for the step's first late fetch
-                # and one in `time_late_every` after it
-                if (cur.late_fetches - 1) % self.time_late_every == 0:
-                    pair = self._copies.timed_wait(s.fetch_event)
-                    if pair is not None:
-                        self._pending_stalls.append(pair)
-                else:
-                    self._copies.compute_waits(s.fetch_event)
+            if not s.fetch_event.query() and self._late_fetch():  # late, and in the timed sample
+                pair = self._copies.timed_wait(s.fetch_event)
+                if pair is not None:
+                    self._pending_stalls.append(pair)
             else:
                 self._copies.compute_waits(s.fetch_event)
             s.fetch_event = None
@@ -395,6 +386,13 @@ class Moves(Residency):
     #: one late fetch in this many has its wait timed on the device (the step's first always is):
     #: ``stall_seconds`` is their time scaled up to every late fetch
     time_late_every = 8
+
+    def _late_fetch(self) -> bool:
+        """Count a late fetch (the compute stream waits for its copy); whether its wait is one of the
+        sample timed on the device (two timing events on the compute stream)."""
+        cur = self._cur
+        cur.late_fetches += 1
+        return (cur.late_fetches - 1) % self.time_late_every == 0
 
     def _resolve_stalls(self) -> None:
         """The step's timed waits into ``stall_seconds``, scaled up to all its late fetches; after the

@@ -97,8 +97,8 @@ class StepStats:
 
     def add(self, other: StepStats) -> None:
         for k in ("ops", "bytes_offloaded", "bytes_prefetched", "bytes_fetched_on_demand", "evictions",
-                  "stall_seconds", "late_fetches", "late_fetches_timed", "copy_seconds", "policy_seconds", "recomputed_ops",
-                  "prefetch_hits", "prefetch_misses", "wall_seconds", "decision_points", "host_syncs",
+                  "stall_seconds", "late_fetches", "late_fetches_timed", "copy_seconds", "policy_seconds",
+                  "recomputed_ops", "prefetch_hits", "prefetch_misses", "wall_seconds", "decision_points", "host_syncs",
                   "oom_retries", "prefetches_dropped", "left_on_host", "table_sweeps"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.peak_device_bytes = max(self.peak_device_bytes, other.peak_device_bytes)
