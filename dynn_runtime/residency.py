@@ -123,6 +123,9 @@ class Residency:
     #: MemoryView: victims smaller than this are passed over by the search in progress (make_room's
     #: ``scale``); 0 outside one
     victim_floor: int = 0
+    #: :meth:`_account` is told of the device bytes each transition takes or gives back; False where
+    #: something else counts them (the live runtime's native observer), so that no call is made
+    _counts_held: bool = True
 
     def _init_residency(self) -> None:
         self.used = 0
@@ -147,7 +150,7 @@ class Residency:
         if step is None:  # (the message is built only then: this runs for every birth, death and move)
             internal_assert(False, f"residency: illegal transition {old.value} -> {new.value} for storage {s.sid}")
         held, away = step
-        if held:
+        if held and self._counts_held:
             self._account(s.nbytes if held > 0 else -s.nbytes)
         if away:
             self.away += s.nbytes if away > 0 else -s.nbytes

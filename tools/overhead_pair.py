@@ -1,7 +1,7 @@
 """The managed step against PyTorch alone, paired step by step in one process (native event source).
 
 Usage: ``python tools/overhead_pair.py FAMILY[,FAMILY...] [--steps N] [--configs none,lru,lru@0.5]
-[--profile CONFIG] [--rounds R] [--device cuda] [--preset P]`` (``small`` presets by default; a family may be ``examples/my_workload.py:build``;
+[--profile CONFIG] [--rounds R] [--device cuda] [--preset P] [--copies log]`` (``small`` presets by default; a family may be ``examples/my_workload.py:build``;
 a configuration is a policy name, ``pilot-every`` for the pilot with every decision point run
 (``defer_idle=False``), ``pilot-alt`` for one pilot that defers its idle decision points in steps 4k and
 4k+1 and runs every one in steps 4k+2 and 4k+3 (both in both orders against PyTorch alone; the two
@@ -19,7 +19,9 @@ point reading the log first (``defer_parse = False``), ``lru-pycopies`` for lru 
 its copies issued by the Python engine (``CudaCopies``; ``--device cuda`` only; every other CUDA
 configuration uses the C++ one, ``MemoryManager.copies_in_c``), ``lru-s34`` for lru as session 34 left
 it (a walk of the observer's table before every make-room, every late fetch's wait timed, a demand
-fetch on the side stream, and on CUDA an event made and destroyed per copy), ``lru-py`` for lru
+fetch on the side stream, and on CUDA an event made and destroyed per copy and each copy a ``Tensor.copy_``),
+``lru-tensorcopy`` for lru with each CUDA copy a ``Tensor.copy_`` rather than one ``cudaMemcpyAsync``
+(``MemoryManager.raw_copies``), ``lru-py`` for lru
 with its order kept in Python, ``@F`` a budget).
 
 Two copies of the model start from the same weights and train on the same batches: one under a
@@ -57,6 +59,7 @@ from dynn_runtime.workload import load_workload, make_optimizer, to_device, trai
 
 _BIG = 1 << 50
 _EXPERIMENT = ""
+_COPIES = ""
 
 
 _CLOCK = time.thread_time  # the stepping thread's CPU time; wall time with the GPU synchronized on CUDA
@@ -133,7 +136,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         if _DEVICE == "cpu":
             raise SystemExit("overhead_pair: lru-pycopies needs --device cuda (the CPU's copies are synchronous)")
         policy = "lru"
-    elif policy == "lru-s34":  # lru as session 34 left it, below
+    elif policy in ("lru-s34", "lru-tensorcopy"):  # lru as session 34 left it; lru copying with copy_: below
         policy = "lru"
     elif policy == "lru-py":  # lru with its order kept in Python, told every touch (no observer-kept order)
         from dynn_runtime.policies.basic import LRUPolicy
@@ -146,8 +149,12 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     if config.startswith("lru-pycopies"):
         copies = cuda_copies(torch.device(_DEVICE), True, native=False)
     s34 = config.startswith("lru-s34")
-    if s34 and _DEVICE != "cpu":  # the C++ engine making and destroying an event per copy
-        copies = native_copies("cuda", torch.device(_DEVICE).index or 0, True, reuse_events=False)
+    if s34 and _DEVICE != "cpu":  # the C++ engine making and destroying an event per copy, copying with copy_
+        copies = native_copies("cuda", torch.device(_DEVICE).index or 0, True, reuse_events=False, raw_copies=False)
+    elif config.startswith("lru-tensorcopy") and _DEVICE != "cpu":  # lru with each copy a Tensor.copy_
+        copies = native_copies("cuda", torch.device(_DEVICE).index or 0, True, raw_copies=False)
+    elif _COPIES == "log":  # the C++ engine on its log device: a CUDA move's calls, on the CPU
+        copies = native_copies("log", 0, True, reuse_events=not s34)
     mm = dr.MemoryManager(budget, policy=policy, device=_DEVICE, events="native", copies=copies)
     mm.records_in_batch = config.startswith("pilot-rec")
     mm.operators_in_c = not config.startswith("pilot-pyparse")
@@ -274,11 +281,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--experiment", default="")
     ap.add_argument("--preset", default="small", help="the zoo preset (tiny: CPU steps whose host work dominates, as on a GPU)")
+    ap.add_argument("--copies", default="", choices=("", "log"),
+                    help="log (CPU): every configuration's copies through the C++ engine on its log device, so "
+                         "that a move makes the calls a CUDA move makes (the copies run at once)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: wall time with the GPU synchronized around each side's step, default threads")
     args = ap.parse_args()
-    global _EXPERIMENT, _CLOCK, _DEVICE, _PRESET
+    global _EXPERIMENT, _CLOCK, _DEVICE, _PRESET, _COPIES
     _EXPERIMENT = args.experiment
+    _COPIES = args.copies
+    if _COPIES and args.device != "cpu":
+        raise SystemExit("overhead_pair: --copies log is for --device cpu")
     _PRESET = args.preset
     _DEVICE = args.device
     if _DEVICE == "cuda":

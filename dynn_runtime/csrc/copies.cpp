@@ -22,6 +22,7 @@
 #include <torch/csrc/DynamicTypes.h>
 
 #include "bytes.h"
+#include "copies_cuda.h"
 
 #include <memory>
 #include <mutex>
@@ -39,7 +40,8 @@ using c10::impl::DeviceGuardImplInterface;
 // What a LogDevice was asked, in order: (what, a, b). "record" (event, stream), "wait" (event,
 // stream), "stream" (the current stream set, the one it replaced), "keep" (stream, -1: a block
 // recorded on it), "copy" (the current stream, bytes), "sync_event" (event, -1), "sync_stream"
-// (stream, -1).
+// (stream, -1); and what the engine itself did to a storage's device block: "allocate" (the
+// current stream, bytes), "release" (the current stream, bytes given back).
 using LogEntry = std::tuple<std::string, int64_t, int64_t>;
 
 // A device whose streams and events are bookkeeping only, on the CPU: stream 0 is the compute
@@ -53,6 +55,9 @@ struct LogDevice final : DeviceGuardImplInterface {
   mutable int64_t next_event = 1;
   // per event id: reached
   mutable std::unordered_map<int64_t, bool> reached;
+  // tests: this many of the engine's next block allocations run out of memory (c10::OutOfMemoryError,
+  // as the CUDA caching allocator's)
+  int64_t failing_allocations = 0;
 
   static c10::Stream stream(c10::StreamId id) {
     return c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::kCPU, 0), id);
@@ -192,7 +197,9 @@ class CopyEngine {
  public:
   // device_type "cuda" (the device's own streams and events) or "log" (tests: a LogDevice, CPU tensors)
   // reuse_events: the copies' and timed waits' events come from, and go back to, the engine's pool
-  CopyEngine(const std::string& device_type, int64_t index, bool non_blocking, bool reuse_events)
+  // raw_copies: a non-blocking CUDA copy is one cudaMemcpyAsync (copies_cuda.h) where that is built;
+  // else, and on the log device, Tensor::copy_
+  CopyEngine(const std::string& device_type, int64_t index, bool non_blocking, bool reuse_events, bool raw_copies)
       : non_blocking_(non_blocking) {
     if (device_type == "log") {
       auto log = std::make_shared<LogDevice>();
@@ -205,6 +212,7 @@ class CopyEngine {
       // raises where torch has no CUDA; the registry's implementation is never freed
       impl_ = Impl(c10::impl::getDeviceGuardImpl(c10::kCUDA), [](const DeviceGuardImplInterface*) {});
       device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+      raw_ = raw_copies && non_blocking && cuda_copy::built();
     }
     d2h_ = impl_->getStreamFromGlobalPool(device_, false);
     h2d_ = impl_->getStreamFromGlobalPool(device_, false);
@@ -245,10 +253,18 @@ class CopyEngine {
   }
 
   // to_host and to_device with the device side given as its UntypedStorage (the manager's moves): the
-  // byte view over it is made here, so no tensor of it reaches Python
-  CopyEvent evict(py::handle storage, at::Tensor& dst, std::optional<int64_t> last_stream) {
-    at::Tensor src = bytes_of(torch::createStorage(storage.ptr()));
-    return to_host(src, dst, last_stream);
+  // byte view over it is made here, so no tensor of it reaches Python. With release, the storage then
+  // gives its block back (its size 0, as UntypedStorage.resize_(0)), stream-ordered: to_host recorded
+  // the block on the side stream, so the allocator reuses it only once the copy has read it.
+  CopyEvent evict(py::handle storage, at::Tensor& dst, std::optional<int64_t> last_stream, bool release) {
+    c10::Storage st = torch::createStorage(storage.ptr());
+    at::Tensor src = bytes_of(st);
+    CopyEvent done = to_host(src, dst, last_stream);
+    if (release) {
+      src = at::Tensor();  // the view's reference to the block; the storage's goes below
+      release_block(st);
+    }
+    return done;
   }
   CopyEvent fetch(const at::Tensor& src, py::handle storage, const CopyEvent* after) {
     at::Tensor dst = bytes_of(torch::createStorage(storage.ptr()));
@@ -260,9 +276,15 @@ class CopyEngine {
   // first wait for the compute stream's work so far (the allocation), and the compute stream would
   // wait for the copy before its next kernel: the compute stream copying orders the same work with
   // no event of the copy's own. With `timed`, two timing events bracket the copy (its stall).
+  // With nbytes, the storage (given back at its eviction) first gets a block of nbytes (as
+  // UntypedStorage.resize_(nbytes)); where the allocator runs out, torch.OutOfMemoryError is raised
+  // and nothing changed.
   std::optional<std::pair<CopyEvent, CopyEvent>> fetch_inline(const at::Tensor& src, py::handle storage,
-                                                              const CopyEvent* after, bool timed) {
-    at::Tensor dst = bytes_of(torch::createStorage(storage.ptr()));
+                                                              const CopyEvent* after, bool timed,
+                                                              std::optional<int64_t> nbytes) {
+    c10::Storage st = torch::createStorage(storage.ptr());
+    if (nbytes.has_value()) allocate_block(st, static_cast<size_t>(*nbytes));
+    at::Tensor dst = bytes_of(st);
     const c10::Stream compute = impl_->getStream(device_);
     if (after != nullptr) after->block(compute);
     std::optional<std::pair<CopyEvent, CopyEvent>> stall;
@@ -271,11 +293,7 @@ class CopyEngine {
                     CopyEvent(impl_, device_.index(), c10::EventFlag::BACKEND_DEFAULT, pool_));
       stall->first.record(compute);
     }
-    {
-      if (log_ != nullptr) log_->log.emplace_back("copy", log_->current, static_cast<int64_t>(src.nbytes()));
-      py::gil_scoped_release unlocked;
-      dst.copy_(src, non_blocking_);
-    }
+    copy_bytes(dst, src, compute);
     if (timed) stall->second.record(compute);
     return stall;
   }
@@ -308,15 +326,78 @@ class CopyEngine {
   }
 
   std::pair<int64_t, int64_t> stream_ids() const { return {d2h_.id(), h2d_.id()}; }
+  bool raw() const { return raw_; }
+
+  // tests, on the log device: the next n block allocations run out of memory
+  void fail_allocations(int64_t n) {
+    TORCH_CHECK(log_ != nullptr, "dynn_runtime: fail_allocations is for an engine on the 'log' device");
+    log_->failing_allocations = n;
+  }
 
  private:
+  // dst.copy_(src) on stream `on`, the current stream (a raw copy names it; copy_ reads it)
+  void copy_bytes(at::Tensor& dst, const at::Tensor& src, const c10::Stream& on) {
+    if (log_ != nullptr) log_->log.emplace_back("copy", log_->current, static_cast<int64_t>(src.nbytes()));
+    py::gil_scoped_release unlocked;  // as torch's own copy_: a copy into pageable memory waits for the GPU
+    if (raw_) {
+      cuda_copy::copy_async(dst.mutable_data_ptr(), src.const_data_ptr(), src.nbytes(), on);
+    } else {
+      dst.copy_(src, non_blocking_);
+    }
+  }
+
+  // A block of nbytes for a storage that holds none, from the storage's own allocator on the engine's
+  // device, as UntypedStorage.resize_ gives one (no bytes to keep); the allocator's out-of-memory
+  // error becomes torch.OutOfMemoryError, as resize_'s does.
+  void allocate_block(c10::Storage& st, size_t nbytes) {
+    c10::StorageImpl* impl = st.unsafeGetStorageImpl();
+    TORCH_CHECK(impl->resizable(), "dynn_runtime: a storage that is not resizable cannot get a block back");
+    TORCH_CHECK(impl->nbytes() == 0, "dynn_runtime: allocate_block of a storage that holds ", impl->nbytes(), " bytes");
+    at::DataPtr block;
+    try {
+      if (log_ != nullptr) {
+        if (log_->failing_allocations > 0) {
+          --log_->failing_allocations;
+          TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory (injected by fail_allocations). Tried to allocate ",
+                           nbytes, " bytes.");
+        }
+        log_->log.emplace_back("allocate", log_->current, static_cast<int64_t>(nbytes));
+      }
+      const c10::Device was = impl_->exchangeDevice(device_);  // the allocator serves the current device
+      try {
+        block = impl->allocator()->allocate(nbytes);
+      } catch (...) {
+        impl_->setDevice(was);
+        throw;
+      }
+      impl_->setDevice(was);
+    } catch (const c10::OutOfMemoryError& e) {
+      PyErr_SetString(out_of_memory().ptr(), e.what_without_backtrace());
+      throw py::error_already_set();
+    }
+    impl->set_data_ptr_noswap(std::move(block));
+    impl->set_nbytes(nbytes);
+  }
+
+  // The storage's block given back (its size 0, as UntypedStorage.resize_(0)): freed now, reused by
+  // the allocator after the streams it was recorded on have passed that point.
+  void release_block(c10::Storage& st) {
+    c10::StorageImpl* impl = st.unsafeGetStorageImpl();
+    if (log_ != nullptr) log_->log.emplace_back("release", log_->current, static_cast<int64_t>(impl->nbytes()));
+    impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
+    impl->set_nbytes(0);
+  }
+
+  static py::handle out_of_memory() {
+    static py::handle cls = py::object(py::module_::import("torch").attr("OutOfMemoryError")).release();
+    return cls;
+  }
+
   // dst.copy_(src) issued on stream side, then compute is current again (also when the copy raises)
   void copy_on(const c10::Stream& side, const c10::Stream& compute, at::Tensor& dst, const at::Tensor& src) {
     impl_->exchangeStream(side);
     try {
-      if (log_ != nullptr) log_->log.emplace_back("copy", log_->current, static_cast<int64_t>(src.nbytes()));
-      py::gil_scoped_release unlocked;  // as torch's own copy_: a copy into pageable memory waits for the GPU
-      dst.copy_(src, non_blocking_);
+      copy_bytes(dst, src, side);
     } catch (...) {
       impl_->exchangeStream(compute);
       throw;
@@ -328,6 +409,7 @@ class CopyEngine {
   Impl impl_;
   c10::Device device_{c10::kCPU};
   bool non_blocking_;
+  bool raw_ = false;  // copies as one cudaMemcpyAsync each (copies_cuda.h)
   c10::Stream d2h_{c10::Stream::UNSAFE, c10::Device(c10::kCPU), 0};
   c10::Stream h2d_{c10::Stream::UNSAFE, c10::Device(c10::kCPU), 0};
   std::shared_ptr<EventPool> pool_;    // null: every copy's event made and destroyed
@@ -344,18 +426,25 @@ void define_copies(py::module_& m) {
       .def("elapsed_time", &CopyEvent::elapsed_time, py::arg("end"),
            "milliseconds from this timing event to end (both reached)");
   py::class_<CopyEngine>(m, "CopyEngine")
-      .def(py::init<const std::string&, int64_t, bool, bool>(), py::arg("device_type"), py::arg("index"),
-           py::arg("non_blocking"), py::arg("reuse_events") = true)
+      .def(py::init<const std::string&, int64_t, bool, bool, bool>(), py::arg("device_type"), py::arg("index"),
+           py::arg("non_blocking"), py::arg("reuse_events") = true, py::arg("raw_copies") = true)
+      .def_property_readonly("raw_copies", [](const CopyEngine& e) { return e.raw(); },
+                             "whether each copy is one cudaMemcpyAsync (else Tensor.copy_)")
       .def("to_host", &CopyEngine::to_host, py::arg("src"), py::arg("dst"), py::arg("last_stream") = py::none())
       .def("to_device", &CopyEngine::to_device, py::arg("src"), py::arg("dst"), py::arg("after") = py::none())
       .def("evict", &CopyEngine::evict, py::arg("storage"), py::arg("dst"), py::arg("last_stream") = py::none(),
-           "to_host from the whole of a device UntypedStorage")
+           py::arg("release") = false,
+           "to_host from the whole of a device UntypedStorage; with release, the storage then gives its block "
+           "back (size 0), stream-ordered")
       .def("fetch", &CopyEngine::fetch, py::arg("src"), py::arg("storage"), py::arg("after") = py::none(),
            "to_device into the whole of a device UntypedStorage")
       .def("fetch_inline", &CopyEngine::fetch_inline, py::arg("src"), py::arg("storage"), py::arg("after") = py::none(),
-           py::arg("timed") = false,
-           "a demand fetch into the whole of a device UntypedStorage, on the compute stream; with timed, the "
-           "(before, after) timing events around the copy, else None")
+           py::arg("timed") = false, py::arg("nbytes") = py::none(),
+           "a demand fetch into the whole of a device UntypedStorage, on the compute stream (with nbytes, the "
+           "storage first gets a block of that size); with timed, the (before, after) timing events around the "
+           "copy, else None")
+      .def("fail_allocations", &CopyEngine::fail_allocations, py::arg("n"),
+           "tests, on the 'log' device: the next n block allocations raise torch.OutOfMemoryError")
       .def("compute_waits", &CopyEngine::compute_waits, py::arg("event"))
       .def("timed_wait", &CopyEngine::timed_wait, py::arg("event"))
       .def("sync", &CopyEngine::sync)

@@ -111,6 +111,7 @@
 #include "bytes.h"
 #include "covered.h"
 #include "flat_map.h"
+#include "copies_cuda.h"
 #include "heard.h"
 #include "recency.h"
 
@@ -1756,12 +1757,13 @@ bool add_operator_parse(PyObject* module);  // operators.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 17;
+  m.attr("ABI") = 18;
   if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
   m.attr("LOG_FREE") = dynn::kFree;
   m.attr("HEAR_CUDA") = dynn::heard::built();
+  m.attr("RAW_CUDA_COPIES") = dynn::cuda_copy::built();
   m.def("byte_view", &dynn::byte_view, py::arg("storage"),
         "a uint8 tensor over the whole of an UntypedStorage (runtime/storages.py's _u8, natively)");
   m.def(

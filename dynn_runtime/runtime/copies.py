@@ -21,12 +21,14 @@ module docstring of :mod:`~dynn_runtime.runtime.manager` is one call here:
 
 Events have ``query()`` and ``synchronize()`` (host pool buffers wait on them).
 
-An engine whose ``takes_storages`` is true also has ``evict(st, dst, last_stream)`` and
+An engine whose ``takes_storages`` is true also has ``evict(st, dst, last_stream, release)`` and
 ``fetch(src, st, after)``: ``to_host`` and ``to_device`` with the device side given as its
-``UntypedStorage``, the byte view over it made by the engine (the manager then makes none).
+``UntypedStorage``, the byte view over it made by the engine (the manager then makes none); with
+``release``, ``evict`` also does what ``release(st)`` does, in the same call.
 
-An engine with ``fetch_inline(src, st, after, timed)`` copies a demand fetch on the compute stream
-itself, after ``after`` (the copy that filled the host buffer; no event of its own): a side
+An engine with ``fetch_inline(src, st, after, timed, nbytes)`` copies a demand fetch on the compute
+stream itself, after ``after`` (the copy that filled the host buffer; no event of its own), having
+first done what ``allocate(st, nbytes)`` does (its out-of-memory error changes nothing): a side
 stream's copy would first wait for the compute stream's work so far, and the compute stream for
 the copy at once, so it orders the same work with three more events. ``timed``: it returns the
 (before, after) timing events around the copy (its stall), else None. The host buffer it read is
@@ -173,13 +175,17 @@ class CudaCopies:
 _NATIVE: Any = None  # the class native_copies makes, once
 
 
-def native_copies(device_type: str, index: int, pinned: bool, reuse_events: bool = True) -> Any | None:
+def native_copies(device_type: str, index: int, pinned: bool, reuse_events: bool = True,
+                  raw_copies: bool = True) -> Any | None:
     """:class:`CudaCopies`' protocol in C++ (``dynn_runtime._C.CopyEngine``) on ``device_type``
     ``"cuda"`` (device ``index``; ``pinned``: non-blocking copies) or ``"log"`` (tests: the CPU,
     ``take_log()`` says what its streams and events were asked); None where the extension does not
     load. Its events (``_C.CopyEvent``) have ``query``, ``synchronize`` and ``elapsed_time``; with
     ``reuse_events`` each goes back to the engine's pool when it dies, for a later copy, rather
-    than being destroyed (an event made and destroyed per copy is two driver calls a copy)."""
+    than being destroyed (an event made and destroyed per copy is two driver calls a copy). With
+    ``raw_copies`` (and ``pinned``, on CUDA, where the build has CUDA's headers) each copy is one
+    ``cudaMemcpyAsync`` of the two contiguous byte ranges, not a ``Tensor.copy_``
+    (``csrc/copies_cuda.h``)."""
     global _NATIVE
     if _NATIVE is None:
         mod = native_module()
@@ -188,7 +194,7 @@ def native_copies(device_type: str, index: int, pinned: bool, reuse_events: bool
 
         class NativeCopies(mod.CopyEngine):
             asynchronous = True
-            takes_storages = True  # evict(st, dst, last_stream), fetch(src, st, after)
+            takes_storages = True  # evict(st, dst, last_stream, release), fetch(src, st, after)
 
             def release(self, st: torch.UntypedStorage) -> None:
                 st.resize_(0)  # stream-ordered: to_host recorded the block on its side stream
@@ -197,16 +203,16 @@ def native_copies(device_type: str, index: int, pinned: bool, reuse_events: bool
                 st.resize_(nbytes)
 
         _NATIVE = NativeCopies
-    return _NATIVE(device_type, index, pinned, reuse_events)
+    return _NATIVE(device_type, index, pinned, reuse_events, raw_copies)
 
 
-def cuda_copies(device: torch.device, pinned: bool, native: bool) -> Any:
-    """The copy engine for CUDA ``device``: the C++ one where ``native`` and the extension loads,
-    else :class:`CudaCopies`."""
+def cuda_copies(device: torch.device, pinned: bool, native: bool, raw: bool = True) -> Any:
+    """The copy engine for CUDA ``device``: the C++ one where ``native`` and the extension loads
+    (``raw``: :func:`native_copies`' ``raw_copies``), else :class:`CudaCopies`."""
     engine = None
     if native:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        engine = native_copies("cuda", index, pinned)
+        engine = native_copies("cuda", index, pinned, raw_copies=raw)
     return engine if engine is not None else CudaCopies(device, pinned)
 
 
@@ -346,9 +352,12 @@ class FakeAsyncCopies:
         self.queues["h2d"].append(op)
         return _FakeEvent(self, op)
 
-    def fetch_inline(self, src: torch.Tensor, st: torch.UntypedStorage, after: Any,
-                     timed: bool = False) -> tuple[_FakeTime, _FakeTime] | None:
-        """The copy on the "compute stream" (the host, now), once ``after`` completed."""
+    def fetch_inline(self, src: torch.Tensor, st: torch.UntypedStorage, after: Any, timed: bool = False,
+                     nbytes: int | None = None) -> tuple[_FakeTime, _FakeTime] | None:
+        """The copy on the "compute stream" (the host, now), once ``after`` completed; with
+        ``nbytes``, the storage's block is allocated first."""
+        if nbytes is not None:
+            self.allocate(st, nbytes)
         self._tick()
         before = _FakeTime() if timed else None
         if after is not None:

@@ -77,7 +77,14 @@ def _copy_engine(module) -> str:
         return "Python (CudaCopies; MemoryManager.copies_in_c is off)"
     if module is None or not hasattr(module, "CopyEngine"):
         return "Python (CudaCopies: the native extension is not built)"
-    return "C++ (csrc/copies.cpp, MemoryManager.copies_in_c)"
+    if not MemoryManager.raw_copies:
+        copies = "each copy a Tensor.copy_ (MemoryManager.raw_copies is off)"
+    elif getattr(module, "RAW_CUDA_COPIES", False):
+        copies = "each copy one cudaMemcpyAsync (csrc/copies_cuda.h, MemoryManager.raw_copies)"
+    else:
+        copies = ("each copy a Tensor.copy_ (no raw copy here: torch without CUDA, CUDA's headers not found at "
+                  "the build, or torch's CUDA runtime not found; CMakeLists.txt)")
+    return f"C++ (csrc/copies.cpp, MemoryManager.copies_in_c); {copies}"
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ from ..memory import format_bytes
 __all__ = ["HostPool", "HostBuffer"]
 
 _ALIGN = 512  # bytes; keeps every buffer aligned for vectorised copies
-_VIEWS = 1 << 14  # views kept for reuse at most (each holds only its chunk, which the pool holds anyway)
+_VIEWS = 1 << 14  # buffers kept for reuse at most (each view holds only its chunk, which the pool holds anyway)
 
 
 @dataclass(eq=False)
@@ -105,9 +105,10 @@ class HostPool:
         self.handed_out = 0  # bytes handed out since the pool was made (aligned)
         self._pending: list[tuple[Any, HostBuffer]] = []  # released, waiting for a copy to finish
         self._warned = False
-        #: (chunk, offset, nbytes) -> the uint8 view handed out for it before: a buffer carved where one
-        #: was before gets the same view (the same bytes) without slicing the chunk again
-        self._views: dict[tuple[int, int, int], torch.Tensor] = {}
+        #: (chunk, offset, nbytes) -> the buffer handed out for it before: a buffer carved where one was
+        #: before is that same object (its fields are those three and the aligned size, which nbytes
+        #: fixes), without slicing the chunk again; at most one holder has it at a time
+        self._bufs: dict[tuple[int, int, int], HostBuffer] = {}
 
     @property
     def pinned(self) -> bool:
@@ -174,7 +175,8 @@ class HostPool:
 
     def alloc(self, nbytes: int) -> HostBuffer:
         size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
-        self.poll()
+        if self._pending:
+            self.poll()
         got = self._take(size, nbytes)
         # copies still hold released buffers: wait for the oldest, one at a time, before growing
         while got is None and self._pending:
@@ -202,13 +204,14 @@ class HostPool:
         self.handed_out += size
         if self.in_use > self.peak_in_use:
             self.peak_in_use = self.in_use
-        views = self._views
-        t = views.get((ci, off, nbytes))
-        if t is None:
-            if len(views) >= _VIEWS:
-                views.clear()
-            t = views[(ci, off, nbytes)] = self.chunks[ci].data[off:off + nbytes]
-        return HostBuffer(t, ci, off, size, nbytes)
+        bufs = self._bufs
+        key = (ci, off, nbytes)
+        buf = bufs.get(key)
+        if buf is None:
+            if len(bufs) >= _VIEWS:
+                bufs.clear()
+            buf = bufs[key] = HostBuffer(self.chunks[ci].data[off:off + nbytes], ci, off, size, nbytes)
+        return buf
 
     def release(self, buf: HostBuffer, event: Any = None) -> None:
         """Give ``buf`` back; with ``event``, only once the copy that event marks has completed."""
@@ -227,5 +230,5 @@ class HostPool:
                 event.synchronize()
         self._pending = []
         self.chunks = []
-        self._views = {}
+        self._bufs = {}
         self.reserved = self.in_use = 0

@@ -123,6 +123,10 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
     #: extension loads, instead of :class:`~dynn_runtime.runtime.copies.CudaCopies` (the reference,
     #: and the engine where the extension does not load). Both pass the same GPU tests.
     copies_in_c = True
+    #: the C++ engine's non-blocking copies as one ``cudaMemcpyAsync`` each (``csrc/copies_cuda.h``)
+    #: where the build has CUDA's headers; off, ``Tensor.copy_`` (which also records an event in the
+    #: pinned host allocator per copy)
+    raw_copies = True
 
     def __init__(
         self,
@@ -182,9 +186,11 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
                 "operators live would have to keep every evicted tensor's producer inputs alive and re-run kernels whose results "
                 "are not bit-reproducible on CUDA (atomics), so it could not promise the same numbers. Use "
                 "policy='checkpoint' (torch.utils.checkpoint per block) or an offloading policy (lru, pilot).")
+        # a policy that may ask for "drop" is asked per eviction (the base class always offloads)
+        self._asks_mode = type(self.policy).evict_mode is not Policy.evict_mode
         self.cuda = self.device.type == "cuda"
         if copies is None:
-            copies = (cuda_copies(self.device, pin_memory, self.copies_in_c) if async_copies and self.cuda
+            copies = (cuda_copies(self.device, pin_memory, self.copies_in_c, self.raw_copies) if async_copies and self.cuda
                       else SyncCopies())
         self._copies = copies
         self.async_copies = bool(copies.asynchronous)
@@ -353,6 +359,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
             self._obs = native_module().Observer(self.device.type, -1 if self.device.index is None
                                                  else self.device.index)
             self._obs.hear = self._obs.hear and self.hear_frees
+            self._counts_held = False  # the observer counts device bytes (events.cpp, invariant 2)
         self.provider = select_provider(str(self.device), self.event_source, self.event_reason,
                                         hooks=self._hooks_requested)
         # the parameters the model has at attach, the ones whose gradients each step labels "grad"
@@ -493,6 +500,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
             self.policy.release_order()
             self._native_order = False
         self._obs = None
+        self._counts_held = True
         self._attached = False
         # last: the manager is detached whatever the policy's threads raise on their way out
         self.policy.close()

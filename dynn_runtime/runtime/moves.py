@@ -13,6 +13,7 @@ never leave. An eviction's copy waits for the compute stream and for the stream 
 last access (the native observer's ``last_stream``; ``_S.stream`` on the Python source).
 
 State: ``_copies``, ``async_copies``, ``_copy_storages`` (the engine takes storages: ``copies.py``),
+``_asks_mode`` (the policy may answer ``evict_mode`` with "drop": asked per eviction),
 ``pool``, ``_walked_at`` (the pool's ``handed_out`` at the last walk of the observer's table), ``_cur``
 (the step's statistics), ``_pending_stalls``, ``_held`` and ``_collectives`` (what collectives hold),
 ``_pinned``, ``_no_prefetch`` (a prefetch ran out of device memory in this step).
@@ -68,8 +69,7 @@ class Moves(Residency):
                 return False
             if s.host_valid and not obs.host_valid(sid):  # written since its host copy was made
                 self._drop_host(s)
-        mode = self.policy.evict_mode(sid)
-        if mode == "drop":
+        if self._asks_mode and self.policy.evict_mode(sid) == "drop":
             return False  # recompute at runtime: not supported; the policy must offload
         # "discard" (the oracle's never-used-again) is never honoured live: the trace could be wrong,
         # and a wrong discard loses data. Offload instead.
@@ -85,18 +85,20 @@ class Moves(Residency):
                 self._drop_host(s)
                 s.host = host = self.pool.alloc(nbytes)
             last = obs.last_stream(sid) if obs is not None else s.stream
-            if self._copy_storages:
-                s.event = self._copies.evict(st, host.tensor, last)
+            # Released now, stream-ordered (copies.py): the block is not reused before the copy
+            # has read it, so the host never waits for an eviction.
+            if self._copy_storages:  # the copy and the release in one call
+                s.event = self._copies.evict(st, host.tensor, last, True)
+                if obs is not None:
+                    obs.set_away(sid, True)
             else:
                 src = self._bytes(st)
                 s.event = self._copies.to_host(src, host.tensor, last)
                 del src
+                self._release_device(s, st)
             s.host_valid = True
             if obs is not None:
                 obs.set_host_valid(sid, True)
-            # Released now, stream-ordered (copies.py): the block is not reused before the copy
-            # has read it, so the host never waits for an eviction.
-            self._release_device(s, st)
             self.set_status(s, HOST)
             cur.bytes_offloaded += nbytes
         cur.evictions += 1
@@ -228,10 +230,14 @@ class Moves(Residency):
     def _start_inline(self, s: _S, st: torch.UntypedStorage) -> None:
         """A demand fetch on the compute stream (the engine's ``fetch_inline``): resident at once, a
         late fetch by construction (the compute stream runs its copy), timed as late fetches are."""
-        self._copies.allocate(st, s.nbytes)
+        timed = self._late_fetch()
+        try:  # the block is allocated by the same call
+            pair = self._copies.fetch_inline(s.host.tensor, st, s.event, timed, s.nbytes)
+        except torch.OutOfMemoryError:
+            self._cur.late_fetches -= 1  # nothing changed: the retry counts it
+            raise
         if self._obs is not None:
-            self._obs.set_away(s.sid, False)
-        pair = self._copies.fetch_inline(s.host.tensor, st, s.event, self._late_fetch())
+            self._obs.set_away(s.sid, False)  # after the allocation: the observer hears the new block
         if pair is not None:
             self._pending_stalls.append(pair)
         # s.event stays the copy that filled the host buffer: a host read of the buffer (state_dict's
@@ -358,8 +364,9 @@ class Moves(Residency):
         return ", ".join(parts[:8]) or "nothing tracked"
 
     def _account(self, delta: int) -> None:
-        if self._obs is None:  # the native observer counts device bytes itself (events.cpp, invariant 2)
-            self._used += delta
+        # told only where no native observer counts device bytes itself (``_counts_held``;
+        # events.cpp, invariant 2)
+        self._used += delta
 
     def _status_changed(self, s: Record, old: Status, new: Status) -> None:
         obs = s.obs

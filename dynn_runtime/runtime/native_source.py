@@ -117,6 +117,22 @@ class _AfterOps:
 _PARSE_CTX = (OPERATOR, TOUCH_ALLOC, TOUCH_FREE, _PHASES, _PHASE_CODES, Op, _Born, internal_assert, ABSENT)
 
 
+
+class _At:
+    """Where a fault or a decision point is, as an error or a note says it (``str()``): its text is
+    built only then, from the values taken when the fault or decision point began (a fault or a
+    decision point that moves nothing never needs it)."""
+
+    __slots__ = ("name", "position", "phase", "after")
+
+    def __init__(self, name: str, position: int, phase: str, after: bool = False) -> None:
+        self.name, self.position, self.phase, self.after = name, position, phase, after
+
+    def __str__(self) -> str:
+        if self.position < 0:
+            return f"operator {self.name} (between steps)"
+        return f"{'after ' if self.after else ''}operator {self.name} (position {self.position}, {self.phase})"
+
 class NativeSource:
     """Faults, decisions and the log of the native event source."""
 
@@ -227,8 +243,7 @@ class NativeSource:
                 due = self._parse_due = True
             else:
                 self._native_parse(in_step=True)  # the policy's view must be current before it picks victims
-        where = (f"operator {name} (position {self._obs.position}, {self.phase})" if in_step
-                 else f"operator {name} (between steps)")
+        where = _At(name, self._obs.position if in_step else -1, self.phase)
         need = set(ins)
         error = None
         st = self.st
@@ -286,7 +301,7 @@ class NativeSource:
             return
         reserve = self._obs.max_made  # room for the next operator (events.cpp, invariant 6)
         if self.used + reserve > self.budget:
-            where = f"after operator {self._last_name} (position {position}, {self.phase})"
+            where = _At(self._last_name, position, self.phase, after=True)
             st = self.st
             # a storage born since the last read has the observer's size, its record's
             busy = sum(st[x].nbytes if x in st else self._born_size(x) if due else 0 for x in self._last_busy)

@@ -30,18 +30,36 @@ def _sources() -> list[str]:
     return out
 
 
-#: the copy engines: runtime/copies.py's CudaCopies, and the C++ one (MemoryManager.copies_in_c)
-ENGINES = ["python", "native"]
+#: the copy engines: runtime/copies.py's CudaCopies, and the C++ one (MemoryManager.copies_in_c), its
+#: copies one cudaMemcpyAsync each (MemoryManager.raw_copies) or a Tensor.copy_ each
+ENGINES = ["python", "native", "native-tensorcopy"]
 
 
 def _engine(monkeypatch, engine: str) -> None:
-    if engine == "native" and native_module() is None:
+    if engine != "python" and native_module() is None:
         pytest.skip("the native extension is not built")
-    monkeypatch.setattr(MemoryManager, "copies_in_c", engine == "native")
+    monkeypatch.setattr(MemoryManager, "copies_in_c", engine != "python")
+    monkeypatch.setattr(MemoryManager, "raw_copies", engine == "native")
 
 
 def _engine_of(mm: MemoryManager) -> str:
-    return "native" if type(mm._copies).__name__ == "NativeCopies" else "python"
+    if type(mm._copies).__name__ != "NativeCopies":
+        return "python"
+    return "native" if mm._copies.raw_copies else "native-tensorcopy"
+
+
+def test_a_cuda_build_copies_with_one_cudamemcpyasync_where_it_hears_the_allocator():
+    """Both need CUDA's headers at the build (CMakeLists.txt); the raw copy also finds torch's CUDA
+    runtime at run time (csrc/copies_cuda.cpp)."""
+    mod = native_module()
+    if mod is None:
+        pytest.skip("the native extension is not built")
+    assert mod.RAW_CUDA_COPIES == mod.HEAR_CUDA
+    from dynn_runtime.runtime.copies import native_copies
+
+    assert native_copies("cuda", 0, True).raw_copies == mod.RAW_CUDA_COPIES
+    assert not native_copies("cuda", 0, True, raw_copies=False).raw_copies
+    assert not native_copies("cuda", 0, False).raw_copies  # pageable: blocking copies stay copy_'s
 
 
 @pytest.fixture(autouse=True)

@@ -104,13 +104,13 @@ def test_the_native_byte_view_is_the_reference_view():
             assert bytes(st) == bytes([7]) * st.nbytes()
 
 
-def test_a_buffer_carved_where_one_was_gets_the_same_view(monkeypatch):
+def test_a_buffer_carved_where_one_was_is_the_same_buffer(monkeypatch):
     pool = HostPool(chunk_bytes=1 << 12)
     a = pool.alloc(100)
     a.tensor.fill_(1)
     pool.release(a)
     b = pool.alloc(100)
-    assert b.tensor is a.tensor and (b.chunk, b.offset, b.nbytes) == (a.chunk, a.offset, a.nbytes)
+    assert b is a and b.tensor is a.tensor and (b.chunk, b.offset, b.nbytes) == (a.chunk, a.offset, a.nbytes)
     c = pool.alloc(64)  # another place: its own view, over its own bytes
     assert c.offset != b.offset and c.tensor.numel() == 64
     c.tensor.fill_(2)
@@ -120,9 +120,9 @@ def test_a_buffer_carved_where_one_was_gets_the_same_view(monkeypatch):
     monkeypatch.setattr(hostpool, "_VIEWS", 2)  # a full cache starts over
     pool.release(b)
     d = pool.alloc(32)
-    assert len(pool._views) == 1 and d.tensor.numel() == 32
+    assert len(pool._bufs) == 1 and d.tensor.numel() == 32
     pool.close()
-    assert pool._views == {}
+    assert pool._bufs == {}
 
 
 class _Counted(Residency):

@@ -35,8 +35,10 @@ def check_protocol(log, d2h: int, h2d: int) -> dict:
     its side stream, after that side stream waited, within the same call, for a point just recorded
     on the compute stream; the compute stream is current again right after it; the copy's event is
     recorded on its side stream and its device block is kept for that stream. A demand fetch
-    (``fetch_inline``) runs on the compute stream, with no stream switch around it. Returns, per
-    side-stream copy's event id, the stream it was recorded on."""
+    (``fetch_inline``) runs on the compute stream, with no stream switch around it. A block the engine
+    gives back is given back on the compute stream right after it was kept for the eviction's side
+    stream; one it allocates, on the compute stream. Returns, per side-stream copy's event id, the
+    stream it was recorded on."""
     current = COMPUTE
     recorded: dict[int, int] = {}  # event -> the stream of its latest record
     waited_since: set[tuple[int, int]] = set()  # (waiting stream, stream the event was recorded on) since the last copy
@@ -50,6 +52,11 @@ def check_protocol(log, d2h: int, h2d: int) -> dict:
             waited_since.add((b, recorded[a]))
         elif what == "stream":
             current = a
+        elif what == "release":
+            assert current == COMPUTE and a == COMPUTE, "a block was given back off the compute stream"
+            assert log[i - 1] == ("keep", d2h, -1), "a block was given back before it was kept for its copy"
+        elif what == "allocate":
+            assert current == COMPUTE and a == COMPUTE, "a block was allocated off the compute stream"
         elif what == "copy" and current == COMPUTE:  # a demand fetch, inline
             assert i + 1 == len(log) or log[i + 1][0] != "stream", "an inline copy switched streams"
             waited_since = set()
@@ -227,6 +234,68 @@ def test_training_through_the_engine_is_bit_identical_and_every_copy_keeps_the_p
     assert fetched <= waited, f"{len(fetched - waited)} fetches the compute stream never waited for"
     copies_on = {stream: sum(e[0] == "copy" and e[1] == stream for e in log) for stream in (COMPUTE, d2h, h2d)}
     assert copies_on[COMPUTE] > 0 and copies_on[d2h] > 0, copies_on  # demand fetches inline; evictions
+    # every eviction gave its block back in the engine's call, every demand fetch got one there
+    said = {what: sum(e[0] == what for e in log) for what in ("release", "allocate")}
+    assert said == {"release": copies_on[d2h], "allocate": copies_on[COMPUTE]}, (said, copies_on)
+
+
+def test_an_eviction_gives_the_block_back_after_keeping_it_for_its_copy_and_a_demand_fetch_allocates_one():
+    eng = _engine()
+    d2h, h2d = eng.stream_ids
+    x = torch.randn(256)
+    want = x.clone()
+    st = x.untyped_storage()
+    host = torch.empty(st.nbytes(), dtype=torch.uint8)
+    out = eng.evict(st, host, None, release=True)
+    assert st.nbytes() == 0 and torch.equal(host, _bytes(want))
+    log = eng.take_log()
+    check_protocol(log, d2h, h2d)
+    assert log[-2:] == [("keep", d2h, -1), ("release", COMPUTE, 1024)], log[-3:]
+    assert eng.fetch_inline(host, st, out, nbytes=1024) is None
+    assert st.nbytes() == 1024 and torch.equal(x, want)  # the tensor over the storage reads its bytes again
+    out_id = _last_copy_event_in(log, d2h)
+    assert eng.take_log() == [("allocate", COMPUTE, 1024), ("wait", out_id, COMPUTE), ("copy", COMPUTE, 1024)]
+
+
+def test_a_demand_fetch_whose_allocation_runs_out_raises_the_allocators_error_and_changes_nothing():
+    eng = _engine()
+    x = torch.randn(64)
+    want = x.clone()
+    st = x.untyped_storage()
+    host = torch.empty(st.nbytes(), dtype=torch.uint8)
+    out = eng.evict(st, host, None, release=True)
+    eng.take_log()
+    eng.fail_allocations(1)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        eng.fetch_inline(host, st, out, nbytes=256)
+    assert st.nbytes() == 0 and eng.take_log() == []  # no block, no copy, no wait
+    eng.fetch_inline(host, st, out, nbytes=256)  # the retry
+    assert torch.equal(x, want)
+    with pytest.raises(RuntimeError, match="holds 256 bytes"):  # a block is only ever given to an empty storage
+        eng.fetch_inline(host, st, out, nbytes=256)
+
+
+def test_training_through_the_engine_retries_a_demand_fetch_whose_allocation_ran_out():
+    """The manager's own allocation running out (the allocator's count is not the manager's): room is
+    made and the fetch tried once more, and training stays bit-identical."""
+    want_losses, want, _ = train_family("moe")
+    _, _, stats = train_family("moe", "lru", 1 << 40)
+    budget = int(stats["peak_device_bytes"] * 0.25)
+    engine = type(_engine())
+    armed = []
+
+    class Failing(engine):
+        def fetch_inline(self, src, st, after, timed=False, nbytes=None):
+            if not armed:  # the run's first demand fetch runs out once
+                armed.append(nbytes)
+                self.fail_allocations(1)
+            return engine.fetch_inline(self, src, st, after, timed, nbytes)
+
+    eng = Failing("log", 0, False)
+    losses, state, stats = train_family("moe", "lru", budget, events="native", copies=eng)
+    assert armed and armed[0] > 0 and stats["bytes_fetched_on_demand"] > 0 and stats["oom_retries"] == 1
+    assert any(e[0] == "allocate" for e in eng.take_log())
+    assert losses == want_losses and all(torch.equal(a, b) for a, b in zip(state, want, strict=True))
 
 
 def test_a_demand_fetch_is_copied_on_the_compute_stream_after_the_copy_that_filled_its_host_buffer():
