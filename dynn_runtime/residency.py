@@ -114,7 +114,7 @@ class Residency:
     A subclass sets ``st``, ``budget`` (None: unlimited) and ``policy``, calls
     :meth:`_init_residency`, and supplies the hooks: :meth:`_evict_for_room`,
     :meth:`_land_fetch`, :meth:`_land_offload`, :meth:`_out_of_memory`, and where it needs them
-    :meth:`_account`, :meth:`_status_changed` and :meth:`_room_before`.
+    :meth:`_account`, :meth:`_flight_changed` and :meth:`_room_before`.
     """
 
     st: dict[int, Any]
@@ -154,20 +154,26 @@ class Residency:
             self._account(s.nbytes if held > 0 else -s.nbytes)
         if away:
             self.away += s.nbytes if away > 0 else -s.nbytes
+        flight = False
         if old is _OFFLOADING:
             self.pending -= s.nbytes
             del self.offloading[s.sid]
+            flight = True
         elif old is _FETCHING:
             del self.fetching[s.sid]
+            flight = True
         if new is _OFFLOADING:
             self.pending += s.nbytes
             self.offloading[s.sid] = s
+            flight = True
         elif new is _FETCHING:
             self.fetching[s.sid] = s
+            flight = True
         s.status = new
         if new is _RESIDENT and old is not _ABSENT:
             self.policy.on_return(s.sid)
-        self._status_changed(s, old, new)
+        if flight:
+            self._flight_changed(s, old, new)
 
     def _account(self, delta: int) -> None:
         """Device bytes held changed by ``delta`` (a storage entered or left :data:`HOLDS_DEVICE`)."""
@@ -175,8 +181,8 @@ class Residency:
         if self.used > self.peak:
             self.peak = self.used
 
-    def _status_changed(self, s: Record, old: Status, new: Status) -> None:
-        """Called after every transition."""
+    def _flight_changed(self, s: Record, old: Status, new: Status) -> None:
+        """Called after every transition into or out of a status in :data:`IN_FLIGHT`."""
 
     # ---- making room (invariant 3) -----------------------------------------------------------
     def fits(self, need: int) -> bool:
@@ -211,17 +217,20 @@ class Residency:
                     moved = True
                     if self.used - self.pending + need <= budget:
                         break
-                if self.used - self.pending + need <= budget:
-                    break
-                if self.fetching and self._land_fetch():
+                else:  # the victims ran out first (a break above: room made, read after its eviction)
+                    if self.used - self.pending + need <= budget:
+                        break
+                    if self.fetching and self._land_fetch():
+                        continue
+                    if not moved:
+                        if scale:  # the caller goes on without it (or tries with fewer storages excluded)
+                            raise BudgetError(f"room ahead of {format_bytes(scale)} not made at {where or 'this point'}")
+                        self._out_of_memory(need, exclude, where)
                     continue
-                if not moved:
-                    if scale:  # the caller goes on without it (or tries with fewer storages excluded)
-                        raise BudgetError(f"room ahead of {format_bytes(scale)} not made at {where or 'this point'}")
-                    self._out_of_memory(need, exclude, where)
+                break
         finally:
             self.victim_floor = 0
-        while self.used + need > budget and self.offloading:
+        while self.offloading and self.used + need > budget:
             self._land_offload()
 
     def _victims(self, short: int, exclude: set[int]) -> Iterator[int]:

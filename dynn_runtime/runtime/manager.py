@@ -56,6 +56,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -91,6 +92,15 @@ from .storages import _S, StorageTable
 __all__ = ["MemoryManager", "StepStats", "checkpoint_modules", "repeated_blocks"]
 
 RESIDENT = Status.RESIDENT
+
+
+class _Count:
+    """The managed device bytes where no native observer counts them (the Python event source)."""
+
+    __slots__ = ("used",)
+
+    def __init__(self, used: int = 0) -> None:
+        self.used = used
 
 
 class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, OutOfMemory, OracleAlignment,
@@ -224,21 +234,19 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
     def attached(self) -> bool:
         return self._attached
 
-    @property
-    def used(self) -> int:
-        """Managed device bytes now (native: the observer's count, invariant 2 of events.cpp)."""
-        obs = self._obs
-        return obs.used if obs is not None else self._used
-
-    @used.setter
-    def used(self, value: int) -> None:
+    def _set_used(self, value: int) -> None:
         internal_assert(self._obs is None, "runtime: the native path counts device bytes itself")
-        self._used = value
+        self._books.used = value
+
+    # read per make-room and per move: the getter is C (attrgetter), no Python frame
+    used = property(attrgetter("_books.used"), _set_used, doc=(
+        "Managed device bytes now (native: the observer's count, invariant 2 of events.cpp; else "
+        "the manager's own, ``_books``, a :class:`_Count`)."))
 
     def _reset_state(self) -> None:
         self._obs: Any = None
         self.provider: Any = None  # the hook provider (providers.py), chosen at attach
-        self._used = 0
+        self._books: Any = _Count()  # what ``used`` reads: a _Count, or the native observer
         self._init_residency()
         self.event_source = "python"
         self.event_reason = ""
@@ -360,6 +368,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
                                                  else self.device.index)
             self._obs.hear = self._obs.hear and self.hear_frees
             self._counts_held = False  # the observer counts device bytes (events.cpp, invariant 2)
+            self._books = self._obs
         self.provider = select_provider(str(self.device), self.event_source, self.event_reason,
                                         hooks=self._hooks_requested)
         # the parameters the model has at attach, the ones whose gradients each step labels "grad"
@@ -495,7 +504,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         for s in self.st.values():
             s.obs = None
         if self._obs is not None:
-            self._used = self._obs.used
+            self._books = _Count(self._obs.used)
         if self._native_order:
             self.policy.release_order()
             self._native_order = False

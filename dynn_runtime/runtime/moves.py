@@ -82,7 +82,8 @@ class Moves(Residency):
         else:
             nbytes = s.nbytes
             if host is None or host.nbytes != nbytes:
-                self._drop_host(s)
+                if host is not None:
+                    self._drop_host(s)
                 s.host = host = self.pool.alloc(nbytes)
             last = obs.last_stream(sid) if obs is not None else s.stream
             # Released now, stream-ordered (copies.py): the block is not reused before the copy
@@ -194,7 +195,8 @@ class Moves(Residency):
             except torch.OutOfMemoryError as again:
                 self._oom_retry_failed(str(again), what())
                 raise
-        self._finish_fetch(s, st)
+        if s.fetch_event is not None or s.status is FETCHING:  # (an inline fetch lands resident)
+            self._finish_fetch(s, st)
         cur = self._cur
         cur.prefetch_misses += 1
         cur.bytes_fetched_on_demand += nbytes
@@ -366,11 +368,11 @@ class Moves(Residency):
     def _account(self, delta: int) -> None:
         # told only where no native observer counts device bytes itself (``_counts_held``;
         # events.cpp, invariant 2)
-        self._used += delta
+        self._books.used += delta
 
-    def _status_changed(self, s: Record, old: Status, new: Status) -> None:
-        obs = s.obs
-        if obs is not None and new is not ABSENT and (old in IN_FLIGHT or new in IN_FLIGHT):
+    def _flight_changed(self, s: Record, old: Status, new: Status) -> None:
+        obs = s.obs  # the observer watches the next access of a storage with a copy in flight
+        if obs is not None and new is not ABSENT:
             obs.set_watch(s.sid, new in IN_FLIGHT)
 
     def _sync(self) -> None:

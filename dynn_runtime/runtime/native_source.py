@@ -118,20 +118,18 @@ _PARSE_CTX = (OPERATOR, TOUCH_ALLOC, TOUCH_FREE, _PHASES, _PHASE_CODES, Op, _Bor
 
 
 
-class _At:
-    """Where a fault or a decision point is, as an error or a note says it (``str()``): its text is
-    built only then, from the values taken when the fault or decision point began (a fault or a
-    decision point that moves nothing never needs it)."""
+class _At(tuple):
+    """Where a fault or a decision point is, ``(name, position, phase, after)``, as an error or a note
+    says it (``str()``): its text is built only then, from the values taken when the fault or decision
+    point began (one that moves nothing never needs it). A tuple: made without a Python frame."""
 
-    __slots__ = ("name", "position", "phase", "after")
-
-    def __init__(self, name: str, position: int, phase: str, after: bool = False) -> None:
-        self.name, self.position, self.phase, self.after = name, position, phase, after
+    __slots__ = ()
 
     def __str__(self) -> str:
-        if self.position < 0:
-            return f"operator {self.name} (between steps)"
-        return f"{'after ' if self.after else ''}operator {self.name} (position {self.position}, {self.phase})"
+        name, position, phase, after = self
+        if position < 0:
+            return f"operator {name} (between steps)"
+        return f"{'after ' if after else ''}operator {name} (position {position}, {phase})"
 
 class NativeSource:
     """Faults, decisions and the log of the native event source."""
@@ -243,7 +241,7 @@ class NativeSource:
                 due = self._parse_due = True
             else:
                 self._native_parse(in_step=True)  # the policy's view must be current before it picks victims
-        where = _At(name, self._obs.position if in_step else -1, self.phase)
+        where = _At((name, self._obs.position if in_step else -1, self.phase, False))
         need = set(ins)
         error = None
         st = self.st
@@ -275,8 +273,9 @@ class NativeSource:
                 pass  # what cannot move now: the fetches below decide
         for sid in sids:
             s = st.get(sid)
-            internal_assert(s is not None, f"runtime: storage {sid} is away but unknown to the manager")
-            if s.status == RESIDENT:
+            if s is None:
+                internal_assert(False, f"runtime: storage {sid} is away but unknown to the manager")
+            if s.status is RESIDENT:
                 continue
             try:
                 self._fetch_now(s, exclude=need, where=where)
@@ -301,7 +300,7 @@ class NativeSource:
             return
         reserve = self._obs.max_made  # room for the next operator (events.cpp, invariant 6)
         if self.used + reserve > self.budget:
-            where = _At(self._last_name, position, self.phase, after=True)
+            where = _At((self._last_name, position, self.phase, True))
             st = self.st
             # a storage born since the last read has the observer's size, its record's
             busy = sum(st[x].nbytes if x in st else self._born_size(x) if due else 0 for x in self._last_busy)
