@@ -188,8 +188,10 @@ class Residency:
     def fits(self, need: int) -> bool:
         return self.budget is None or self.used + need <= self.budget
 
-    def make_room(self, need: int, exclude: set[int], where: str = "", scale: int = 0) -> None:
-        """Evict until ``need`` more bytes fit in the budget; ``exclude`` may not move.
+    def make_room(self, need: int, exclude: set[int], where: object = "", scale: int = 0) -> None:
+        """Evict until ``need`` more bytes fit in the budget; ``exclude`` may not move. ``where``: the
+        place an error names (its ``str()``: the live runtime passes a fault's or decision point's
+        values, formatted only then).
 
         ``scale`` (room made ahead of an allocation of ``scale`` bytes that may not come): best
         effort. The policy's victims smaller than ``scale >> 8`` bytes are passed over, so that the
@@ -254,7 +256,7 @@ class Residency:
         """Wait for the earliest offload in flight to land (its device bytes are released)."""
         raise NotImplementedError
 
-    def _out_of_memory(self, need: int, exclude: set[int], where: str) -> None:
+    def _out_of_memory(self, need: int, exclude: set[int], where: object) -> None:
         """Nothing moved and nothing is in flight: raise."""
         raise NotImplementedError
 

@@ -156,7 +156,7 @@ class Moves(Residency):
                 if st is not None:
                     self._finish_fetch(s, st)
 
-    def _fetch_now(self, s: _S, budgeted: bool = True, exclude: set[int] | None = None, where: str = "",
+    def _fetch_now(self, s: _S, budgeted: bool = True, exclude: set[int] | None = None, where: object = "",
                    retry: bool | None = None) -> None:
         """Make ``s`` resident now (a demand fetch: the compute stream waits for it). Where its
         allocation runs out of device memory, room is made and it is tried once more when ``retry``
@@ -336,7 +336,7 @@ class Moves(Residency):
         internal_assert(False, "runtime: an eviction releases its device bytes at once (stream-ordered), so no "
                                "offload is ever pending")
 
-    def _out_of_memory(self, need: int, exclude: set[int], where: str) -> None:
+    def _out_of_memory(self, need: int, exclude: set[int], where: object) -> None:
         if self._parse_due:  # a fault put its read of the log off: the message counts every record
             self._native_parse(in_step=self._in_step)
         held = sum(self.st[x].nbytes for x in exclude if x in self.st)

@@ -117,7 +117,6 @@ class _AfterOps:
 _PARSE_CTX = (OPERATOR, TOUCH_ALLOC, TOUCH_FREE, _PHASES, _PHASE_CODES, Op, _Born, internal_assert, ABSENT)
 
 
-
 class _At(tuple):
     """Where a fault or a decision point is, ``(name, position, phase, after)``, as an error or a note
     says it (``str()``): its text is built only then, from the values taken when the fault or decision
@@ -130,6 +129,7 @@ class _At(tuple):
         if position < 0:
             return f"operator {name} (between steps)"
         return f"{'after ' if after else ''}operator {name} (position {position}, {phase})"
+
 
 class NativeSource:
     """Faults, decisions and the log of the native event source."""

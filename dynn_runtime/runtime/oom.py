@@ -123,7 +123,7 @@ class OutOfMemory:
         if saved is not None:
             saved[0].set_state(saved[1])
 
-    def _room_after_oom(self, message: str, exclude: set[int], where: str, fallback: int) -> None:
+    def _room_after_oom(self, message: str, exclude: set[int], where: object, fallback: int) -> None:
         """Operator ``where`` ran out of device memory (``message``, the allocator's); it reads
         ``exclude``. Evicts enough for the failed request (``fallback`` bytes where the message does not
         say) plus what is in use over the budget, waits for the copies (the evicted blocks are then
@@ -147,7 +147,7 @@ class OutOfMemory:
             torch.cuda.empty_cache()
         self._oom_evicted = max(0, before - self.used)
 
-    def _oom_retry_failed(self, message: str, where: str) -> None:
+    def _oom_retry_failed(self, message: str, where: object) -> None:
         """The retry of ``where`` ran out again: the step's error says so (:meth:`_oom_error`)."""
         if not self._oom_failed:
             self._oom_failed = (where, message.strip().splitlines()[0] if message.strip() else "", self._oom_evicted)
