@@ -177,11 +177,7 @@ class HostPool:
         size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
         if self._pending:
             self.poll()
-        for ci, chunk in enumerate(self.chunks):  # _take, inlined: this runs per eviction
-            off = chunk.take(size)
-            if off is not None:
-                return self._hand_out(ci, off, size, nbytes)
-        got = None
+        got = self._take(size, nbytes)
         # copies still hold released buffers: wait for the oldest, one at a time, before growing
         while got is None and self._pending:
             event, buf = self._pending.pop(0)  # release() keeps a buffer pending only with an event

@@ -181,7 +181,8 @@ class Moves(Residency):
         if budgeted and self.budget is not None and self.used + nbytes > self.budget:
             self.make_room(nbytes, (exclude or set()) | {s.sid}, what())
         t0 = time.perf_counter()
-        start = self._start_inline if self._fetch_inline and self.inline_demand_fetches else self._start_fetch
+        inline = self._fetch_inline and self.inline_demand_fetches
+        start = self._start_inline if inline else self._start_fetch
         try:
             start(s, st)
         except torch.OutOfMemoryError as exc:
@@ -195,7 +196,7 @@ class Moves(Residency):
             except torch.OutOfMemoryError as again:
                 self._oom_retry_failed(str(again), what())
                 raise
-        if s.fetch_event is not None or s.status is FETCHING:  # (an inline fetch lands resident)
+        if not inline:  # an inline fetch lands resident, its copy ordered on the compute stream
             self._finish_fetch(s, st)
         cur = self._cur
         cur.prefetch_misses += 1
