@@ -286,6 +286,9 @@ class Residency:
     def movable(self, sid: int) -> bool:
         return True
 
+    def evictable(self, sid: int) -> bool:
+        return self.status(sid) == "resident" and self.movable(sid)
+
     def offloaded(self) -> Iterator[int]:
         return (sid for sid, s in list(self.st.items()) if s.status in AWAY)
 

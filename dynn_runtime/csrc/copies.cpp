@@ -339,11 +339,20 @@ class CopyEngine {
   void copy_bytes(at::Tensor& dst, const at::Tensor& src, const c10::Stream& on) {
     if (log_ != nullptr) log_->log.emplace_back("copy", log_->current, static_cast<int64_t>(src.nbytes()));
     py::gil_scoped_release unlocked;  // as torch's own copy_: a copy into pageable memory waits for the GPU
-    if (raw_) {
+    if (raw_ && same_bytes(dst, src)) {
       cuda_copy::copy_async(dst.mutable_data_ptr(), src.const_data_ptr(), src.nbytes(), on);
     } else {
       dst.copy_(src, non_blocking_);
     }
+  }
+
+  // Whether a copy from src into dst is n contiguous bytes from one side of the device to the other,
+  // which one cudaMemcpyAsync does as copy_ would. The manager's moves always are (a storage's bytes
+  // and a pool buffer of its size); a caller of to_host or to_device with other tensors (another
+  // dtype, a strided view, sizes that differ: copy_'s conversions, or its error) gets copy_.
+  static bool same_bytes(const at::Tensor& dst, const at::Tensor& src) {
+    return dst.nbytes() == src.nbytes() && dst.scalar_type() == src.scalar_type() && dst.is_contiguous() &&
+           src.is_contiguous() && dst.is_cuda() != src.is_cuda();
   }
 
   // A block of nbytes for a storage that holds none, from the storage's own allocator on the engine's

@@ -509,6 +509,12 @@ class Observer {
   }
 
   void set_host_valid(int64_t sid, bool v) { entry(sid).host_valid = v; }
+  // an eviction's copy was issued and the block given back: set_away(sid, true), and the host copy
+  // equals the bytes until the next write
+  void set_evicted(int64_t sid) {
+    set_away(sid, true);
+    entry(sid).host_valid = true;
+  }
   void set_watch(int64_t sid, bool v) { entry(sid).watch = v; }
   void set_module(int64_t m) { module_ = m; }
   bool host_valid(int64_t sid) { return entry(sid).host_valid; }
@@ -1757,7 +1763,7 @@ bool add_operator_parse(PyObject* module);  // operators.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 18;
+  m.attr("ABI") = 19;
   if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
@@ -1798,6 +1804,7 @@ PYBIND11_MODULE(_C, m) {
       .def("storage", &Observer::storage)
       .def("set_away", &Observer::set_away)
       .def("set_host_valid", &Observer::set_host_valid)
+      .def("set_evicted", &Observer::set_evicted)
       .def("set_watch", &Observer::set_watch)
       .def("set_module", &Observer::set_module)
       .def("host_valid", &Observer::host_valid)

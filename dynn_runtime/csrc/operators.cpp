@@ -23,6 +23,7 @@
 #include <structmember.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace dynn {
 namespace {
@@ -212,7 +213,8 @@ PyObject* corrupt(PyObject* internal_assert, const char* fmt, long long a, long 
   return nullptr;
 }
 
-// parse_operators(mm, log, now, ctx) -> (events, dead, timeline words); see native_source.py
+// parse_operators(mm, log, now, ctx) -> (events, dead, timeline words: bytes of int64 triples); see
+// native_source.py
 PyObject* parse_operators(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 4 || !PyList_Check(args[1]) || !PyFloat_Check(args[2]) || !PyTuple_Check(args[3]) ||
       PyTuple_GET_SIZE(args[3]) != 9) {
@@ -273,8 +275,9 @@ PyObject* parse_operators(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return true;
   };
 
-  Ref events(PyList_New(0)), dead(PyList_New(0)), born(PyDict_New()), tl(PyList_New(0));
-  if (!events || !dead || !born || !tl) return nullptr;
+  Ref events(PyList_New(0)), dead(PyList_New(0)), born(PyDict_New());
+  if (!events || !dead || !born) return nullptr;
+  std::vector<int64_t> tl;  // (position, used, phase code) per operator: the timeline's words
 
   // the words read through a tuple of the list's items: the Python code the rare cases run cannot
   // move them
@@ -444,9 +447,10 @@ PyObject* parse_operators(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       if (PyErr_Occurred()) return nullptr;
       Ref ev(PyTuple_Pack(4, OPERATOR, j.get(), op.get(), accessed.get()));
       if (!ev || PyList_Append(events.get(), ev.get()) != 0) return nullptr;
-      if (PyList_Append(tl.get(), j.get()) != 0 || PyList_Append(tl.get(), used) != 0 ||
-          PyList_Append(tl.get(), PyTuple_GET_ITEM(phase_codes, ph)) != 0)
-        return nullptr;
+      const long long used_word = PyLong_AsLongLong(used);
+      const long long code = PyLong_AsLongLong(PyTuple_GET_ITEM(phase_codes, ph));
+      if ((used_word == -1 || code == -1) && PyErr_Occurred()) return nullptr;
+      tl.insert(tl.end(), {static_cast<int64_t>(position), static_cast<int64_t>(used_word), static_cast<int64_t>(code)});
       position += 1;
     } else if (tag == kLogAlloc) {
       if (i + 4 > n) {
@@ -593,7 +597,10 @@ PyObject* parse_operators(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         return nullptr;
     }
   }
-  return PyTuple_Pack(3, events.get(), dead.get(), tl.get());
+  Ref timeline(PyBytes_FromStringAndSize(reinterpret_cast<const char*>(tl.data()),
+                                         static_cast<Py_ssize_t>(tl.size() * sizeof(int64_t))));
+  if (!timeline) return nullptr;
+  return PyTuple_Pack(3, events.get(), dead.get(), timeline.get());
 }
 
 // forget_dead(mm, dead, ctx): the deaths of a batch parse_operators read, after the policy's call
@@ -660,7 +667,7 @@ PyObject* forget_dead(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyMethodDef kMethods[] = {
     {"parse_operators", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(parse_operators)),
      METH_FASTCALL,
-     "parse_operators(mm, log, now, ctx) -> (events, dead, timeline words): NativeSource._native_operators's "
+     "parse_operators(mm, log, now, ctx) -> (events, dead, timeline words as int64 bytes): NativeSource._native_operators's "
      "loop over a batch of the operator log and its births' records (dynn_runtime/runtime/native_source.py)"},
     {"forget_dead", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(forget_dead)), METH_FASTCALL,
      "forget_dead(mm, dead, ctx): the deaths of a batch parse_operators read, after the policy's call"},

@@ -135,6 +135,11 @@ class MemoryView(Protocol):
         search passes over one that is not: it would be refused. Neutral answer: True."""
         ...
 
+    def evictable(self, sid: int) -> bool:
+        """``status(sid) == "resident" and movable(sid)``: what a victim search asks of each
+        candidate, in one call."""
+        ...
+
     def offloaded(self) -> Iterable[int]:
         """The storages away from the device (on the host, or dropped for recompute)."""
         ...

@@ -222,13 +222,13 @@ class LRUPolicy(Policy):
         view's ``victim_floor`` are passed over there too."""
         after = self._native.recency_after
         view = self.view
-        status, movable = view.status, view.movable
+        evictable = view.evictable
         tier, sid, stamp, size = 0, 0, -1, 8
         while tier < 2:
             batch, tier, sid, stamp = after(tier, sid, stamp, size, view.victim_floor)
             size = 64  # the first few usually suffice; a long walk takes more per call
             for s in batch:
-                if s not in exclude and status(s) == "resident" and movable(s):
+                if s not in exclude and evictable(s):
                     yield s
 
 

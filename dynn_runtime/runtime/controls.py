@@ -7,9 +7,9 @@ State: ``_pinned`` (storage ids the policy may not move), ``steps``, ``_timeline
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Iterator
-from itertools import repeat
 from typing import Any
 
 import torch
@@ -23,6 +23,8 @@ from .steps import StepStats
 RESIDENT = Status.RESIDENT
 
 _PHASE_NAMES = ("forward", "backward", "optimizer")
+#: where an int64 word's low byte is in its bytes
+_LOW_BYTE = 0 if sys.byteorder == "little" else 7
 _PHASE_CODE = {name: k for k, name in enumerate(_PHASE_NAMES)}
 
 
@@ -46,13 +48,15 @@ class OpTimeline:
         self._phase.append(_PHASE_CODE[phase])
         self._trim()
 
-    def extend_words(self, step: int, words: Any) -> None:
-        """Entries of step ``step`` from (position, used, phase code) int64 triples (the observer's)."""
+    def extend_words(self, step: int, words: memoryview) -> None:
+        """Entries of step ``step`` from (position, used, phase code) triples, a memoryview of int64
+        words (the observer's). Copied as bytes: an array extended by an iterable converts each
+        item through the argument parser, thousands a step."""
         n = len(words) // 3
-        self._step.extend(repeat(step, n))
-        self._pos.extend(words[0::3])
-        self._used.extend(words[1::3])
-        self._phase.extend(words[2::3])
+        self._step.frombytes(array("q", (step,)).tobytes() * n)
+        self._pos.frombytes(words[0::3].tobytes())
+        self._used.frombytes(words[1::3].tobytes())
+        self._phase.frombytes(words[2::3].tobytes()[_LOW_BYTE::8])  # a code is its word's low byte
         self._trim()
 
     def _trim(self) -> None:

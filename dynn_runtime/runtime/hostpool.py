@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..errors import HostMemoryError
+from ..errors import HostMemoryError, internal_assert
 from ..memory import format_bytes
 
 __all__ = ["HostPool", "HostBuffer"]
@@ -188,18 +188,19 @@ class HostPool:
             got = self._take(size, nbytes)
         if got is not None:
             return got
-        chunk = self._new_chunk(size)
-        off = chunk.take(size)
-        return self._hand_out(len(self.chunks) - 1, off, size, nbytes)
+        self._new_chunk(size)
+        got = self._take(size, nbytes)  # first fit: the chunks before the new one had no room
+        internal_assert(got is not None, "host pool: a new chunk had no room for the buffer it was made for")
+        return got
 
     def _take(self, size: int, nbytes: int) -> HostBuffer | None:
-        for ci, chunk in enumerate(self.chunks):
+        """A buffer of ``nbytes`` (``size`` aligned) carved first-fit from the chunks, or None."""
+        for ci, chunk in enumerate(self.chunks):  # noqa: B007  (read after the break)
             off = chunk.take(size)
             if off is not None:
-                return self._hand_out(ci, off, size, nbytes)
-        return None
-
-    def _hand_out(self, ci: int, off: int, size: int, nbytes: int) -> HostBuffer:
+                break
+        else:
+            return None
         self.in_use += size
         self.handed_out += size
         if self.in_use > self.peak_in_use:
@@ -210,7 +211,7 @@ class HostPool:
         if buf is None:
             if len(bufs) >= _VIEWS:
                 bufs.clear()
-            buf = bufs[key] = HostBuffer(self.chunks[ci].data[off:off + nbytes], ci, off, size, nbytes)
+            buf = bufs[key] = HostBuffer(chunk.data[off:off + nbytes], ci, off, size, nbytes)
         return buf
 
     def release(self, buf: HostBuffer, event: Any = None) -> None:

@@ -90,16 +90,14 @@ class Moves(Residency):
             # has read it, so the host never waits for an eviction.
             if self._copy_storages:  # the copy and the release in one call
                 s.event = self._copies.evict(st, host.tensor, last, True)
-                if obs is not None:
-                    obs.set_away(sid, True)
             else:
                 src = self._bytes(st)
                 s.event = self._copies.to_host(src, host.tensor, last)
                 del src
-                self._release_device(s, st)
+                self._copies.release(st)
             s.host_valid = True
             if obs is not None:
-                obs.set_host_valid(sid, True)
+                obs.set_evicted(sid)  # away, its host copy valid
             self.set_status(s, HOST)
             cur.bytes_offloaded += nbytes
         cur.evictions += 1

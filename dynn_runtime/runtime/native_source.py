@@ -21,6 +21,7 @@ State: ``_obs``, ``_names``, ``_idiom_by_name``, ``_pending_error``, ``_last_bus
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -396,6 +397,15 @@ class NativeSource:
             s = self.st.get(sid)
         return "absent" if s is None else s.status._value_
 
+    def evictable(self, sid: int) -> bool:
+        """MemoryView: as :meth:`status` and :meth:`~.moves.Moves.movable` read it, in one call (lru's
+        walk of the observer's order asks it of each candidate)."""
+        s = self.st.get(sid)
+        if s is None and self._parse_due:
+            self._native_parse(in_step=self._in_step)
+            s = self.st.get(sid)
+        return s is not None and s.status is RESIDENT and s.movable
+
     def _read_already(self, in_step: bool, light: bool) -> bool:
         """The compact parse (the observer keeps the order) would read nothing and change nothing: it
         read the log already in this step, the observer logged nothing since (a fault right after a
@@ -684,7 +694,7 @@ class NativeSource:
                 phase0 = self.phase
                 events, dead, tl = mod.parse_operators(self, log, time.perf_counter() - self._t0, _PARSE_CTX)
                 if tl:
-                    self._timeline.extend_words(self._step_index, tl)
+                    self._timeline.extend_words(self._step_index, memoryview(tl).cast("q"))
                 cur = self._cur
                 after = _AfterOps(self, mod, dead) if stops else None
                 t1 = time.perf_counter()
@@ -801,7 +811,7 @@ class NativeSource:
         self._last_outs = last_outs
         self._last_name = name
         if tl:
-            self._timeline.extend_words(self._step_index, tl)
+            self._timeline.extend_words(self._step_index, memoryview(array("q", tl)))
         recordless = self.recordless
         for sid, b in born.items():
             if b.dead:

@@ -62,6 +62,32 @@ def test_a_cuda_build_copies_with_one_cudamemcpyasync_where_it_hears_the_allocat
     assert not native_copies("cuda", 0, False).raw_copies  # pageable: blocking copies stay copy_'s
 
 
+def test_the_raw_copy_is_taken_only_for_the_same_bytes_on_both_sides():
+    """A raw copy is n bytes from pointer to pointer: another dtype, a strided view or another size
+    goes to copy_ (its conversion, or its error), never past the end of a buffer."""
+    mod = native_module()
+    if mod is None or not mod.RAW_CUDA_COPIES:
+        pytest.skip("no raw CUDA copy in this build")
+    from dynn_runtime.runtime.copies import native_copies
+
+    engine = native_copies("cuda", 0, True)
+    assert engine.raw_copies
+    src = torch.arange(64, dtype=torch.float32, device="cuda")
+    same = torch.empty(64, dtype=torch.float32).pin_memory()
+    engine.to_host(src, same).synchronize()
+    assert torch.equal(same, src.cpu())
+    other = torch.empty(64, dtype=torch.float64).pin_memory()  # copy_ converts
+    engine.to_host(src, other).synchronize()
+    assert torch.equal(other, src.cpu().double())
+    strided = torch.arange(128, dtype=torch.float32, device="cuda")[::2]  # copy_ gathers it first
+    engine.to_host(strided, same).synchronize()
+    assert torch.equal(same, strided.cpu())
+    back = torch.empty(32, dtype=torch.float32, device="cuda")
+    with pytest.raises(RuntimeError):  # 64 floats into 32: copy_'s error, not 128 bytes past the end
+        engine.to_device(same, back)
+    engine.sync()
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     with deterministic():

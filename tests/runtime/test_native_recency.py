@@ -38,6 +38,9 @@ class _View:
     def movable(self, sid: int) -> bool:
         return True
 
+    def evictable(self, sid: int) -> bool:
+        return self.status(sid) == "resident"
+
 
 def _pair(fraction: float) -> tuple[LRUPolicy, LRUPolicy, object, _View, list[torch.Tensor]]:
     """A Python-ordered lru and one whose order an (unstarted) observer keeps, on one view."""

@@ -26,3 +26,12 @@ def test_the_timeline_keeps_the_last_maxlen_entries_in_order():
         tl.append((3, j, j, "backward"))
         expected.append((3, j, j, "backward"))
         assert list(tl) == expected[-8:]
+
+
+def test_words_keep_every_bit_of_large_byte_counts_and_each_phase():
+    """The observer's words are copied as bytes: a count past 32 bits and each phase code survive."""
+    tl = OpTimeline(16)
+    big = (1 << 40) + 12345
+    words = array("q", [7, big, 0, 8, big + 1, 1, 9, (1 << 62) - 1, 2])
+    tl.extend_words(5, memoryview(words).cast("B").cast("q"))  # a cast view, as the observer's bytes give
+    assert list(tl) == [(5, 7, big, "forward"), (5, 8, big + 1, "backward"), (5, 9, (1 << 62) - 1, "optimizer")]

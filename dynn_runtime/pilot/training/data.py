@@ -67,6 +67,9 @@ class _WalkView:
     def movable(self, sid: int) -> bool:
         return True
 
+    def evictable(self, sid: int) -> bool:
+        return sid in self.live
+
     def last_access(self, sid: int) -> int:
         return self.lasts.get(sid, -1)
 
