@@ -46,6 +46,13 @@ class NextUsePolicy(Policy):
         self._small = SmallStorages(self.small_fraction)
         #: a small storage had to be offered as a victim in this run (the pilot then scores them too)
         self.small_evicted = False
+        #: entries a search passed over for the view's victim floor, (nbytes, key, sid): out of the heap
+        #: until a search with a lower floor, or the next iteration, so that searches with the same
+        #: floor do not pop and push them back each time
+        self._parked: list[tuple[int, float, int]] = []
+        self._parked_max = 0  # the largest nbytes parked
+        #: the eviction heap is compacted (:meth:`_compact`) at a search that finds it longer than this
+        self._compact_at = 4096
 
     # subclasses: predicted next use (operator position) of sid after the current position
     def predict(self, sid: int) -> float:  # pragma: no cover - abstract
@@ -58,6 +65,7 @@ class NextUsePolicy(Policy):
     def begin_iteration(self, index: int, context: IterationContext = NO_CONTEXT) -> None:
         if self.small_fraction:
             self._small.begin_iteration(context)
+        self._unpark(0)  # (those of storages that died since are dropped when popped)
 
     def on_alloc(self, sid: int, position: int) -> None:
         if self.small_fraction:
@@ -80,6 +88,26 @@ class NextUsePolicy(Policy):
         res = self._res
         return heapq.heappop(res) if res else None
 
+    def _unpark(self, floor: int) -> None:
+        """Back into the heap: the parked entries a search with victim floor ``floor`` may take."""
+        keep = []
+        for item in self._parked:
+            if item[0] >= floor:
+                self._res_push(item[1], item[2])
+            else:
+                keep.append(item)
+        self._parked = keep
+        self._parked_max = max((item[0] for item in keep), default=0)
+
+    def _compact(self) -> None:
+        """The eviction heap made again from what is resident (:meth:`_rebuild`): an access pushes an
+        entry and leaves the storage's older ones stale, and only those that reach the top are ever
+        popped, so without this the heap grows by every access of every iteration."""
+        self._rebuild()
+        self._parked = []  # the rebuilt heap has them again
+        self._parked_max = 0
+        self._compact_at = 4 * len(self._res) + 4096
+
     def _rebuild(self) -> None:
         view = self.view
         self._res = [(-self._nu(sid), sid) for sid in view.resident()]
@@ -89,9 +117,15 @@ class NextUsePolicy(Policy):
         """Resident storages, furthest predicted next use first: the larger ones (first tier), then,
         when those run out, the small ones (:class:`SmallStorages`) in the same order. Those under
         the view's ``victim_floor`` (which this search's mechanism passes over) are left out and
-        keep their entries."""
+        keep their entries, parked until a search with a lower floor (the order of what is offered
+        is the heap's either way)."""
         view = self.view
         movable, nbytes, floor = view.movable, view.nbytes, view.victim_floor
+        if len(self._res) > self._compact_at:
+            self._compact()
+        if self._parked and floor <= self._parked_max:
+            self._unpark(floor)
+        parked = self._parked
         small = self._small
         tiered = bool(small.fraction)
         skipped = []
@@ -113,6 +147,8 @@ class NextUsePolicy(Policy):
                         self._res_push(*item)
                     skipped = []
                     self._rebuild()  # entries can only go stale, never missing: but never OOM on bookkeeping
+                    parked.clear()  # the rebuilt heap has them again
+                    self._parked_max = 0
                     rebuilt = True
                     continue
                 neg, sid = item
@@ -124,9 +160,16 @@ class NextUsePolicy(Policy):
                     continue  # stale entry: evicted, freed, or used since
                 if not movable(sid):
                     continue  # the mechanism would refuse it: dropped, pushed again at its next use
-                if sid in exclude or (floor and nbytes(sid) < floor):
+                if sid in exclude:
                     skipped.append((neg, sid))
                     continue
+                if floor:
+                    n = nbytes(sid)
+                    if n < floor:
+                        parked.append((n, neg, sid))
+                        if n > self._parked_max:
+                            self._parked_max = n
+                        continue
                 if small.small(sid):
                     if tiered:
                         later.append((neg, sid))

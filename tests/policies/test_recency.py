@@ -338,3 +338,75 @@ def test_a_next_use_search_leaves_out_what_is_under_the_floor_and_keeps_it_offer
     assert _evict_all(pol, view) == [2, 4]
     view.victim_floor = 0
     assert _evict_all(pol, view) == [1, 3]
+
+
+def test_a_next_use_search_parks_what_is_under_its_floor_until_a_lower_floor_asks():
+    """Searches with the same floor (the live runtime's reserve) do not pop the entries under it
+    again and again: they are parked, and come back, in their order, for a search with a lower floor
+    and at the next iteration."""
+    view = _View()
+    view.resident = lambda: [sid for sid, w in view.where.items() if w == "resident"]  # type: ignore[attr-defined]
+    sizes = {1: 10, 2: 1000, 3: 50, 4: 1000, 5: 10, 6: 1000}
+    nu = {1: 90.0, 2: 20.0, 3: 80.0, 4: 10.0, 5: 70.0, 6: 5.0}
+    for sid, n in sizes.items():
+        view.sizes[sid] = n
+        view.where[sid] = "resident"
+    pol = _Fixed(nu)
+    pol.attach(view)
+    for sid in sizes:
+        pol.on_alloc(sid, 0)
+    pops = []
+    real_pop = pol._res_pop
+
+    def counting_pop():
+        item = real_pop()
+        pops.append(item)
+        return item
+
+    pol._res_pop = counting_pop
+    view.victim_floor = 100
+    first = pol.victims(0, set())
+    assert next(first) == 2  # the tiny ones with further next uses (1, 3, 5) popped, parked
+    first.close()
+    assert {item[1] for item in pops} == {1, 2, 3, 5}
+    pops.clear()
+    again = pol.victims(0, set())
+    assert next(again) == 4  # (2, offered, left the heap) without popping 1, 3 and 5 again
+    again.close()
+    assert [item[1] for item in pops] == [4]
+    view.victim_floor = 40  # 3 (50 bytes) may go now; 1 and 5 stay parked
+    # (then the heap runs out and is rebuilt from what is resident: 2 and 4, offered and kept, again)
+    assert _evict_all(pol, view) == [3, 6, 2, 4]
+    view.victim_floor = 0
+    assert _evict_all(pol, view) == [1, 5]
+    for sid in sizes:  # all back, and one more iteration: what a floor parked returns with it
+        view.where[sid] = "resident"
+        pol.on_access(sid, 0)
+    view.victim_floor = 100
+    assert _evict_all(pol, view) == [2, 4, 6]
+    pol.begin_iteration(1)
+    view.victim_floor = 0
+    assert _evict_all(pol, view) == [1, 3, 5]
+
+
+def test_the_next_use_heap_is_compacted_before_its_stale_entries_pile_up():
+    """Each access pushes an entry and leaves the storage's older ones stale; a search that finds
+    the heap past its bound makes it again from what is resident, one entry each, and offers the
+    same order."""
+    view = _View()
+    view.resident = lambda: [sid for sid, w in view.where.items() if w == "resident"]  # type: ignore[attr-defined]
+    nu = {1: 30.0, 2: 10.0, 3: 20.0}
+    for sid in nu:
+        view.sizes[sid] = 1000
+        view.where[sid] = "resident"
+    pol = _Fixed(nu)
+    pol.attach(view)
+    for k in range(5000):
+        pol.on_access(1 + k % 3, k)
+    assert len(pol._res) == 5000
+    search = pol.victims(0, set())
+    assert next(search) == 1
+    assert len(pol._res) == 2  # made again: 3 entries, then 1 offered
+    search.close()
+    view.where[1] = "host"
+    assert _evict_all(pol, view) == [3, 2]
