@@ -146,9 +146,8 @@ class NextUsePolicy(Policy):
                     for item in skipped:
                         self._res_push(*item)
                     skipped = []
-                    self._rebuild()  # entries can only go stale, never missing: but never OOM on bookkeeping
-                    parked.clear()  # the rebuilt heap has them again
-                    self._parked_max = 0
+                    self._compact()  # entries can only go stale, never missing: but never OOM on bookkeeping
+                    parked = self._parked
                     rebuilt = True
                     continue
                 neg, sid = item
