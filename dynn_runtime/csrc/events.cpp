@@ -11,7 +11,8 @@
 // registers the storages on the managed device it has not seen and accounts them in `used`; before
 // the kernel, hands the ids of storages that are away to the Python fault handler, which brings them
 // back; marks written storages' host copies stale; logs the operator (id, phase, autograd node,
-// storage ids) for the policies to read in batches; after the kernel, calls the Python decision
+// storage ids) for the policies to read in batches, or, while lru's order is kept here, tells that
+// order its touches instead (invariant 13); after the kernel, calls the Python decision
 // handler when `used` is over the budget or every `decide_every` operators. Operators it does not
 // see cost nothing: no callback runs for them.
 //
@@ -75,7 +76,11 @@
 //      point of the log where the Python parse would read it: a storage first seen as an input at its
 //      kAlloc record, an operator's allocations and then its storages (inputs in argument order, then
 //      outputs that are not inputs) at its kOp record, a death at its kFree record. Deaths reach the
-//      order whether or not it is live, so it never holds a storage the table has forgotten.
+//      order whether or not it is live, so it never holds a storage the table has forgotten. While
+//      live, operators get no kOp record (unless `op_records_while_live_`): the compact parse, the
+//      only reader of a live step's log, would drop them, and reads what it needs of them from the
+//      records told_live() keeps instead (the timeline, stale host copies, collectives, the last
+//      operator). The log then holds only the kAlloc and kFree records that change the table.
 //  14. The log's order is a function of the program's operations only, never of addresses: records
 //      come as the operators ran, and deaths in batches where the program's operations put them (a
 //      drain before each operator's record and wherever Python reads `used`, a sweep every
@@ -638,6 +643,8 @@ class Observer {
     recency_live_ = v;
   }
   bool recency_live() const { return recency_live_; }
+  void set_op_records_while_live(bool v) { op_records_while_live_ = v; }
+  bool op_records_while_live() const { return op_records_while_live_; }
   void recency_alloc(int64_t sid, int64_t nbytes) { rec().alloc(sid, nbytes); }
   void recency_access(int64_t sid) { rec().access(sid); }
   void recency_free(int64_t sid) { rec().free(sid); }
@@ -1344,20 +1351,22 @@ class Observer {
       }
     }
     const size_t n_in = ctx.ins.size(), n_out = outs.size(), n_w = ctx.writes.size(), n_a = allocs.size();
-    int64_t* w = log_extend(9 + n_in + n_out + n_w + n_a);
-    w[0] = kOp;
-    w[1] = inf.id;
-    w[2] = phase | (module_ << 2);
-    w[3] = node;
-    w[4] = used_;
-    w[5] = static_cast<int64_t>(n_in);
-    w[6] = static_cast<int64_t>(n_out);
-    w[7] = static_cast<int64_t>(n_w);
-    w[8] = static_cast<int64_t>(n_a);
-    w = std::copy(ctx.ins.begin(), ctx.ins.end(), w + 9);
-    w = std::copy(outs.begin(), outs.end(), w);
-    w = std::copy(ctx.writes.begin(), ctx.writes.end(), w);
-    std::copy(allocs.begin(), allocs.end(), w);
+    if (!recency_live_ || op_records_while_live_) {  // invariant 13: while live, the compact parse drops them
+      int64_t* w = log_extend(9 + n_in + n_out + n_w + n_a);
+      w[0] = kOp;
+      w[1] = inf.id;
+      w[2] = phase | (module_ << 2);
+      w[3] = node;
+      w[4] = used_;
+      w[5] = static_cast<int64_t>(n_in);
+      w[6] = static_cast<int64_t>(n_out);
+      w[7] = static_cast<int64_t>(n_w);
+      w[8] = static_cast<int64_t>(n_a);
+      w = std::copy(ctx.ins.begin(), ctx.ins.end(), w + 9);
+      w = std::copy(outs.begin(), outs.end(), w);
+      w = std::copy(ctx.writes.begin(), ctx.writes.end(), w);
+      std::copy(allocs.begin(), allocs.end(), w);
+    }
     if (recency_live_) told_live(inf, j, phase, ctx);
     bool swept = false;
     if (sweep_every_ > 0 && position_ % sweep_every_ == 0) {
@@ -1476,6 +1485,7 @@ class Observer {
   std::vector<int64_t, UninitAllocator<int64_t>> log_;  // every word is written once log_extend hands it out
   std::unique_ptr<Recency> recency_;  // the lru policy's order, where it is kept here
   bool recency_live_ = false;
+  bool op_records_while_live_ = false;  // kOp records in a live step's log too (a test's reference reads them)
   std::vector<int64_t> timeline_;     // set_recency_live's records (take_recency)
   std::vector<int64_t> stale_;
   std::vector<int64_t> held_;
@@ -1763,7 +1773,7 @@ bool add_operator_parse(PyObject* module);  // operators.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 19;
+  m.attr("ABI") = 20;
   if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
@@ -1823,6 +1833,7 @@ PYBIND11_MODULE(_C, m) {
       .def("set_recency", &Observer::set_recency, py::arg("fraction"))
       .def("set_recency_live", &Observer::set_recency_live)
       .def_property_readonly("recency_live", &Observer::recency_live)
+      .def_property("op_records_while_live", &Observer::op_records_while_live, &Observer::set_op_records_while_live)
       .def("recency_alloc", &Observer::recency_alloc)
       .def("recency_access", &Observer::recency_access)
       .def("recency_free", &Observer::recency_free)

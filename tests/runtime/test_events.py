@@ -825,3 +825,43 @@ def test_a_steps_nodes_do_not_depend_on_what_ran_before_it(events):
     assert a[0][0][0] == ("aten::mul.Tensor", "forward", -1)
     assert a[0][0] == a[1][0]
     assert a == b
+
+
+def test_a_live_recency_step_logs_no_operator_records_but_keeps_the_tables_records():
+    # while lru's order is kept in the observer, the compact parse is the log's only reader and would
+    # drop every operator record: none is written, and what changes the table still is
+    def run(records: bool) -> tuple[list, list, int]:
+        ob = C.Observer("cpu")
+        ob.start(None, None)
+        try:
+            ob.set_recency(0.0)
+            ob.op_records_while_live = records
+            ob.set_in_step(True)
+            ob.set_recency_live(True)
+            keep = torch.ones(16)
+            for _ in range(3):
+                keep = keep + 1
+            ob.sweep()
+            log, names = ob.take_log()
+            timeline = ob.take_recency()[0]
+            order = ob.recency_order()
+        finally:
+            ob.stop()
+        return [names[i] for i, _ in _ops(log)], _tags(log), len(timeline) // 24, order
+
+    ops, tags, timeline_ops, order = run(records=False)
+    assert ops == [] and set(tags) == {C.LOG_ALLOC, C.LOG_FREE}
+    assert timeline_ops == 4  # ones and three adds: the order was told each of them
+    ops_ref, tags_ref, timeline_ref, order_ref = run(records=True)
+    assert ops_ref == ["aten::ones"] + ["aten::add.Tensor"] * 3
+    assert [t for t in tags_ref if t != C.LOG_OP] == tags
+    assert timeline_ref == timeline_ops and len(order_ref) == len(order)
+
+
+def _tags(log: bytes) -> list[int]:
+    w = struct.unpack(f"{len(log) // 8}q", log)
+    out, i = [], 0
+    while i < len(w):
+        out.append(w[i])
+        i += 9 + sum(w[i + 5:i + 9]) if w[i] == C.LOG_OP else 4 if w[i] == C.LOG_ALLOC else 2
+    return out

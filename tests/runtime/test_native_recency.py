@@ -142,6 +142,7 @@ class _Proxy:
     argument order, then outputs that are not inputs), and every touch the policy forwards too."""
 
     def __init__(self, obs, shadow: LRUPolicy) -> None:
+        obs.op_records_while_live = True  # the reference reads every operator's record
         self._obs = obs
         self._shadow = shadow
         self._sizes: dict[int, int] = {}
