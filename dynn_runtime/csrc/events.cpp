@@ -660,6 +660,16 @@ class Observer {
       else r.access(sid);
     }
   }
+  // The storages held at a step's start, told to the order as allocations of their sizes (the
+  // table's, as an operator's allocations are told), in the order given: what recency_touches() of
+  // (alloc, sid, -1, nbytes) quadruples does, without Python building them.
+  void recency_announce(const std::vector<int64_t>& sids) {
+    Recency& r = rec();
+    for (int64_t sid : sids) {
+      Entry** e = by_sid_.find(static_cast<uint64_t>(sid));
+      r.alloc(sid, e == nullptr ? 0 : (*e)->nbytes);
+    }
+  }
   // Up to `max` storages of at least `min_bytes` after the cursor (tier, sid, stamp) that are on the
   // device with no copy in flight, least recently used first; returns them and the moved cursor
   // (tier 2: the walk is done).
@@ -1773,7 +1783,7 @@ bool add_operator_parse(PyObject* module);  // operators.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 20;
+  m.attr("ABI") = 21;
   if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
@@ -1838,6 +1848,7 @@ PYBIND11_MODULE(_C, m) {
       .def("recency_access", &Observer::recency_access)
       .def("recency_free", &Observer::recency_free)
       .def("recency_touches", &Observer::recency_touches)
+      .def("recency_announce", &Observer::recency_announce)
       .def("recency_after", &Observer::recency_after, py::arg("tier"), py::arg("sid"), py::arg("stamp"),
            py::arg("max"), py::arg("min_bytes") = 0)
       .def("recency_order", &Observer::recency_order, py::arg("tier") = -1)

@@ -283,8 +283,13 @@ class Steps:
     def _announce(self, held: list[int] | None = None) -> None:
         """Tell the policy the storages ``held`` at the step's start (None: those resident or in
         flight now) as ``on_alloc(sid, -1)`` calls, or the same calls in one ``on_touches`` for a
-        policy that takes them in bulk."""
+        policy that takes them in bulk, or, where the observer keeps the policy's order, to that
+        order in one ``recency_announce`` (the sizes the observer's table has)."""
         pol, st = self.policy, self.st
+        if self._native_order:  # the observer keeps the policy's order: told there, in one call
+            self._obs.recency_announce([sid for sid, s in st.items() if s.status is not ABSENT] if held is None
+                                       else [sid for sid in held if sid in st])
+            return
         items = ((sid, s) for sid, s in st.items() if s.status is not ABSENT) if held is None else (
             (sid, st[sid]) for sid in held if sid in st)
         if tells_in_bulk(type(pol)):

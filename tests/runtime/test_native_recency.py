@@ -205,6 +205,11 @@ class _Proxy:
         self._shadow.on_touches(events)
         self._obs.recency_touches(events)
 
+    def recency_announce(self, sids):
+        nbytes = self._obs.nbytes
+        self._shadow.on_touches([x for sid in sids for x in (TOUCH_ALLOC, sid, -1, nbytes(sid))])
+        self._obs.recency_announce(sids)
+
 
 class _Checked(LRUPolicy):
     """lru whose every victim search is compared with the shadow's before it is answered."""
@@ -284,3 +289,38 @@ def test_the_native_order_runs_where_lru_is_plain_and_is_released_at_detach():
         finally:
             mm.detach()
         assert pol._native is None
+
+
+def test_a_steps_start_tells_the_observers_order_every_held_storage_in_the_tables_order():
+    # what on_alloc(sid, -1) of each storage held, in the table's order, makes of the order: each one
+    # the most recent in turn, sized as the observer's table says (one call, recency_announce)
+    import dynn_runtime as dr
+    from dynn_runtime.residency import Status
+    from dynn_runtime.workload import load_workload, make_optimizer
+
+    wl = load_workload("moe", preset="tiny", seed=0)
+    model = wl.model
+    opt = make_optimizer(wl, model.parameters())
+    mm = dr.MemoryManager(0.5, policy="lru", device="cpu", events="native").attach(model, opt)
+    try:
+        for step in range(3):
+            with mm.step():
+                loss = wl.loss(model, wl.make_batch(step))
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        assert mm._native_order
+        obs = mm._obs
+        held = [sid for sid, s in mm.st.items() if s.status is not Status.ABSENT]
+        before = obs.recency_order()
+        assert len(held) > 2 and before[-len(held):] != held  # the last step's touches reordered them
+        reference = LRUPolicy()
+        reference.native_order = False
+        reference.on_touches([x for sid in before for x in (TOUCH_ALLOC, sid, -1, obs.nbytes(sid))])
+        reference.on_touches([x for sid in held for x in (TOUCH_ALLOC, sid, -1, obs.nbytes(sid))])
+        mm._announce()
+        after = obs.recency_order()
+        assert after[-len(held):] == held
+        assert after == reference.order()
+    finally:
+        mm.detach()
