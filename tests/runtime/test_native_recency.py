@@ -271,12 +271,7 @@ def test_the_native_order_runs_where_lru_is_plain_and_is_released_at_detach():
         pol.native_order = native_order
         mm = dr.MemoryManager(0.5, policy=pol, device="cpu", events="native").attach(model, opt)
         try:
-            for step in range(3):
-                with mm.step():
-                    loss = wl.loss(model, wl.make_batch(step))
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+            _train_steps(mm, wl, opt, 3)
             assert mm._native_order is native_order
             assert (pol._native is not None) is native_order
             timeline = mm.timeline()
@@ -303,12 +298,7 @@ def test_a_steps_start_tells_the_observers_order_every_held_storage_in_the_table
     opt = make_optimizer(wl, model.parameters())
     mm = dr.MemoryManager(0.5, policy="lru", device="cpu", events="native").attach(model, opt)
     try:
-        for step in range(3):
-            with mm.step():
-                loss = wl.loss(model, wl.make_batch(step))
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+        _train_steps(mm, wl, opt, 3)
         assert mm._native_order
         obs = mm._obs
         held = [sid for sid, s in mm.st.items() if s.status is not Status.ABSENT]
@@ -324,3 +314,12 @@ def test_a_steps_start_tells_the_observers_order_every_held_storage_in_the_table
         assert after == reference.order()
     finally:
         mm.detach()
+
+
+def _train_steps(mm, wl, opt, steps: int) -> None:
+    for step in range(steps):
+        with mm.step():
+            loss = wl.loss(wl.model, wl.make_batch(step))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
