@@ -312,7 +312,10 @@ def main() -> None:
                       + f"); pilot per step: {o['pilot']['decisions']:.1f} decision points run, "
                       f"{o['pilot']['deferred_idle']:.1f} deferred, inference {o['pilot']['inference_s'] * 1e3:.2f} ms"
                       + "".join(f"; managed - alone with defer_idle={k}: {v:.2f} ms" for k, v in o["halves"].items())
-                      + f"; losses PyTorch alone's: {o['same']}", flush=True)
+                      + f"; losses PyTorch alone's: {o['same']}"
+                      + ("" if o["same"] or _DEVICE == "cpu" or torch.are_deterministic_algorithms_enabled()
+                         else " (deterministic algorithms are off here: two runs of PyTorch alone may differ"
+                              " too; tools/soc_match.py and the gpu tests compare under them)"), flush=True)
 
 
 if __name__ == "__main__":
