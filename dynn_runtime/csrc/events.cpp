@@ -110,6 +110,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
@@ -1772,6 +1773,29 @@ void arm_test_oom(int64_t n) {
 // without those operators (bytes.h; runtime/storages.py's _u8 is the reference).
 at::Tensor byte_view(py::handle storage) { return bytes_of(torch::createStorage(storage.ptr())); }
 
+// The bytes of the tensors in the list or tuple `seq`, numel times element size each and 0 for an
+// item that is not a tensor: runtime/lists.py's Python sum, read in C++ (the list operators' wrapper
+// asks for every list of every call). -1 where an item is a tensor subclass, whose Python numel()
+// may say otherwise: the caller then sums in Python.
+int64_t list_nbytes(py::handle seq) {
+  PyObject* fast = PySequence_Fast(seq.ptr(), "list_nbytes takes a list or a tuple");
+  if (fast == nullptr) throw py::error_already_set();
+  py::object keep = py::reinterpret_steal<py::object>(fast);
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  int64_t total = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* o = items[i];
+    if (THPVariable_CheckExact(o)) {
+      const at::Tensor& t = THPVariable_Unpack(o);
+      total += static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+    } else if (THPVariable_Check(o)) {
+      return -1;
+    }
+  }
+  return total;
+}
+
 }  // namespace
 
 void define_collector(py::module_& m);     // collector.cpp
@@ -1783,13 +1807,15 @@ bool add_operator_parse(PyObject* module);  // operators.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 21;
+  m.attr("ABI") = 22;
   if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
   m.attr("LOG_FREE") = dynn::kFree;
   m.attr("HEAR_CUDA") = dynn::heard::built();
   m.attr("RAW_CUDA_COPIES") = dynn::cuda_copy::built();
+  m.def("list_nbytes", &dynn::list_nbytes, py::arg("seq"),
+        "the bytes of a list's tensors (0 for an item that is not one; -1: a tensor subclass among them)");
   m.def("byte_view", &dynn::byte_view, py::arg("storage"),
         "a uint8 tensor over the whole of an UntypedStorage (runtime/storages.py's _u8, natively)");
   m.def(

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .events import native_module
+
 __all__ = ["ListSplitter", "list_function_names"]
 
 #: one-dimensional tensor arguments that carry one scalar per list entry (``scalars: Tensor``)
@@ -87,6 +89,9 @@ def _wrap(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
                   if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)), 0)
         if n < 2:
             return orig(*args, **kwargs)
+        total = _total_nbytes(name, n, (*args, *kwargs.values()))
+        if total is not None and total <= limit:  # the sum of `per` below, summed natively
+            return orig(*args, **kwargs)
         per = [0] * n
         for a in (*args, *kwargs.values()):
             if isinstance(a, (list, tuple)) and len(a) == n:
@@ -121,6 +126,24 @@ def _wrap(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
     call.__wrapped__ = orig  # type: ignore[attr-defined]
     call.__name__ = name
     return call
+
+
+def _total_nbytes(name: str, n: int, args: tuple[Any, ...]) -> int | None:
+    """What ``sum(per)`` in ``call`` comes to, each list summed by the extension
+    (``_C.list_nbytes``); None where it is not built or a list holds a tensor subclass."""
+    c = native_module()
+    if c is None:
+        return None
+    lists = [a for a in args if isinstance(a, (list, tuple)) and len(a) == n]
+    if not name.endswith("_"):  # out of place: the results are as large as the first list
+        lists.append(lists[0])
+    total = 0
+    for a in lists:
+        b = c.list_nbytes(a)
+        if b < 0:
+            return None
+        total += b
+    return total
 
 
 def _join(outs: list[Any]) -> Any:

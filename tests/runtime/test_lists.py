@@ -112,3 +112,29 @@ def test_split_joins_out_of_place_results_in_order():
     assert sp.calls_split == 2
     assert [o[0].item() for o in out] == [0.0, 2.0, 4.0, 6.0, 8.0]
     assert torch.equal(torch.stack(norms), torch.stack(torch._foreach_norm(xs)))
+
+
+def test_a_call_is_measured_natively_as_the_python_sum_measures_it(monkeypatch):
+    if lists.native_module() is None:
+        pytest.skip("the extension is not built")
+    xs = [torch.ones(3, 5), torch.ones(4, 6, dtype=torch.float64).t(), nn.Parameter(torch.ones(7, dtype=torch.float16))]
+    mixed = [xs[0], 2.0, xs[2]]  # a scalar list's entries count 0, as _nbytes says
+
+    class Sub(torch.Tensor):
+        pass
+
+    for args, name in (((xs,), "_foreach_add_"), ((xs, mixed), "_foreach_mul"), ((xs, xs, xs), "_foreach_addcmul_")):
+        lists_of = [a for a in args if len(a) == 3]
+        want = sum(lists._nbytes(t) for a in lists_of for t in a) + (
+            0 if name.endswith("_") else sum(lists._nbytes(t) for t in args[0]))
+        assert lists._total_nbytes(name, 3, args) == want
+    assert lists._total_nbytes("_foreach_add_", 2, ([xs[0], xs[0].as_subclass(Sub)],)) is None
+    # a call that fits goes through whole without the per-entry sum in Python
+    monkeypatch.setattr(lists, "_nbytes", lambda t: pytest.fail("summed entry by entry in Python"))
+    sp = lists.ListSplitter(lambda: 1 << 20)
+    sp.install()
+    try:
+        out = torch._foreach_mul(xs[:2], 2.0)
+    finally:
+        sp.remove()
+    assert sp.calls_split == 0 and torch.equal(out[0], xs[0] * 2)
