@@ -134,11 +134,11 @@ def _total_nbytes(name: str, n: int, args: tuple[Any, ...]) -> int | None:
     c = native_module()
     if c is None:
         return None
-    lists = [a for a in args if isinstance(a, (list, tuple)) and len(a) == n]
+    measured = [a for a in args if isinstance(a, (list, tuple)) and len(a) == n]
     if not name.endswith("_"):  # out of place: the results are as large as the first list
-        lists.append(lists[0])
+        measured.append(measured[0])
     total = 0
-    for a in lists:
+    for a in measured:
         b = c.list_nbytes(a)
         if b < 0:
             return None
