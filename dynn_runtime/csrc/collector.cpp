@@ -37,13 +37,51 @@ Py_ssize_t untrack_records(py::list seq, Py_ssize_t start, py::handle type) {
   return done;
 }
 
-// For each integer key k in [lo, hi] of `table` (a dict of lists): untracks the list's items whose
-// type is exactly `item_type` (None: none), then the list itself when every item is an integer or
-// such an item. Returns how many objects it untracked.
+// Untracks the list `v`'s items whose type is exactly `item_type` (None: none), then `v` itself when
+// every item is an integer or such an item. Returns how many objects it untracked.
+Py_ssize_t untrack_list(PyObject* v, const py::handle& item_type) {
+  if (!PyList_CheckExact(v) || !PyObject_GC_IsTracked(v)) return 0;
+  Py_ssize_t done = 0;
+  bool atomic = true;
+  const Py_ssize_t n = PyList_GET_SIZE(v);
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject* item = PyList_GET_ITEM(v, i);
+    if (PyLong_CheckExact(item)) continue;
+    if (!item_type.is_none() && reinterpret_cast<PyObject*>(Py_TYPE(item)) == item_type.ptr()) {
+      if (PyObject_GC_IsTracked(item)) {
+        PyObject_GC_UnTrack(item);
+        done++;
+      }
+      continue;
+    }
+    atomic = false;
+  }
+  if (atomic) {
+    PyObject_GC_UnTrack(v);
+    done++;
+  }
+  return done;
+}
+
+// For each integer key k in [lo, hi] of `table` (a dict of lists): untrack_list(table[k]). Returns
+// how many objects it untracked. Reads whichever is shorter, the range or the dict: a step's table
+// holds a few positions of thousands, and a step's many short reads each cover a few positions.
 Py_ssize_t untrack_lists(py::dict table, Py_ssize_t lo, Py_ssize_t hi, py::handle item_type) {
   PyObject* d = table.ptr();
-  if (PyDict_GET_SIZE(d) == 0) return 0;
+  const Py_ssize_t size = PyDict_GET_SIZE(d);
+  if (size == 0 || hi < lo) return 0;
   Py_ssize_t done = 0;
+  if (size < hi - lo + 1) {
+    PyObject *key, *v;
+    Py_ssize_t i = 0;
+    while (PyDict_Next(d, &i, &key, &v)) {
+      if (!PyLong_CheckExact(key)) continue;
+      int overflow = 0;
+      const long long k = PyLong_AsLongLongAndOverflow(key, &overflow);
+      if (overflow == 0 && k >= lo && k <= hi) done += untrack_list(v, item_type);
+    }
+    return done;
+  }
   for (Py_ssize_t k = lo; k <= hi; k++) {
     PyObject* key = PyLong_FromSsize_t(k);
     if (key == nullptr) throw py::error_already_set();
@@ -53,25 +91,7 @@ Py_ssize_t untrack_lists(py::dict table, Py_ssize_t lo, Py_ssize_t hi, py::handl
       if (PyErr_Occurred()) throw py::error_already_set();
       continue;
     }
-    if (!PyList_CheckExact(v) || !PyObject_GC_IsTracked(v)) continue;
-    bool atomic = true;
-    const Py_ssize_t n = PyList_GET_SIZE(v);
-    for (Py_ssize_t i = 0; i < n; i++) {
-      PyObject* item = PyList_GET_ITEM(v, i);
-      if (PyLong_CheckExact(item)) continue;
-      if (!item_type.is_none() && reinterpret_cast<PyObject*>(Py_TYPE(item)) == item_type.ptr()) {
-        if (PyObject_GC_IsTracked(item)) {
-          PyObject_GC_UnTrack(item);
-          done++;
-        }
-        continue;
-      }
-      atomic = false;
-    }
-    if (atomic) {
-      PyObject_GC_UnTrack(v);
-      done++;
-    }
+    done += untrack_list(v, item_type);
   }
   return done;
 }

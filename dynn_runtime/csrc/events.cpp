@@ -99,6 +99,10 @@
 //      (the manager's own runs under no_grad), is never an operator's, so a step's node words do not
 //      depend on what ran before it. trace/recorder.py's AutogradNodes, which the Python event
 //      source and the trace recorder use, keeps the same rule.
+//  16. An entry's `settled` bit for a label (kLabelGrad, kLabelState) is set once the optimizer
+//      hooks' walk found its record's kind as specific as that label; the walk then passes over it
+//      without reading the record. A record's kind only ever gets more specific, and record and
+//      entry die with their storage (sids are never reused), so a set bit stays true.
 
 #include <ATen/ATen.h>
 #include <ATen/Operators.h>
@@ -159,6 +163,8 @@ struct UninitAllocator : std::allocator<T> {
   }
 };
 
+constexpr uint8_t kLabelGrad = 1, kLabelState = 2;  // Entry::settled (invariant 16)
+
 // log record tags (first word of each record)
 constexpr int64_t kOp = 1;     // kOp, op_id, phase | module << 2, node, used, n_in, n_out, n_write, n_alloc, ids...
 constexpr int64_t kAlloc = 2;  // kAlloc, sid, nbytes, fresh (1: an operator's output; 0: seen as input)
@@ -192,6 +198,7 @@ struct Entry {
   bool heard = false;       // by_data_ maps `data` to it: the allocator reports its free (invariant 9)
   uint64_t data = 0;        // its data's address while heard
   bool known = false;       // registered by track(): Python may hold it without having read its kAlloc
+  uint8_t settled = 0;      // kLabel* bits: its record's kind is as specific as that label (invariant 16)
 
   Entry(c10::weak_intrusive_ptr<c10::StorageImpl> w, c10::StorageImpl* i, int64_t s, int64_t n, int64_t st)
       : weak(std::move(w)), impl(i), sid(s), nbytes(n), stream(st) {}
@@ -478,15 +485,76 @@ class Observer {
     return e == nullptr ? -1 : (*e)->sid;
   }
 
-  // sid_of() of each parameter's gradient (-2: it has none), read in C++: no Python object is made
-  // for a gradient autograd created (the optimizer's pre-hook asks for every one, every step).
-  std::vector<int64_t> grad_sids_of(const std::vector<at::Tensor>& params) {
-    std::vector<int64_t> out;
-    out.reserve(params.size());
+  // ---- the optimizer hooks' labels (runtime/steps.py: _mark_kind_of_grads, _mark_optimizer_state) ----
+  // Each runs at every step; in a steady state nothing needs a label, so the walk is here and only
+  // what the runtime's labelling (_track) would change comes back to Python. `st` is the runtime's
+  // table (sid -> record); `settled`, the kinds a label leaves as they are (the label's own and the
+  // more specific ones: a kind only ever gets more specific).
+
+  // The gradients of `params` to label "grad": each defined gradient on the managed device that the
+  // table has no entry for, or whose record's kind is not settled. One whose record is not in `st`
+  // yet (born since the log was read) goes into `pending` instead: its record takes the label when
+  // its birth is read.
+  py::list grads_to_label(const std::vector<at::Tensor>& params, const py::dict& st, py::set pending,
+                          const py::tuple& settled) {
+    py::list out;
     for (const at::Tensor& p : params) {
       const at::Tensor& g = p.grad();
-      out.push_back(g.defined() ? sid_of(g) : -2);
+      c10::StorageImpl* impl = managed_impl(g);  // (undefined: none)
+      if (impl == nullptr) continue;  // no gradient, or not the manager's: the label would leave it alone
+      Entry** e = table_.find(key(impl));
+      if (e != nullptr) {
+        if ((*e)->settled & kLabelGrad) continue;
+        PyObject* rec = record_of(st, (*e)->sid);
+        if (rec == nullptr) {
+          pending.add(py::int_((*e)->sid));
+          continue;
+        }
+        if (settled_kind(rec, settled)) {
+          (*e)->settled |= kLabelGrad;
+          continue;
+        }
+      }
+      out.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(g)));
     }
+    return out;
+  }
+
+  // The optimizer's state tensors to label "opt_state": of the values of each per-parameter dict of
+  // `state` (optimizer.state), those whose type is exactly one of `types` (torch.Tensor,
+  // nn.Parameter: a subclass manages its own storage), on the managed device, and without a record
+  // in `st` of a settled kind.
+  py::list state_to_label(const py::handle& state, const py::dict& st, const py::tuple& types,
+                          const py::tuple& settled) {
+    py::list out;
+    auto look = [&](PyObject* v) {
+      PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(v));
+      bool ours = false;
+      for (const py::handle t : types) ours = ours || t.ptr() == type;
+      if (!ours) return;
+      c10::StorageImpl* impl = managed_impl(THPVariable_Unpack(v));
+      if (impl == nullptr) return;  // not the manager's (Adam's step counters on the host of a CUDA manager)
+      Entry** e = table_.find(key(impl));
+      if (e != nullptr) {
+        if ((*e)->settled & kLabelState) return;
+        PyObject* rec = record_of(st, (*e)->sid);
+        if (rec != nullptr && settled_kind(rec, settled)) {
+          (*e)->settled |= kLabelState;
+          return;
+        }
+      }
+      out.append(py::reinterpret_borrow<py::object>(v));
+    };
+    auto values = [](PyObject* mapping, auto&& f) {
+      if (PyDict_Check(mapping)) {  // (optimizer.state is a defaultdict)
+        PyObject *k, *v;
+        Py_ssize_t i = 0;
+        while (PyDict_Next(mapping, &i, &k, &v)) f(v);
+      } else {  // a mapping of another kind: read as Python reads it
+        for (const py::handle v : py::reinterpret_borrow<py::object>(mapping).attr("values")()) f(v.ptr());
+      }
+    };
+    values(state.ptr(), [&](PyObject* per) { values(per, look); });
     return out;
   }
 
@@ -664,12 +732,22 @@ class Observer {
   // The storages held at a step's start, told to the order as allocations of their sizes (the
   // table's, as an operator's allocations are told), in the order given: what recency_touches() of
   // (alloc, sid, -1, nbytes) quadruples does, without Python building them.
-  void recency_announce(const std::vector<int64_t>& sids) {
+  // `sids`: a list of ints, or a dict whose keys are (the runtime's table), read in place.
+  void recency_announce(const py::handle& sids) {
     Recency& r = rec();
-    for (int64_t sid : sids) {
+    auto one = [&](PyObject* o) {
+      const int64_t sid = PyLong_AsLongLong(o);
+      if (sid == -1 && PyErr_Occurred()) throw py::error_already_set();
       Entry** e = by_sid_.find(static_cast<uint64_t>(sid));
       r.alloc(sid, e == nullptr ? 0 : (*e)->nbytes);
+    };
+    if (PyDict_Check(sids.ptr())) {
+      PyObject *k, *v;
+      Py_ssize_t i = 0;
+      while (PyDict_Next(sids.ptr(), &i, &k, &v)) one(k);
+      return;
     }
+    for (const py::handle o : sids) one(o.ptr());
   }
   // Up to `max` storages of at least `min_bytes` after the cursor (tier, sid, stamp) that are on the
   // device with no copy in flight, least recently used first; returns them and the moved cursor
@@ -947,6 +1025,28 @@ class Observer {
     if (ti.is_wrapped_number()) return nullptr;
     // the storage field itself: neither virtual nor out of line, and null where there is none
     return ti.unsafe_storage().unsafeGetStorageImpl();
+  }
+
+  // The record `st` keeps for `sid` (borrowed), or nullptr.
+  static PyObject* record_of(const py::dict& st, int64_t sid) {
+    py::int_ k(sid);
+    PyObject* rec = PyDict_GetItemWithError(st.ptr(), k.ptr());
+    if (rec == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    return rec;
+  }
+  // Whether the record's `kind` is one of `settled` (strings).
+  static bool settled_kind(PyObject* rec, const py::tuple& settled) {
+    static PyObject* const name = PyUnicode_InternFromString("kind");
+    py::object kind = py::reinterpret_steal<py::object>(PyObject_GetAttr(rec, name));
+    if (!kind) throw py::error_already_set();
+    for (const py::handle s : settled)
+      if (s.ptr() == kind.ptr()) return true;  // (the kinds are the source's literals: interned)
+    for (const py::handle s : settled) {
+      const int eq = PyObject_RichCompareBool(kind.ptr(), s.ptr(), Py_EQ);
+      if (eq < 0) throw py::error_already_set();
+      if (eq) return true;
+    }
+    return false;
   }
 
   Recency& rec() {
@@ -1807,7 +1907,7 @@ bool add_operator_parse(PyObject* module);  // operators.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 22;
+  m.attr("ABI") = 23;
   if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
@@ -1846,7 +1946,10 @@ PYBIND11_MODULE(_C, m) {
       .def("set_seen_backward", &Observer::set_seen_backward)
       .def("track", &Observer::track)
       .def("sid_of", &Observer::sid_of)
-      .def("grad_sids_of", &Observer::grad_sids_of)
+      .def("grads_to_label", &Observer::grads_to_label, py::arg("params"), py::arg("st"), py::arg("pending"),
+           py::arg("settled"))
+      .def("state_to_label", &Observer::state_to_label, py::arg("state"), py::arg("st"), py::arg("types"),
+           py::arg("settled"))
       .def("storage", &Observer::storage)
       .def("set_away", &Observer::set_away)
       .def("set_host_valid", &Observer::set_host_valid)

@@ -35,11 +35,14 @@ from ..residency import Status
 from ..trace.format import Iteration
 from .devicemem import default_budget
 from .events import no_mode
-from .storages import _MOVABLE_ALWAYS, _PERSISTENT
+from .storages import _MOVABLE_ALWAYS, _PERSISTENT, settled
 
 __all__ = ["StepStats", "Steps"]
 
-RESIDENT, ABSENT = Status.RESIDENT, Status.ABSENT
+RESIDENT = Status.RESIDENT
+#: what the optimizer hooks' native walks pass over (Observer.grads_to_label, state_to_label)
+_SETTLED_GRAD, _SETTLED_STATE = settled("grad"), settled("opt_state")
+_LABELLED_TYPES = (torch.Tensor, torch.nn.Parameter)  # the types _track registers
 
 
 @dataclass
@@ -256,8 +259,7 @@ class Steps:
                                and type(pol).after_op is not Policy.after_op and pol.idle_step())
             if self._idle_step:
                 obs.set_decide_every(0)
-                self._held_at_start = ([sid for sid, s in self.st.items() if s.status is not ABSENT]
-                                       if listens else None)
+                self._held_at_start = list(self.st) if listens else None
             elif listens:
                 self._announce()
             self._map_oracle_persistent()
@@ -281,17 +283,16 @@ class Steps:
             hints._listen(self)
 
     def _announce(self, held: list[int] | None = None) -> None:
-        """Tell the policy the storages ``held`` at the step's start (None: those resident or in
-        flight now) as ``on_alloc(sid, -1)`` calls, or the same calls in one ``on_touches`` for a
-        policy that takes them in bulk, or, where the observer keeps the policy's order, to that
-        order in one ``recency_announce`` (the sizes the observer's table has)."""
+        """Tell the policy the storages ``held`` at the step's start (None: every record of the
+        table, none of which is absent) as ``on_alloc(sid, -1)`` calls, or the same calls in one
+        ``on_touches`` for a policy that takes them in bulk, or, where the observer keeps the
+        policy's order, to that order in one ``recency_announce`` (the sizes the observer's table
+        has), which reads the table's keys in place."""
         pol, st = self.policy, self.st
         if self._native_order:  # the observer keeps the policy's order: told there, in one call
-            self._obs.recency_announce([sid for sid, s in st.items() if s.status is not ABSENT] if held is None
-                                       else [sid for sid in held if sid in st])
+            self._obs.recency_announce(st if held is None else [sid for sid in held if sid in st])
             return
-        items = ((sid, s) for sid, s in st.items() if s.status is not ABSENT) if held is None else (
-            (sid, st[sid]) for sid in held if sid in st)
+        items = st.items() if held is None else ((sid, st[sid]) for sid in held if sid in st)
         if tells_in_bulk(type(pol)):
             events: list[int] = []
             add = events.extend
@@ -472,32 +473,34 @@ class Steps:
             self._obs.set_phase(-1)
 
     def _mark_kind_of_grads(self) -> None:
-        """Label the gradients "grad", as :meth:`_label_grad` does one, with the sids looked up in one
-        native call that reads the gradients in C++ (a gradient's Python object is made only where the
-        observer's lookup is not the end of it: a subclass, or a storage already recorded)."""
-        track, obs, st, pending = self._track, self._obs, self.st, self._grad_pending
-        params = self._grad_params
+        """Label the gradients "grad", as :meth:`_label_grad` does one. On the native source the
+        observer walks the parameters (``grads_to_label``): a gradient born since the log was read
+        waits in ``_grad_pending`` for its birth to be read, and only one that the label would
+        change comes back here."""
+        track, obs = self._track, self._obs
         if obs is None:
-            for p in params:
+            for p in self._grad_params:
                 if p.grad is not None:
                     track(p.grad, "grad", fresh=False)
             return
-        for p, sid in zip(params, obs.grad_sids_of(params)):
-            if sid == -2:  # no gradient
-                continue
-            if sid >= 0 and sid not in st:
-                pending.add(sid)
-                continue
-            track(p.grad, "grad", fresh=False)
+        for g in obs.grads_to_label(self._grad_params, self.st, self._grad_pending, _SETTLED_GRAD):
+            track(g, "grad", fresh=False)
 
     def _mark_optimizer_state(self) -> None:
-        """Label the optimizer's state tensors. One already labelled is skipped while the same tensor
-        object is there and its storage tracked (optimizers update their state in place), so that a
-        step costs a dictionary lookup per state tensor, not a storage lookup. So is one the manager
-        does not manage (Adam's step counters on the host of a CUDA manager): it stays where it is."""
+        """Label the optimizer's state tensors "opt_state". On the native source the observer walks
+        the state (``state_to_label``) and hands back only what the label would change (optimizers
+        update their state in place, so after the first step: nothing). A tensor the manager does
+        not manage (Adam's step counters on the host of a CUDA manager) stays where it is. On the
+        Python source one already labelled is skipped while the same tensor object is there and its
+        storage tracked, so that a step costs a dictionary lookup per state tensor."""
         if self.optimizer is None:
             return
-        seen, st, tensor = self._opt_marked, self.st, torch.Tensor
+        obs, st = self._obs, self.st
+        if obs is not None:
+            for v in obs.state_to_label(self.optimizer.state, st, _LABELLED_TYPES, _SETTLED_STATE):
+                self._track(v, "opt_state", fresh=False)
+            return
+        seen, tensor = self._opt_marked, torch.Tensor
         get = seen.get
         for state in self.optimizer.state.values():
             for v in state.values():

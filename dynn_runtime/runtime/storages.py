@@ -6,7 +6,9 @@ address and a weakref callback on its Python object reports its death (storages 
 object for as long as they live), drained at the next operator; on the native source the observer
 (``events.cpp``) keeps the table and logs births and deaths, read at decision points. A storage made
 between steps by the program stays put (only model state and what a step creates may move), and
-``kind`` only ever gets more specific (``_RANK``).
+``kind`` only ever gets more specific (``_RANK``). A record is in ``st`` from its storage's birth
+(``resident``) to its death, when it leaves ``st`` and only then becomes ``absent``: no record in
+``st`` is absent, so the table is what the program holds.
 
 State (set by :meth:`MemoryManager._reset_state`): ``st``, ``_key_sid``, ``_next_sid``, ``_dead``,
 ``_saved_pending``, ``_saved_unlogged``, ``_grad_pending``, ``_pinned``, ``_t0``, ``_slack_mark``; ``_tell_labels`` (set at attach:
@@ -34,6 +36,11 @@ _PERSISTENT = ("param", "buffer", "opt_state")
 #: kinds that may move even when the program made them between steps
 _MOVABLE_ALWAYS = frozenset({"param", "buffer", "opt_state", "grad"})
 _RANK = {k: i for i, k in enumerate(("param", "buffer", "opt_state", "grad", "activation", "input", "temp"))}
+
+
+def settled(kind: str) -> tuple[str, ...]:
+    """The kinds a label of ``kind`` leaves as they are (``_track``): its own and the more specific."""
+    return tuple(k for k, r in _RANK.items() if r <= _RANK[kind])
 
 
 class _S(Record):

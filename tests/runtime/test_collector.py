@@ -58,6 +58,19 @@ def test_untrack_lists_takes_integer_lists_and_the_given_records_in_the_key_rang
     assert c.untrack_lists({}, 0, 10**6) == 0
 
 
+def test_untrack_lists_reads_the_range_or_the_table_whichever_is_shorter():
+    """A range shorter than the table is looked up key by key; a longer one is met by walking the
+    table: both untrack exactly the lists whose keys are in the range."""
+    c = native_module()
+    table = {k: [k] for k in range(-3, 100)}
+    table["x"] = [1]  # not a position: never in a range
+    assert c.untrack_lists(table, 10, 12) == 3  # 3 keys looked up, of 104
+    assert [k for k, v in table.items() if not gc.is_tracked(v)] == [10, 11, 12]
+    assert c.untrack_lists(table, 0, 10**6) == 97  # the table walked: 0..99 less the three done
+    assert [k for k, v in table.items() if gc.is_tracked(v)] == [-3, -2, -1, "x"]
+    assert c.untrack_lists(table, 5, 4) == 0  # an empty range
+
+
 def _train(policy, steps: int = 3, **kw):
     torch.manual_seed(0)
     wl = load_workload("tree_lstm", preset="tiny", seed=0)

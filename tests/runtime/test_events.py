@@ -717,7 +717,8 @@ def test_gradients_are_labelled_when_read_and_never_registered_when_they_die_unr
 def test_gradients_are_labelled_beside_frozen_parameters_and_gradients_already_recorded():
     """The optimizer's pre-hook reads every parameter's gradient natively: a frozen parameter (no
     gradient) is passed over, a gradient born since the log was read waits for its birth to be read,
-    and one already recorded (kept across steps by accumulation) is relabelled at once."""
+    and one already recorded (kept across steps by accumulation) keeps its label without a call
+    into the labelling."""
     model, _ = _mlp()
     model[0].weight.requires_grad_(False)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
@@ -730,12 +731,15 @@ def test_gradients_are_labelled_beside_frozen_parameters_and_gradients_already_r
         trained = [p for p in model.parameters() if p.requires_grad]
         grads = {mm._obs.sid_of(p.grad) for p in trained}
         assert len(grads) == len(trained) and {mm.st[sid].kind for sid in grads} == {"grad"}
+        labelled: list[str] = []
+        track = mm._track
+        mm._track = lambda t, kind, fresh: labelled.append(kind) or track(t, kind, fresh)
         with mm.step():  # no zero_grad: the same gradients accumulate, already in the table
             model(torch.randn(4, 32)).sum().backward()
             assert {mm._obs.sid_of(p.grad) for p in trained} == grads
             opt.step()
-            assert not mm._grad_pending  # recorded already: labelled at once, nothing waits
-        assert {mm.st[sid].kind for sid in grads} == {"grad"}
+            assert not mm._grad_pending  # recorded already: labelled, nothing waits
+        assert {mm.st[sid].kind for sid in grads} == {"grad"} and "grad" not in labelled
     finally:
         mm.detach()
 

@@ -732,7 +732,9 @@ def test_an_operator_whose_meta_kernel_refuses_the_dtype_is_still_sized_exactly(
 @pytest.mark.parametrize("events", ["python"] + (["native"] if NATIVE else []))
 def test_optimizer_state_on_another_device_is_looked_at_once(events, monkeypatch):
     """State the manager does not manage (Adam's step counters stay on the host of a CUDA manager;
-    here a meta tensor for a CPU one) is labelled once, not looked up again at every step's end."""
+    here a meta tensor for a CPU one) is looked at once on the Python source and never handed to
+    the labelling on the native one, not at every step's end; a state tensor the program replaces
+    is labelled again."""
     monkeypatch.setenv("DYNN_EVENTS", events)
     model = nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -756,6 +758,13 @@ def test_optimizer_state_on_another_device_is_looked_at_once(events, monkeypatch
             if step == 0:
                 for p in model.parameters():
                     opt.state[p]["elsewhere"] = torch.empty(2, device="meta")
-    # step 0: the two momentum buffers; step 1: the two meta tensors (not managed); step 2: nothing
-    assert [d.type for d in seen] == ["cpu", "cpu", "meta", "meta"]
+            if step == 1:
+                replaced = model.weight
+                opt.state[replaced]["momentum_buffer"] = opt.state[replaced]["momentum_buffer"].clone()
+        # step 0: the two momentum buffers; step 1: the two meta tensors (not managed: the Python
+        # source looks at them once, the native one never hands them over); step 2: the replaced
+        # buffer, a temporary to the table until it is labelled
+        assert [d.type for d in seen] == ["cpu", "cpu"] + (["meta", "meta"] if events == "python" else []) + ["cpu"]
+        buf = opt.state[replaced]["momentum_buffer"]
+        assert mm.st[mm._sid(buf)].kind == "opt_state"
     assert mm.stats()["managed_storages"] > 0
