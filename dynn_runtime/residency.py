@@ -146,6 +146,13 @@ class Residency:
     def set_status(self, s: Record, new: Status) -> None:
         """Move ``s`` to ``new`` (invariant 1) and keep the device-byte count and the in-flight sets."""
         old = s.status
+        if (old is _ABSENT and new is _RESIDENT) or (old is _RESIDENT and new is _ABSENT):
+            # a birth or a death, the commonest transitions (every storage a step keeps has both):
+            # device bytes only; nothing is in flight, nothing returns from away
+            if self._counts_held:
+                self._account(s.nbytes if new is _RESIDENT else -s.nbytes)
+            s.status = new
+            return
         step = _STEPS[old].get(new)
         if step is None:  # (the message is built only then: this runs for every birth, death and move)
             internal_assert(False, f"residency: illegal transition {old.value} -> {new.value} for storage {s.sid}")

@@ -766,8 +766,10 @@ class Observer {
   // (position, used, phase per operator, int64 words), the storages written while they had a valid
   // host copy (stale now), the collectives' storages (a count, then that many sids, per collective), and the
   // last operator (name id, phase, inputs, outputs).
-  py::tuple take_recency() {
-    py::bytes tl(reinterpret_cast<const char*>(timeline_.data()), timeline_.size() * sizeof(int64_t));
+  // `timeline` false: the timeline is dropped, not returned (b'').
+  py::tuple take_recency(bool timeline) {
+    py::bytes tl(reinterpret_cast<const char*>(timeline_.data()),
+                 timeline ? timeline_.size() * sizeof(int64_t) : 0);
     py::tuple out = py::make_tuple(tl, py::cast(stale_), py::cast(held_), last_name_, last_phase_,
                                    py::cast(last_ins_), py::cast(last_outs_));
     timeline_.clear();
@@ -1982,7 +1984,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("max"), py::arg("min_bytes") = 0)
       .def("recency_order", &Observer::recency_order, py::arg("tier") = -1)
       .def("recency_footprint", &Observer::recency_footprint)
-      .def("take_recency", &Observer::take_recency)
+      .def("take_recency", &Observer::take_recency, py::arg("timeline") = true)
       .def_property_readonly("used", &Observer::used)
       .def_property_readonly("peak", &Observer::peak)
       .def_property_readonly("peak_position", &Observer::peak_position)

@@ -610,13 +610,15 @@ class NativeSource:
         words, names = obs.take_log(True)
         if names:
             self._names.extend(names)
-        timeline, stale, held, name_id, phase, ins, outs = obs.take_recency()
+        timeline, stale, held, name_id, phase, ins, outs = obs.take_recency(not light)
         pos = obs.position
         if words:
             st = self.st
             told: list[int] = []  # the order was told in C++: _forget_native's events go nowhere
             log = memoryview(words).cast("q")
             OP, ALLOC, FREE = _C_TAGS
+            pre: list[int] = []  # first seen as an input: _pre's at pos, in log order
+            new = self._new_native
             i, n = 0, len(log)
             while i < n:
                 tag = log[i]
@@ -624,9 +626,9 @@ class NativeSource:
                     sid, nb, fresh = log[i + 1], log[i + 2], log[i + 3]
                     i += 4
                     if sid not in st:
-                        self._new_native(sid, "temp" if fresh else "input", nb, True, pos)
+                        new(sid, "temp" if fresh else "input", nb, True, pos)
                     if not fresh:
-                        self._pre.setdefault(pos, []).append(sid)
+                        pre.append(sid)
                 elif tag == FREE:
                     self._forget_native(log[i + 1], True, told)
                     i += 2
@@ -634,6 +636,8 @@ class NativeSource:
                     i += 9 + log[i + 5] + log[i + 6] + log[i + 7] + log[i + 8]
                 else:
                     internal_assert(False, f"runtime: corrupt native event log (tag {tag} at word {i})")
+            if pre:
+                self._pre.setdefault(pos, []).extend(pre)
         if timeline and not light:
             self._timeline.extend_words(self._step_index, memoryview(timeline).cast("q"))
         if name_id >= 0:

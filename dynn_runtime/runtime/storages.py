@@ -154,7 +154,7 @@ class StorageTable:
         # that reads raw memory outside the dispatcher (``.numpy()``, printing) never meets an
         # offloaded storage.
         movable = st.resizable() and (self._in_step or kind in _MOVABLE_ALWAYS)
-        s = _S(sid, key, ref, n, kind, movable=movable, step=self._step_index)
+        s = _S(sid, key, ref, n, kind, movable, self._step_index)
         if movable and kind not in _MOVABLE_ALWAYS:
             self._transient.append(s)
         s.born_pos = self.position
@@ -188,7 +188,7 @@ class StorageTable:
 
     def _new_native(self, sid: int, kind: str, nbytes: int, movable: bool, born: int) -> _S:
         obs = self._obs
-        s = _S(sid, sid, None, nbytes, kind, movable=movable, step=self._step_index)
+        s = _S(sid, sid, None, nbytes, kind, movable, self._step_index)  # positional: one per birth read
         if movable and kind not in _MOVABLE_ALWAYS:
             self._transient.append(s)
         s.obs = obs

@@ -848,6 +848,10 @@ def test_a_live_recency_step_logs_no_operator_records_but_keeps_the_tables_recor
             ob.sweep()
             log, names = ob.take_log()
             timeline = ob.take_recency()[0]
+            keep = keep + 1
+            dropped, _, _, name_id, _, ins, _ = ob.take_recency(False)  # a light read: the timeline is not wanted
+            assert dropped == b"" and name_id >= 0 and ins
+            assert ob.take_recency()[0] == b""  # ... and it went with that read
             order = ob.recency_order()
         finally:
             ob.stop()
@@ -855,7 +859,7 @@ def test_a_live_recency_step_logs_no_operator_records_but_keeps_the_tables_recor
 
     ops, tags, timeline_ops, order = run(records=False)
     assert ops == [] and set(tags) == {C.LOG_ALLOC, C.LOG_FREE}
-    assert timeline_ops == 4  # ones and three adds: the order was told each of them
+    assert timeline_ops == 4  # ones and three adds: the order was told each of them (and a fourth, dropped)
     ops_ref, tags_ref, timeline_ref, order_ref = run(records=True)
     assert ops_ref == ["aten::ones"] + ["aten::add.Tensor"] * 3
     assert [t for t in tags_ref if t != C.LOG_OP] == tags
