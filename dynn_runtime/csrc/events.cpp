@@ -142,25 +142,39 @@ namespace py = pybind11;
 namespace dynn {
 namespace {
 
-// An allocator whose default construction leaves a word as it was: the log grows by words its
-// writer fills next (log_extend), which std::allocator would zero first.
-template <typename T>
-struct UninitAllocator : std::allocator<T> {
-  template <typename U>
-  struct rebind {
-    using other = UninitAllocator<U>;
-  };
-  UninitAllocator() = default;
-  template <typename U>
-  UninitAllocator(const UninitAllocator<U>&) noexcept {}
-  template <typename U>
-  void construct(U* p) noexcept {
-    ::new (static_cast<void*>(p)) U;
+// The event log's words: appended by the operator's path (extend: one compare, the words left for
+// the writer to fill), read and compacted in place between reads, and kept in capacity across reads.
+class Words {
+ public:
+  Words() = default;
+  Words(const Words&) = delete;
+  Words& operator=(const Words&) = delete;
+  // `k` more words at the end, uninitialised (the caller writes each); returns the first.
+  int64_t* extend(size_t k) {
+    if (size_ + k > cap_) grow(size_ + k);
+    int64_t* w = data_.get() + size_;
+    size_ += k;
+    return w;
   }
-  template <typename U, typename... Args>
-  void construct(U* p, Args&&... args) {
-    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  int64_t* data() { return data_.get(); }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  void clear() { size_ = 0; }
+  void shrink_to(size_t n) { size_ = n < size_ ? n : size_; }  // the words before n stay
+  int64_t& operator[](size_t i) { return data_[i]; }
+
+ private:
+  C10_NOINLINE void grow(size_t need) {
+    size_t cap = cap_ < 1024 ? 1024 : cap_;
+    while (cap < need) cap *= 2;
+    std::unique_ptr<int64_t[]> next(new int64_t[cap]);  // (default-initialised: left as they are)
+    if (size_ > 0) std::copy(data_.get(), data_.get() + size_, next.get());
+    data_ = std::move(next);
+    cap_ = cap;
   }
+  std::unique_ptr<int64_t[]> data_;
+  size_t size_ = 0;
+  size_t cap_ = 0;
 };
 
 constexpr uint8_t kLabelGrad = 1, kLabelState = 2;  // Entry::settled (invariant 16)
@@ -684,12 +698,12 @@ class Observer {
       const size_t len = tag == kOp ? 9 + log_[i + 5] + log_[i + 6] + log_[i + 7] + log_[i + 8]
                          : (tag == kAlloc || tag == -kAlloc) ? 4 : 2;
       if (tag == kAlloc || tag == kFree) {
-        std::copy(log_.begin() + i, log_.begin() + i + len, log_.begin() + w);
+        std::copy(log_.data() + i, log_.data() + i + len, log_.data() + w);
         w += len;
       }
       i += len;
     }
-    log_.resize(w);
+    log_.shrink_to(w);
   }
 
   // ---- the lru policy's order, kept here (recency.h) ---------------------------------------
@@ -960,8 +974,9 @@ class Observer {
     unhear(*e);
     exposed_ -= exposed(*e);
     (e->away ? away_ : used_) -= e->nbytes;
-    log_.push_back(kFree);
-    log_.push_back(e->sid);
+    int64_t* w = log_.extend(2);
+    w[0] = kFree;
+    w[1] = e->sid;
     if (e->known) known_freed_.push_back(e->sid);
     if (recency_) recency_->free(e->sid);
     by_sid_.erase(static_cast<uint64_t>(e->sid));
@@ -1101,9 +1116,7 @@ class Observer {
 
   // Appends `k` words to the log and returns the first: one capacity check per record.
   int64_t* log_extend(size_t k) {
-    const size_t n = log_.size();
-    log_.resize(n + k);
-    return log_.data() + n;
+    return log_.extend(k);
   }
 
   // An unboxed operator's info by the slot its Unboxed<Op> drew at registration: an index, not a
@@ -1517,7 +1530,9 @@ class Observer {
   // The operator's touches, told to the recency order where the Python parse tells them (its
   // allocations, then what it read and wrote: inputs in argument order, then outputs that are not
   // inputs), and what the compact parse needs of it instead of its log record (recency.h).
-  void told_live(const OpInfo& inf, int64_t j, int64_t phase, const Ctx& ctx) {
+  // The operator's input and output lists move into last_ins_ and last_outs_ (its Ctx, cleared
+  // before its next use, keeps their old buffers).
+  void told_live(const OpInfo& inf, int64_t j, int64_t phase, Ctx& ctx) {
     for (int64_t sid : ctx.allocs) {
       Entry** e = by_sid_.find(static_cast<uint64_t>(sid));
       recency_->alloc(sid, e == nullptr ? 0 : (*e)->nbytes);
@@ -1528,8 +1543,6 @@ class Observer {
       for (int64_t x : ctx.ins) in = in || x == sid;
       if (!in) recency_->access(sid);
     }
-    last_ins_.assign(ctx.ins.begin(), ctx.ins.end());
-    last_outs_.assign(ctx.outs.begin(), ctx.outs.end());
     last_name_ = inf.id;
     last_phase_ = phase;
     // after the kernel, as the Python parse reads the record's writes: a fault before it may still
@@ -1539,8 +1552,10 @@ class Observer {
     if (inf.collective) {
       held_.push_back(static_cast<int64_t>(ctx.ins.size() + ctx.outs.size()));
       held_.insert(held_.end(), ctx.ins.begin(), ctx.ins.end());
-      held_.insert(held_.end(), last_outs_.begin(), last_outs_.end());
+      held_.insert(held_.end(), ctx.outs.begin(), ctx.outs.end());
     }
+    last_ins_.swap(ctx.ins);
+    last_outs_.swap(ctx.outs);
   }
 
   // The fault handler left an input away (it raised: a budget it could not meet, a failed copy):
@@ -1595,7 +1610,7 @@ class Observer {
   std::vector<OpInfo*> by_slot_;                  // ops_'s entries of the unboxed operators, by slot
   std::vector<std::string> names_;
   size_t names_sent_ = 0;
-  std::vector<int64_t, UninitAllocator<int64_t>> log_;  // every word is written once log_extend hands it out
+  Words log_;
   std::unique_ptr<Recency> recency_;  // the lru policy's order, where it is kept here
   bool recency_live_ = false;
   bool op_records_while_live_ = false;  // kOp records in a live step's log too (a test's reference reads them)
