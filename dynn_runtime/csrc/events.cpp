@@ -487,7 +487,8 @@ class Observer {
   int64_t track(const at::Tensor& t) {
     c10::StorageImpl* impl = managed_impl(t);
     if (impl == nullptr) return -1;
-    Entry* e = lookup_or_add(impl, t, /*fresh=*/false).first;
+    const int64_t stream = table_.find(key(impl)) != nullptr ? 0 : current_stream();  // read for a new entry only
+    Entry* e = lookup_or_add(impl, t, /*fresh=*/false, stream).first;
     e->known = true;
     return e->sid;
   }
@@ -1078,7 +1079,8 @@ class Observer {
   }
 
   // `impl`'s entry, and whether this call registered it.
-  std::pair<Entry*, bool> lookup_or_add(c10::StorageImpl* impl, const at::Tensor& t, bool fresh) {
+  // `stream`: a new entry's last-access stream (the operator's path has read the current one).
+  std::pair<Entry*, bool> lookup_or_add(c10::StorageImpl* impl, const at::Tensor& t, bool fresh, int64_t stream) {
     if (Entry** found = table_.find(key(impl))) {
       Entry& e = **found;
       if (e.away) return {&e, false};
@@ -1098,7 +1100,7 @@ class Observer {
     }
     const int64_t n = static_cast<int64_t>(impl->nbytes());
     const int64_t sid = next_sid_++;
-    Entry& fresh_entry = *entries_.make(t.storage().getWeakStorageImpl(), impl, sid, n, current_stream());
+    Entry& fresh_entry = *entries_.make(t.storage().getWeakStorageImpl(), impl, sid, n, stream);
     table_.insert(key(impl), &fresh_entry);
     by_sid_.insert(static_cast<uint64_t>(sid), &fresh_entry);
     fresh_entry.covered = cover_ && covered::cover(impl);
@@ -1273,12 +1275,13 @@ class Observer {
     const size_t n = op.schema().arguments().size();
     const size_t first = stack->size() - n;
     size_t w = 0;  // next entry of inf.writes (ascending)
+    const int64_t cur = current_stream();  // no kernel below the key changes the current stream
+    int64_t on = cur;
     for (size_t i = 0; i < n; ++i) {
       const bool written = w < inf.writes.size() && inf.writes[w] == static_cast<int>(i);
       if (written) ++w;
-      for_tensors((*stack)[first + i], [&](const at::Tensor& t) { see_input(t, written, ctx); });
+      for_tensors((*stack)[first + i], [&](const at::Tensor& t) { see_input(t, written, on, ctx); });
     }
-    int64_t on = current_stream();
     if (inf.stream_arg >= 0) {  // record_stream(t, s): t is in use on s from here (invariant 7)
       const c10::IValue& v = (*stack)[first + inf.stream_arg];
       if (v.isStream() && v.toStream().device_type() == device_type_) on = v.toStream().id();
@@ -1309,11 +1312,10 @@ class Observer {
           });
     }
     const int64_t j = begin_outputs();
-    const int64_t stream = current_stream();
     int64_t made = 0;
     const size_t n_out = op.schema().returns().size();
     for (size_t r = stack->size() - n_out; r < stack->size(); ++r)
-      for_tensors((*stack)[r], [&](const at::Tensor& t) { see_output(t, j, stream, made, ctx); });
+      for_tensors((*stack)[r], [&](const at::Tensor& t) { see_output(t, j, cur, made, ctx); });
     finish(inf, j, made, ctx);
   }
 
@@ -1330,15 +1332,15 @@ class Observer {
     if (inf.skip) return Op::redispatch(below, args...);
     Ctx& ctx = enter();
     Leave leave{depth_};
+    const int64_t stream = current_stream();  // no kernel below the key changes the current stream
     size_t i = 0, w = 0;
     auto in = [&](const auto& arg) {
       const bool written = w < inf.writes.size() && inf.writes[w] == static_cast<int>(i);
       if (written) ++w;
       ++i;
-      visit_tensors(arg, [&](const at::Tensor& t) { see_input(t, written, ctx); });
+      visit_tensors(arg, [&](const at::Tensor& t) { see_input(t, written, stream, ctx); });
     };
     (in(args), ...);
-    const int64_t stream = current_stream();  // no kernel below the key changes the current stream
     before_kernel(Op::name, ctx, stream);
     if (inf.random && inf.retry && in_step_) {  // invariant 11: the generator it draws from, for a retry
       std::optional<at::Generator> gen;
@@ -1407,10 +1409,10 @@ class Observer {
   }
 
   // One tensor among the operator's arguments (`written`: the schema marks its argument written).
-  void see_input(const at::Tensor& t, bool written, Ctx& ctx) {
+  void see_input(const at::Tensor& t, bool written, int64_t stream, Ctx& ctx) {
     c10::StorageImpl* impl = managed_impl(t);
     if (impl == nullptr) return;
-    Entry* e = lookup_or_add(impl, t, /*fresh=*/false).first;
+    Entry* e = lookup_or_add(impl, t, /*fresh=*/false, stream).first;
     const size_t n_ins = ctx.ins.size();
     add_unique(ctx.ins, e->sid);
     if (ctx.ins.size() != n_ins) ctx.in_entries.push_back(e);
@@ -1447,7 +1449,7 @@ class Observer {
   void see_output(const at::Tensor& t, int64_t j, int64_t stream, int64_t& made, Ctx& ctx) {
     c10::StorageImpl* impl = managed_impl(t);
     if (impl == nullptr) return;
-    const auto [e, added] = lookup_or_add(impl, t, /*fresh=*/true);
+    const auto [e, added] = lookup_or_add(impl, t, /*fresh=*/true, stream);
     if (added) {  // a new entry: its sid is not in allocs yet
       ctx.allocs.push_back(e->sid);
       made += e->nbytes;
