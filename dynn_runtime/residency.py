@@ -147,7 +147,7 @@ class Residency:
         """Move ``s`` to ``new`` (invariant 1) and keep the device-byte count and the in-flight sets."""
         old = s.status
         if (old is _ABSENT and new is _RESIDENT) or (old is _RESIDENT and new is _ABSENT):
-            # a birth or a death, the commonest transitions (every storage a step keeps has both):
+            # a birth or a death, the commonest transitions (each storage has one of each): the
             # device bytes only; nothing is in flight, nothing returns from away
             if self._counts_held:
                 self._account(s.nbytes if new is _RESIDENT else -s.nbytes)
