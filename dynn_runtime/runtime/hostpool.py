@@ -161,6 +161,11 @@ class HostPool:
             with torch.utils._python_dispatch._disable_current_modes():
                 self._alloc_chunk(size)
 
+    @property
+    def waiting(self) -> int:
+        """Released buffers still waiting for the copies that read or write them."""
+        return len(self._pending)
+
     def poll(self) -> None:
         """Return buffers whose copies have completed to the free lists."""
         if not self._pending:

@@ -374,6 +374,13 @@ class Moves(Residency):
         if obs is not None and new is not ABSENT:
             obs.set_watch(s.sid, new in IN_FLIGHT)
 
+    def _copies_outstanding(self) -> bool:
+        """Whether a copy may still be in flight (a storage offloading or fetching, a host buffer
+        waiting for its copy) or a timed wait is unread: what a step's end waits for. Where there is
+        none, the end waits for nothing, and the host runs on into the next step while the device
+        finishes this one, as it does under PyTorch alone."""
+        return bool(self.offloading or self.fetching or self._pending_stalls or self.pool.waiting)
+
     def _sync(self) -> None:
         self._copies.sync()
         if self.async_copies:

@@ -76,6 +76,9 @@ class StepStats:
     budget_overshoot_at: str = ""
     """Where the largest overshoot happened (operator, position, phase), "" without one."""
     wall_seconds: float = 0.0
+    """The host's time from the step's start to its end. A step whose copies were still in flight at
+    its end waited for them (and for the device's work before them); one that moved nothing waited
+    for nothing, so on CUDA its kernels may still be running when it ends."""
     decision_points: int = 0
     host_syncs: int = 0
     """Times the host waited for the GPU inside the step (a copy event, a pinned buffer still in a
@@ -360,7 +363,8 @@ class Steps:
         self._in_step = False
         self._cur.host_syncs += self.pool.syncs - self._pool_syncs0
         with no_mode():
-            self._copies.sync()  # the step's copies complete before its storages are judged
+            if self._copies_outstanding():
+                self._copies.sync()  # the step's copies complete before its storages are judged
             self._release_collectives(wait=True)
             self._drain()
             # What the step made and the program still holds (the loss, outputs it keeps) goes back
@@ -384,7 +388,8 @@ class Steps:
                                    "They come back at their next access.", left, self._step_index)
             else:  # the next successful step's end does it; what died meanwhile is let go
                 self._transient = [s for s in self._transient if self.st.get(s.sid) is s]
-            self._sync()
+            if self._copies_outstanding():  # (the fetches just issued among them)
+                self._sync()
             self._resolve_stalls()
         cur = self._cur
         cur.ops = self._obs.position if self._obs is not None else self.position

@@ -316,3 +316,34 @@ def test_a_demand_fetch_is_copied_on_the_compute_stream_after_the_copy_that_fill
     log = eng.take_log()
     assert [e[0] for e in log] == ["record", "copy", "record"] and log[0][2] == log[2][2] == COMPUTE
     assert before.elapsed_time(after) == 0.0
+
+
+def test_a_step_waits_for_the_device_at_its_end_only_where_it_moved_something():
+    """The step's end synchronizes the streams to settle copies in flight; a step with none (nothing
+    moved) must not, or the host could never run ahead of the device into the next step."""
+    import dynn_runtime as dr
+    from dynn_runtime.workload import load_workload, make_optimizer
+
+    def run(budget) -> tuple[list[int], int]:
+        wl = load_workload("moe", preset="tiny", seed=0)
+        model = wl.model
+        opt = make_optimizer(wl, model.parameters())
+        eng = _engine()
+        mm = dr.MemoryManager(budget, policy="lru", device="cpu", copies=eng).attach(model, opt)
+        syncs = []
+        try:
+            for step in range(3):
+                with mm.step():
+                    wl.loss(model, wl.make_batch(step)).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                syncs.append(sum(e[0] == "sync_stream" for e in eng.take_log()))
+            moved = mm.stats()["bytes_offloaded"]
+        finally:
+            mm.detach()
+        return syncs, moved
+
+    idle, moved = run(1 << 40)
+    assert moved == 0 and idle == [0, 0, 0]
+    busy, moved = run(0.25)  # the first step measures the peak; the others move
+    assert moved > 0 and all(n > 0 for n in busy[1:]), busy
