@@ -1,7 +1,7 @@
 """The managed step against PyTorch alone, paired step by step in one process (native event source).
 
 Usage: ``python tools/overhead_pair.py FAMILY[,FAMILY...] [--steps N] [--configs none,lru,lru@0.5]
-[--profile CONFIG] [--rounds R] [--device cuda] [--preset P] [--copies log]`` (``small`` presets by default; a family may be ``examples/my_workload.py:build``;
+[--profile CONFIG] [--rounds R] [--device cuda] [--preset P] [--copies log] [--back-to-back K]`` (``small`` presets by default; a family may be ``examples/my_workload.py:build``;
 a configuration is a policy name, ``pilot-every`` for the pilot with every decision point run
 (``defer_idle=False``), ``pilot-alt`` for one pilot that defers its idle decision points in steps 4k and
 4k+1 and runs every one in steps 4k+2 and 4k+3 (both in both orders against PyTorch alone; the two
@@ -35,7 +35,9 @@ the median of the per-step ratios (the first two steps left out: the measuring s
 managed one) and their range, the median of the per-step differences, the median step times, the
 time spent opening and closing the step, the reads of the native log per step and their time, the pilot's decision points run and deferred and its
 inference time per step (all steps), and whether the managed side's losses are PyTorch
-alone's. ``--profile CONFIG`` writes a cProfile of that configuration's managed steps to
+alone's. ``--back-to-back K`` then times K steps of each side one after another, the device
+synchronized only around each block (the pairs synchronize around every step, so they cannot see
+what a step's end waits for). ``--profile CONFIG`` writes a cProfile of that configuration's managed steps to
 ``/tmp/overhead_pair.<family>.<config>.prof`` and prints its top.
 """
 
@@ -60,6 +62,7 @@ from dynn_runtime.workload import load_workload, make_optimizer, to_device, trai
 _BIG = 1 << 50
 _EXPERIMENT = ""
 _COPIES = ""
+_BACK_TO_BACK = 0  # --back-to-back: steps per block of the unpaired measurement (0: none)
 
 
 _CLOCK = time.thread_time  # the stepping thread's CPU time; wall time with the GPU synchronized on CUDA
@@ -100,6 +103,23 @@ class _Phases:
     def close(self) -> None:
         self.steps.append(self.step)
         self.step = {}
+
+
+def _back_to_back(managed_block, alone_block, batches) -> tuple[float, float, float]:
+    """``--back-to-back``: each side runs its steps one after another with the device synchronized
+    only around the block, as a training loop that reads nothing back runs; four blocks alternating
+    which side goes first. Returns (managed, alone) wall milliseconds a step and their ratio."""
+    block = [batches[i % len(batches)] for i in range(_BACK_TO_BACK)]
+    t = {True: 0.0, False: 0.0}
+    for r in range(4):
+        for managed in ((True, False) if r % 2 == 0 else (False, True)):
+            _sync()
+            t0 = time.perf_counter()
+            (managed_block if managed else alone_block)(block)
+            _sync()
+            t[managed] += time.perf_counter() - t0
+    n = 4 * len(block)
+    return 1e3 * t[True] / n, 1e3 * t[False] / n, t[True] / t[False]
 
 
 def run(family: str, config: str, steps: int, profile: bool) -> dict:
@@ -223,6 +243,29 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         al.append(loss.item())
         return t
 
+    def managed_block(block) -> None:
+        for batch in block:
+            with mm.step():
+                train_step(wl, m_model, m_opt, batch)
+
+    def alone_block(block) -> None:
+        obs.suspend()
+        mods, saved = mm._modules, mm._saved_hooks
+        hooked = mods is not None and bool(mods._handles)
+        if hooked:
+            mods.remove()
+        if saved is not None:
+            saved.__exit__(None, None, None)
+        try:
+            for batch in block:
+                train_step(wl, a_model, a_opt, batch)
+        finally:
+            if saved is not None:
+                saved.__enter__()
+            if hooked:
+                mods.install()
+            obs.resume()
+
     try:
         for s, batch in enumerate(batches):
             gc.collect()
@@ -247,6 +290,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         # the measuring step walks the table after every operator: walks of the steps the medians keep
         sweeps = sum(p["table_sweeps"] for p in per) / max(len(per), 1)
         deaths = st["deaths"]
+        b2b = _back_to_back(managed_block, alone_block, batches) if _BACK_TO_BACK else None
     finally:
         mm.detach()
     out = {
@@ -261,7 +305,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         "ops": statistics.median(p["ops"] for p in per),
         "pilot": pilot, "sweeps": sweeps, "deaths": deaths,
         "reads": len(reads) / max(steps - 2, 1), "reads_ms": 1e3 * sum(reads) / max(steps - 2, 1),
-        "halves": {k: 1e3 * statistics.median(v) for k, v in halves.items() if v},
+        "halves": {k: 1e3 * statistics.median(v) for k, v in halves.items() if v}, "b2b": b2b,
         "phases": {k: 1e3 * statistics.median(m[k] - a[k] for m, a in zip(mph.steps[2:], aph.steps[2:]))
                    for k in ("forward", "backward", "optimizer")},
     }
@@ -284,11 +328,15 @@ def main() -> None:
     ap.add_argument("--copies", default="", choices=("", "log"),
                     help="log (CPU): every configuration's copies through the C++ engine on its log device, so "
                          "that a move makes the calls a CUDA move makes (the copies run at once)")
+    ap.add_argument("--back-to-back", type=int, default=0, metavar="K",
+                    help="also time K steps of each side one after another, the device synchronized only "
+                         "around each block (what a training loop that reads nothing back sees), after the pairs")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: wall time with the GPU synchronized around each side's step, default threads")
     args = ap.parse_args()
-    global _EXPERIMENT, _CLOCK, _DEVICE, _PRESET, _COPIES
+    global _EXPERIMENT, _CLOCK, _DEVICE, _PRESET, _COPIES, _BACK_TO_BACK
     _EXPERIMENT = args.experiment
+    _BACK_TO_BACK = args.back_to_back
     _COPIES = args.copies
     if _COPIES and args.device != "cpu":
         raise SystemExit("overhead_pair: --copies log is for --device cpu")
@@ -312,6 +360,8 @@ def main() -> None:
                       + f"); pilot per step: {o['pilot']['decisions']:.1f} decision points run, "
                       f"{o['pilot']['deferred_idle']:.1f} deferred, inference {o['pilot']['inference_s'] * 1e3:.2f} ms"
                       + "".join(f"; managed - alone with defer_idle={k}: {v:.2f} ms" for k, v in o["halves"].items())
+                      + ("" if o["b2b"] is None else "; back to back: managed {:.2f} ms, alone {:.2f} ms a step, "
+                         "ratio {:.3f}".format(*o["b2b"]))
                       + f"; losses PyTorch alone's: {o['same']}"
                       + ("" if o["same"] or _DEVICE == "cpu" or torch.are_deterministic_algorithms_enabled()
                          else " (deterministic algorithms are off here: two runs of PyTorch alone may differ"
