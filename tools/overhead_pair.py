@@ -217,7 +217,8 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         ml.append(loss.item())
         return t
 
-    def alone(batch) -> float:
+    @contextlib.contextmanager
+    def without_manager():
         # PyTorch alone runs without what the manager installed for the thread or every module: the
         # observer's key, the saved-tensor hooks and the module hooks (a policy that reads them)
         obs.suspend()
@@ -228,18 +229,22 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         if saved is not None:
             saved.__exit__(None, None, None)
         try:
-            _sync()
-            t0 = _CLOCK()
-            loss = train_step(wl, a_model, a_opt, batch, phase=aph)
-            _sync()
-            t = _CLOCK() - t0
-            aph.close()
+            yield
         finally:
             if saved is not None:
                 saved.__enter__()
             if hooked:
                 mods.install()
             obs.resume()
+
+    def alone(batch) -> float:
+        with without_manager():
+            _sync()
+            t0 = _CLOCK()
+            loss = train_step(wl, a_model, a_opt, batch, phase=aph)
+            _sync()
+            t = _CLOCK() - t0
+            aph.close()
         al.append(loss.item())
         return t
 
@@ -249,22 +254,9 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
                 train_step(wl, m_model, m_opt, batch)
 
     def alone_block(block) -> None:
-        obs.suspend()
-        mods, saved = mm._modules, mm._saved_hooks
-        hooked = mods is not None and bool(mods._handles)
-        if hooked:
-            mods.remove()
-        if saved is not None:
-            saved.__exit__(None, None, None)
-        try:
+        with without_manager():
             for batch in block:
                 train_step(wl, a_model, a_opt, batch)
-        finally:
-            if saved is not None:
-                saved.__enter__()
-            if hooked:
-                mods.install()
-            obs.resume()
 
     try:
         for s, batch in enumerate(batches):
