@@ -518,17 +518,11 @@ class Observer {
       c10::StorageImpl* impl = managed_impl(g);  // (undefined: none)
       if (impl == nullptr) continue;  // no gradient, or not the manager's: the label would leave it alone
       Entry** e = table_.find(key(impl));
-      if (e != nullptr) {
-        if ((*e)->settled & kLabelGrad) continue;
-        PyObject* rec = record_of(st, (*e)->sid);
-        if (rec == nullptr) {
-          pending.add(py::int_((*e)->sid));
-          continue;
-        }
-        if (settled_kind(rec, settled)) {
-          (*e)->settled |= kLabelGrad;
-          continue;
-        }
+      const Label what = e == nullptr ? Label::kChange : label_of(**e, st, settled, kLabelGrad);
+      if (what == Label::kNothing) continue;
+      if (what == Label::kNoRecord) {
+        pending.add(py::int_((*e)->sid));
+        continue;
       }
       out.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(g)));
     }
@@ -550,15 +544,8 @@ class Observer {
       c10::StorageImpl* impl = managed_impl(THPVariable_Unpack(v));
       if (impl == nullptr) return;  // not the manager's (Adam's step counters on the host of a CUDA manager)
       Entry** e = table_.find(key(impl));
-      if (e != nullptr) {
-        if ((*e)->settled & kLabelState) return;
-        PyObject* rec = record_of(st, (*e)->sid);
-        if (rec != nullptr && settled_kind(rec, settled)) {
-          (*e)->settled |= kLabelState;
-          return;
-        }
-      }
-      out.append(py::reinterpret_borrow<py::object>(v));
+      if (e != nullptr && label_of(**e, st, settled, kLabelState) == Label::kNothing) return;
+      out.append(py::reinterpret_borrow<py::object>(v));  // (no record yet: _track makes it, labelled)
     };
     auto values = [](PyObject* mapping, auto&& f) {
       if (PyDict_Check(mapping)) {  // (optimizer.state is a defaultdict)
@@ -1043,6 +1030,19 @@ class Observer {
     if (ti.is_wrapped_number()) return nullptr;
     // the storage field itself: neither virtual nor out of line, and null where there is none
     return ti.unsafe_storage().unsafeGetStorageImpl();
+  }
+
+  // What a label (`bit`; `settled`, the kinds it leaves as they are) would do to entry `e`'s record:
+  // nothing (the bit set, or the record's kind settled: the bit is set then, invariant 16), or
+  // change it, or there is no record in `st` yet (born since the log was read).
+  enum class Label { kNothing, kChange, kNoRecord };
+  static Label label_of(Entry& e, const py::dict& st, const py::tuple& settled, uint8_t bit) {
+    if (e.settled & bit) return Label::kNothing;
+    PyObject* rec = record_of(st, e.sid);
+    if (rec == nullptr) return Label::kNoRecord;
+    if (!settled_kind(rec, settled)) return Label::kChange;
+    e.settled |= bit;
+    return Label::kNothing;
   }
 
   // The record `st` keeps for `sid` (borrowed), or nullptr.
