@@ -105,20 +105,21 @@ class _Phases:
         self.step = {}
 
 
-def _back_to_back(managed_block, alone_block, batches) -> tuple[float, float, float]:
+def _back_to_back(managed_block, alone_block, batches, own) -> tuple[float, float, float]:
     """``--back-to-back``: each side runs its steps one after another with the device synchronized
     only around the block, as a training loop that reads nothing back runs; four blocks alternating
     which side goes first. Returns (managed, alone) wall milliseconds a step and their ratio."""
-    block = [batches[i % len(batches)] for i in range(_BACK_TO_BACK)]
+    picks = [i % len(batches) for i in range(_BACK_TO_BACK)]
+    blocks = {True: [batches[i] for i in picks], False: [own[i] for i in picks]}
     t = {True: 0.0, False: 0.0}
     for r in range(4):
         for managed in ((True, False) if r % 2 == 0 else (False, True)):
             _sync()
             t0 = time.perf_counter()
-            (managed_block if managed else alone_block)(block)
+            (managed_block if managed else alone_block)(blocks[managed])
             _sync()
             t[managed] += time.perf_counter() - t0
-    n = 4 * len(block)
+    n = 4 * len(picks)
     return 1e3 * t[True] / n, 1e3 * t[False] / n, t[True] / t[False]
 
 
@@ -127,6 +128,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
     wl = load_workload(family, preset=_PRESET, seed=0)
     initial = copy.deepcopy(wl.model).to(_DEVICE)
     batches = [to_device(wl.make_batch(s), torch.device(_DEVICE)) for s in range(steps)]
+    own = copy.deepcopy(batches)  # PyTorch alone's: the manager may hold the managed side's (an input it moved)
     policy, _, frac = config.partition("@")
     budget = float(frac) if frac else _BIG
     if policy == "pilot-py":  # the pilot with its bulk loop and packing in Python (no C walk)
@@ -217,28 +219,8 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         ml.append(loss.item())
         return t
 
-    @contextlib.contextmanager
-    def without_manager():
-        # PyTorch alone runs without what the manager installed for the thread or every module: the
-        # observer's key, the saved-tensor hooks and the module hooks (a policy that reads them)
-        obs.suspend()
-        mods, saved = mm._modules, mm._saved_hooks
-        hooked = mods is not None and bool(mods._handles)
-        if hooked:
-            mods.remove()
-        if saved is not None:
-            saved.__exit__(None, None, None)
-        try:
-            yield
-        finally:
-            if saved is not None:
-                saved.__enter__()
-            if hooked:
-                mods.install()
-            obs.resume()
-
     def alone(batch) -> float:
-        with without_manager():
+        with mm._paused():
             _sync()
             t0 = _CLOCK()
             loss = train_step(wl, a_model, a_opt, batch, phase=aph)
@@ -254,21 +236,21 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
                 train_step(wl, m_model, m_opt, batch)
 
     def alone_block(block) -> None:
-        with without_manager():
+        with mm._paused():
             for batch in block:
                 train_step(wl, a_model, a_opt, batch)
 
     try:
-        for s, batch in enumerate(batches):
+        for s, (batch, mine) in enumerate(zip(batches, own)):
             gc.collect()
             if s == 2:
                 reads.clear()  # counted from the third step, as the ratios (the first two measure and warm up)
             if alt:
                 mm.policy.defer_idle = s % 4 < 2
             if s % 2:
-                ta, tm = alone(batch), managed(batch)
+                ta, tm = alone(mine), managed(batch)
             else:
-                tm, ta = managed(batch), alone(batch)
+                tm, ta = managed(batch), alone(mine)
             if s >= 2:
                 if alt:
                     halves[mm.policy.defer_idle].append(tm - ta)
@@ -282,7 +264,8 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         # the measuring step walks the table after every operator: walks of the steps the medians keep
         sweeps = sum(p["table_sweeps"] for p in per) / max(len(per), 1)
         deaths = st["deaths"]
-        b2b = _back_to_back(managed_block, alone_block, batches) if _BACK_TO_BACK else None
+        paired_reads = list(reads)  # (the blocks below read the log too)
+        b2b = _back_to_back(managed_block, alone_block, batches, own) if _BACK_TO_BACK else None
     finally:
         mm.detach()
     out = {
@@ -296,7 +279,7 @@ def run(family: str, config: str, steps: int, profile: bool) -> dict:
         "decisions": sum(p["decision_points"] for p in per) / max(len(per), 1),
         "ops": statistics.median(p["ops"] for p in per),
         "pilot": pilot, "sweeps": sweeps, "deaths": deaths,
-        "reads": len(reads) / max(steps - 2, 1), "reads_ms": 1e3 * sum(reads) / max(steps - 2, 1),
+        "reads": len(paired_reads) / max(steps - 2, 1), "reads_ms": 1e3 * sum(paired_reads) / max(steps - 2, 1),
         "halves": {k: 1e3 * statistics.median(v) for k, v in halves.items() if v}, "b2b": b2b,
         "phases": {k: 1e3 * statistics.median(m[k] - a[k] for m, a in zip(mph.steps[2:], aph.steps[2:]))
                    for k in ("forward", "backward", "optimizer")},

@@ -9,13 +9,14 @@ kernels it launched):
 1. **Operators.** A loop of small ATen operators (``mul``, ``add``, ``mm``, ``relu`` on 8x8 tensors)
    and a small ``Linear`` forward and backward, one intra-op thread, alone and inside a
    :meth:`MemoryManager.step` whose budget is far above the peak (nothing moves; every event the
-   manager listens to is on), per policy and per event source. Reported: host microseconds per
+   manager listens to is on), per policy and per event source, a managed run paired with one
+   alone (the manager paused on the thread) in alternating order. Reported: host microseconds per
    operator over PyTorch alone (median over repetitions).
 2. **Workloads.** Every zoo family at ``preset`` and the README's example
    (``examples/my_workload.py:build``): step time managed (budget above the peak) over unmanaged,
-   per policy, the manager attached once per block of steps (as a user attaches it), PyTorch alone on
-   a copy of the same initial model in the block beside it (before it, then after it), step ``i``
-   paired with step ``i``; and ``lru`` at half the peak: the ratio and where the time goes (the manager's
+   per policy, the manager attached once per run of steps (as a user attaches it), PyTorch alone on
+   a copy of the same initial model step by step beside it (with the manager paused on the thread),
+   step ``i`` paired with step ``i``; and ``lru`` at half the peak: the ratio and where the time goes (the manager's
    ``stall_seconds``, ``copy_seconds``, ``policy_seconds``; the rest is its event path), with the
    decision points (``victims()`` calls and ``after_op()`` calls that returned actions, counted by
    a wrapper around the policy: the definition of :mod:`dynn_runtime.sim.hostcost`).
@@ -47,6 +48,7 @@ added to the pilot's ``per_op_s`` as ``policy_per_op_s``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import json
@@ -71,8 +73,7 @@ _BIG = 1 << 50  # a budget far above any peak here: nothing moves
 #: the budget label of the pilot above the peak with every decision point run (``defer_idle=False``):
 #: the cost per decision point that the simulator charges where they run
 EVERY_POINT = "above peak, every decision point"
-_BLOCK = 5  # the operator microbenchmark's pairs per attach
-_ROUNDS = 2  # the workloads' block pairs per manager, PyTorch alone first in one and second in the other
+_ROUNDS = 2  # the workloads' runs per manager, with fresh models, PyTorch alone first in the first pair of one
 
 
 @dataclass(kw_only=True)
@@ -323,8 +324,10 @@ def _micro(cfg: OverheadConfig, source: str, policy: str, bar: Any,
     x, w = torch.randn(8, 8, generator=g).to(dev), torch.randn(8, 8, generator=g).to(dev)
     lin = torch.nn.Linear(16, 16).to(dev)
     inp = torch.randn(4, 16, generator=g).to(dev)
+    # PyTorch alone's own copies: it runs with the manager paused, and so touches nothing the manager holds
+    alone_args = copy.deepcopy((x, w, lin, inp))
 
-    def work() -> None:
+    def work(x: Any, w: Any, lin: Any, inp: Any) -> None:
         if probe is not None:
             probe()
         y = x
@@ -338,37 +341,34 @@ def _micro(cfg: OverheadConfig, source: str, policy: str, bar: Any,
     per_op: list[float] = []
     ratio: list[float] = []
     plain_op: list[float] = []
-    work()  # warm-up: allocator
-    used = source
-    done = 0
-    while done < cfg.reps:
-        # Blocks of up to _BLOCK pairs: PyTorch alone runs detached (an attached manager observes every
-        # operator on its thread, in a step or not), then the manager, attached once for the block, runs
-        # one unmeasured step (its caches, as a user's first step fills them) and the block's steps.
-        k = min(_BLOCK, cfg.reps - done)
-        alone = []
-        for _ in range(k):
-            t0 = time.perf_counter()
-            work()
-            alone.append(time.perf_counter() - t0)
-        mm.attach(lin)
-        try:
-            with mm.step():
-                work()
-            for a in alone:
-                with mm.step():
-                    t0 = time.perf_counter()
-                    work()
-                    m = time.perf_counter() - t0
-                ops = max(mm.steps[-1].ops, 1)
-                per_op.append((m - a) / ops)
-                ratio.append(m / a)
-                plain_op.append(a / ops)
-                bar.update(1)
-        finally:
-            mm.detach()
-        used = _source_used(mm)
-        done += k
+    mm.attach(lin)
+    try:
+        with mm._paused():
+            work(*alone_args)  # warm-up: the allocator
+        with mm.step():
+            work(x, w, lin, inp)  # unmeasured: the manager's caches, as a user's first step fills them
+        for i in range(cfg.reps):
+            # a pair: PyTorch alone (the manager paused on this thread) and a managed step, in
+            # alternating order, so that what one leaves the other (the caches) favours neither
+            for managed in (False, True) if i % 2 == 0 else (True, False):
+                if managed:
+                    with mm.step():
+                        t0 = time.perf_counter()
+                        work(x, w, lin, inp)
+                        m = time.perf_counter() - t0
+                else:
+                    with mm._paused():
+                        t0 = time.perf_counter()
+                        work(*alone_args)
+                        a = time.perf_counter() - t0
+            ops = max(mm.steps[-1].ops, 1)
+            per_op.append((m - a) / ops)
+            ratio.append(m / a)
+            plain_op.append(a / ops)
+            bar.update(1)
+    finally:
+        mm.detach()
+    used = _source_used(mm)
     return {"source": source, "source_used": used, "policy": policy, "ops": mm.steps[-1].ops, "reps": cfg.reps,
             "plain_us_per_op": statistics.median(plain_op) * 1e6,
             "overhead_us_per_op": statistics.median(per_op) * 1e6, "ratio": statistics.median(ratio)}
@@ -385,15 +385,13 @@ def _one_step(wl: Any, model: Any, opt: Any, batch: Any) -> None:
 def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any,
               collector: _Collector | None = None) -> list[dict[str, Any]]:
     """One workload on one event source, per manager (each policy above the peak, then lru at ``half``),
-    in ``_ROUNDS`` rounds: PyTorch alone trains a fresh copy of the model for ``steps + 1`` steps, and the
-    manager, attached once for the round as a user attaches it, trains another fresh copy on the same
-    batches; step ``i`` of one is paired with step ``i`` of the other (step 0 is a warm-up and the half
-    run's measuring step). One native observer serves a process and observes every operator on the
-    thread it is attached to, so PyTorch alone cannot run between two managed steps: the two run in
-    blocks, PyTorch alone first in even rounds and second in odd ones, so that what one block leaves
-    the next (the allocator's pools, the caches) favours neither side."""
-    import copy
-
+    in ``_ROUNDS`` rounds: two fresh copies of the model train ``steps + 1`` steps on the same batches,
+    one under the manager, attached once for the round as a user attaches it, the other alone, step
+    by step: step ``i`` of one is paired with step ``i`` of the other, PyTorch alone first in every
+    other pair (and in the first pair of even rounds only), so that what one side leaves the other
+    (the allocator's pools, the caches) favours neither. PyTorch alone runs with the manager paused on
+    the thread (:meth:`MemoryManager._paused`), on its own copy of the batches. Step 0 is a warm-up
+    and the half run's measuring step, left out."""
     import torch
 
     from ..workload import load_workload, make_optimizer, to_device, workload_name
@@ -404,6 +402,7 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any,
     wl = load_workload(spec, preset=cfg.preset, seed=cfg.seed)
     initial = copy.deepcopy(wl.model).to(dev)
     batches = [to_device(wl.make_batch(step), dev) for step in range(cfg.steps + 1)]
+    alone_batches = copy.deepcopy(batches)  # the manager may hold the managed side's (an input it moved)
     variants = [*((p, "above", _BIG) for p in cfg.policies), ("lru", "half", cfg.half)]
     if "pilot" in cfg.policies:  # as shipped it defers its idle decision points: their cost measured too
         variants.append(("pilot", "every", _BIG))
@@ -412,72 +411,72 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any,
     used: dict[str, str] = {}
     clock = collector if collector is not None else _Collector()
 
-    def alone_block() -> tuple[list[float], list[float], list[dict[str, float]]]:
-        model = copy.deepcopy(initial)
-        opt = make_optimizer(wl, model.parameters())
-        wall, cpu, gcs = [], [], []
-        for batch in batches:
-            g0 = clock.snapshot()
-            c0, t0 = time.process_time(), time.perf_counter()
-            _one_step(wl, model, opt, batch)
-            sync()
-            wall.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-            gcs.append(clock.since(g0))
-        return wall, cpu, gcs
-
-    def managed_block(policy: str, budget: Any, every: bool) -> tuple[list[dict[str, float]], str]:
-        model = copy.deepcopy(initial)
-        opt = make_optimizer(wl, model.parameters())
+    def round_(policy: str, where: str, budget: Any, alone_first: bool) -> list[dict[str, float]]:
+        a_model, m_model = copy.deepcopy(initial), copy.deepcopy(initial)
+        a_opt, m_opt = make_optimizer(wl, a_model.parameters()), make_optimizer(wl, m_model.parameters())
         mm = _manager(budget, _counting(policy), source, dev)
         pol = mm.policy
-        if every:
+        if where == "every":
             pol.defer_idle = False
-        out: list[dict[str, float]] = []
-        mm.attach(model, opt)
-        try:
-            for batch in batches:
-                before_dp, before_pf, before = pol.decision_points, pol.prefetches, _pilot_counters(pol)
-                before_rt = _runtime_decision_points(mm)
+
+        def alone(batch: Any) -> dict[str, float]:
+            with mm._paused():
                 g0 = clock.snapshot()
-                c0, t0 = time.process_time(), time.perf_counter()  # the step's start and end are the user's too
-                with mm.step():
-                    _one_step(wl, model, opt, batch)
-                sync()  # the step's end waits for its copies; this waits for its compute stream too
-                dt = time.perf_counter() - t0
-                dt_cpu = time.process_time() - c0
-                collected = clock.since(g0)
-                bar.update(1)
-                s = mm.steps[-1]
-                after = _pilot_counters(pol)
-                out.append({
-                    "managed_s": dt, "managed_cpu_s": dt_cpu, "ops": s.ops, "stall_s": s.stall_seconds,
-                    "copy_s": s.copy_seconds, "policy_s": s.policy_seconds, "evictions": s.evictions,
-                    "idle": float(s.idle),  # the policy sat the step out (Policy.idle_step)
-                    "decision_points": pol.decision_points - before_dp,
-                    # storages moved: evictions, demand fetches, prefetches asked for (an upper bound)
-                    "moves": s.evictions + s.prefetch_misses + pol.prefetches - before_pf,
-                    # the runtime's own count where it reports one (the native event path's Python entries)
-                    "runtime_decision_points": _runtime_decision_points(mm) - before_rt,
-                    **{f"pilot_{k}": after[k] - before[k] for k in after},
-                    **collected,
-                })
+                c0, t0 = time.process_time(), time.perf_counter()
+                _one_step(wl, a_model, a_opt, batch)
+                sync()
+                dt, dt_cpu = time.perf_counter() - t0, time.process_time() - c0
+                gc = clock.since(g0)
+            return {"plain_s": dt, "plain_cpu_s": dt_cpu, "plain_gc_s": gc["gc_s"], "plain_gc_full": gc["gc_full"]}
+
+        def managed(batch: Any) -> dict[str, float]:
+            before_dp, before_pf, before = pol.decision_points, pol.prefetches, _pilot_counters(pol)
+            before_rt = _runtime_decision_points(mm)
+            g0 = clock.snapshot()
+            c0, t0 = time.process_time(), time.perf_counter()  # the step's start and end are the user's too
+            with mm.step():
+                _one_step(wl, m_model, m_opt, batch)
+            sync()  # the step's end waits for its copies; this waits for its compute stream too
+            dt = time.perf_counter() - t0
+            dt_cpu = time.process_time() - c0
+            collected = clock.since(g0)
+            bar.update(1)
+            s = mm.steps[-1]
+            after = _pilot_counters(pol)
+            return {
+                "managed_s": dt, "managed_cpu_s": dt_cpu, "ops": s.ops, "stall_s": s.stall_seconds,
+                "copy_s": s.copy_seconds, "policy_s": s.policy_seconds, "evictions": s.evictions,
+                "idle": float(s.idle),  # the policy sat the step out (Policy.idle_step)
+                "decision_points": pol.decision_points - before_dp,
+                # storages moved: evictions, demand fetches, prefetches asked for (an upper bound)
+                "moves": s.evictions + s.prefetch_misses + pol.prefetches - before_pf,
+                # the runtime's own count where it reports one (the native event path's Python entries)
+                "runtime_decision_points": _runtime_decision_points(mm) - before_rt,
+                **{f"pilot_{k}": after[k] - before[k] for k in after},
+                **collected,
+            }
+
+        out: list[dict[str, float]] = []
+        mm.attach(m_model, m_opt)
+        try:
+            for step, (batch, own) in enumerate(zip(batches, alone_batches)):
+                if (step % 2 == 0) == alone_first:
+                    a = alone(own)
+                    m = managed(batch)
+                else:
+                    m = managed(batch)
+                    a = alone(own)
+                out.append({**a, **m})
         finally:
             mm.detach()
-        return out, _source_used(mm)
+        used[where] = _source_used(mm)
+        return out
 
     for policy, where, budget in variants:
         for r in range(_ROUNDS):
-            if r % 2 == 0:
-                (wall, cpu, gcs), (managed, src) = alone_block(), managed_block(policy, budget, where == "every")
-            else:
-                (managed, src), (wall, cpu, gcs) = managed_block(policy, budget, where == "every"), alone_block()
-            used[where] = src
-            plain.extend(wall[1:])
-            for step in range(1, len(batches)):
-                rows[(policy, where)].append({"plain_s": wall[step], "plain_cpu_s": cpu[step],
-                                              "plain_gc_s": gcs[step]["gc_s"], "plain_gc_full": gcs[step]["gc_full"],
-                                              **managed[step]})
+            pairs = round_(policy, where, budget, r % 2 == 0)
+            plain.extend(p["plain_s"] for p in pairs[1:])
+            rows[(policy, where)].extend(pairs[1:])
     out = []
     name = workload_name(spec)
     for (policy, where), rs in rows.items():

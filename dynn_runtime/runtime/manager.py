@@ -53,9 +53,10 @@ wait would corrupt (tests/runtime/test_fake_async.py).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -473,6 +474,45 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
                 self._apply_hard_cap()  # still attached: the cap stays
             raise
         self._teardown()
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        """Between two steps: this thread runs as if no manager were attached, and everything comes
+        back on exit. The observer is suspended on the thread (native) or the dispatch mode is off
+        (Python), and the global module hooks, the ``saved_tensors_hooks`` and the list splitter
+        are removed. For the overhead bench, which times PyTorch alone on its own copy of the
+        model between the managed steps, so that the two sides of a pair run seconds apart at
+        most. Nothing this manager holds may be used inside: a storage that is away would not be
+        brought back."""
+        if not self._attached or self._passthrough:
+            yield
+            return
+        internal_assert(not self._in_step, "runtime: _paused() between steps only")
+        obs, mods, saved, lists = self._obs, self._modules, self._saved_hooks, self._lists
+        hooked = mods is not None and mods.installed
+        if obs is not None:
+            obs.suspend()
+        if hooked:
+            mods.remove()
+        if saved is not None:
+            saved.__exit__(None, None, None)
+        if lists is not None:
+            lists.remove()
+        try:
+            if self._mode is not None:
+                with torch.utils._python_dispatch._disable_current_modes():
+                    yield
+            else:
+                yield
+        finally:
+            if lists is not None:
+                lists.install()
+            if saved is not None:
+                saved.__enter__()
+            if hooked:
+                mods.install()
+            if obs is not None:
+                obs.resume()
 
     def _teardown(self) -> None:
         if self.provider is not None:

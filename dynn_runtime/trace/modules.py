@@ -57,6 +57,11 @@ class ModuleTracker:
                 self._on_new(mid, path)
         return mid
 
+    @property
+    def installed(self) -> bool:
+        """Whether the global module hooks are in place."""
+        return bool(self._handles)
+
     def install(self) -> None:
         if not self._handles:
             self._handles = [

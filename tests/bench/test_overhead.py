@@ -38,7 +38,7 @@ def test_records_cover_every_policy_source_and_workload(report):
         assert {(w, p, "above peak") for p in ("none", "lru", "pilot")} | {(w, "lru", 0.5)} <= keys
     for r in report.workloads:
         assert r["ops"] > 0 and r["managed_s"] > 0 and r["plain_s"] > 0 and r["ratio"] > 0
-        assert r["steps"] == 2 and r["cpu_ratio"] > 0  # one measured step in each of the two block orders
+        assert r["steps"] == 2 and r["cpu_ratio"] > 0  # one measured pair in each of the two rounds
         if str(r["budget"]).startswith("above peak"):
             assert r["evictions"] == 0 and r["decision_points"] == 0  # nothing moves above the peak
         else:  # half the peak: lru is consulted and moves storages
@@ -155,8 +155,9 @@ def test_counting_wrapper_keeps_a_lazy_policy_lazy():
 
 @pytest.mark.parametrize("source", ["python", "native"])
 def test_micro_runs_pytorch_alone_unobserved(source):
-    """The operator microbenchmark's PyTorch-alone runs happen with no manager attached (an attached manager
-    observes every operator on its thread, in a step or not), its managed runs inside a step."""
+    """The operator microbenchmark's PyTorch-alone runs happen with the manager paused (an attached manager
+    observes every operator on its thread, in a step or not), its managed runs inside a step, the two
+    in alternating order."""
     import torch
 
     from dynn_runtime.bench.overhead import _micro, available_sources
@@ -165,17 +166,23 @@ def test_micro_runs_pytorch_alone_unobserved(source):
     if source not in available_sources():
         pytest.skip(f"the {source} event source is not usable here")
     seen: list[bool] = []
-    probe = lambda: seen.append(bool(QUIET) or torch._C._len_torch_dispatch_stack() > 0)  # noqa: E731
+
+    def observed() -> bool:  # whether an operator run now reaches a manager
+        obs = QUIET[-1] if QUIET else None
+        before = obs.position if obs is not None else None
+        torch.ones(2).add_(1)
+        return torch._C._len_torch_dispatch_stack() > 0 or (obs is not None and obs.position != before)
 
     class Bar:
         def update(self, n: int) -> None:
             pass
 
     cfg = OverheadConfig(workloads=["tree_lstm"], sources=[source], reps=3).resolved()
-    rec = _micro(cfg, source, "lru", Bar(), probe=probe)
+    rec = _micro(cfg, source, "lru", Bar(), probe=lambda: seen.append(observed()))
     assert rec["source_used"] == source
-    # warm-up alone; then per block (up to 5 pairs): each run alone, one unmeasured managed step, the managed runs
-    assert seen == [False] + [False] * 3 + [True] * 4
+    # warm-up alone, one unmeasured managed step; then the pairs, alone first in every other one
+    assert seen == [False, True] + [False, True] + [True, False] + [False, True]
+    assert not observed()  # detached
 
 
 def test_calibration_is_kept_per_device(report, tmp_path):
@@ -239,7 +246,7 @@ def test_every_timed_run_ends_synchronized(monkeypatch):
     cfg = OverheadConfig(workloads=["tree_lstm"], policies=["lru"], sources=["python"], preset="tiny", steps=1,
                          reps=3).resolved()
     overhead._micro(cfg, "python", "lru", Bar())
-    assert calls == ["cpu"] * (1 + 3 + 1 + 3)  # warm-up, alone, the unmeasured managed step, managed
+    assert calls == ["cpu"] * (1 + 1 + 2 * 3)  # warm-up, the unmeasured managed step, the pairs
     calls.clear()
     overhead._workload(cfg, "tree_lstm", "python", Bar())
     # (lru above the peak, lru at half) x 2 rounds x (alone + managed) x (steps + 1)

@@ -873,3 +873,50 @@ def _tags(log: bytes) -> list[int]:
         out.append(w[i])
         i += 9 + sum(w[i + 5:i + 9]) if w[i] == C.LOG_OP else 4 if w[i] == C.LOG_ALLOC else 2
     return out
+
+
+@pytest.mark.parametrize("events", ["native", "python"])
+def test_paused_runs_pytorch_alone_beside_a_managed_run_and_leaves_it_unchanged(events):
+    """``MemoryManager._paused()`` (the overhead bench's PyTorch-alone side): between steps, an operator
+    reaches no manager, no module hook or saved-tensor hook of the manager runs and the list splitter
+    is out; afterwards all of it is back, and the managed run trains as it would have without the
+    pauses (bit for bit). Not inside a step."""
+    from dynn_runtime.runtime.events import QUIET
+    from dynn_runtime.runtime.lists import ListSplitter
+
+    def run(pause: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 4))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        alone = nn.Sequential(nn.Linear(16, 16), nn.Sigmoid())
+        xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+        mm = dr.MemoryManager(1 << 40, policy="pilot", events=events).attach(model, opt)
+        losses = []
+        try:
+            for x in xs:
+                with mm.step():
+                    loss = model(x).square().mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                losses.append(loss.item())
+                if pause:
+                    obs = QUIET[-1] if QUIET else None
+                    before = obs.position if obs is not None else None
+                    modules_before = len(mm._modules.paths)
+                    with mm._paused():
+                        assert torch._C._len_torch_dispatch_stack() == 0 and not ListSplitter._active
+                        assert not mm._modules.installed
+                        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+                        alone(x).sum().backward()
+                    assert obs is None or obs.position == before  # nothing observed
+                    assert len(mm._modules.paths) == modules_before  # no module hook ran
+                    assert mm._modules.installed and ListSplitter._active
+                    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+            with mm.step(), pytest.raises(AssertionError, match="between steps"), mm._paused():
+                pass
+        finally:
+            mm.detach()
+        return losses
+
+    assert run(True) == run(False)
