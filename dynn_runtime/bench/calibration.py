@@ -58,7 +58,7 @@ def calibration_from(report: OverheadReport) -> dict[str, Any]:
         fam = [r for r in recs if r["spec"] in zoo] or recs
         above = {r["workload"]: r for r in fam if r["policy"] == "lru" and r["budget"] == "above peak"}
         half = {r["workload"]: r for r in fam if r["policy"] == "lru" and r["budget"] != "above peak"}
-        per_op = [(r["managed_s"] - r["plain_s"]) / max(r["ops"], 1) for r in above.values()]
+        per_op = [r["extra_s"] / max(r["ops"], 1) for r in above.values()]
         paired = {w: (max(0.0, h["extra_over_above_s"]), h["decision_points"], h["moves"]) for w, h in half.items()
                   if h.get("extra_over_above_s") is not None and h["decision_points"]}
         moved = sum(m for _, _, m in paired.values())

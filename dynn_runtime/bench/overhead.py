@@ -34,7 +34,7 @@ kernels it launched):
 From these, the calibration of the simulator's host cost per event source and device
 (``--write-calibration`` writes it into :data:`~dynn_runtime.sim.hostcost.CALIBRATION_PATH`, under
 the device measured): ``per_op_s`` is the median
-over the zoo families of (managed - unmanaged) / operators with ``lru`` above the peak;
+over the zoo families of (managed - unmanaged, the median over the step pairs) / operators with ``lru`` above the peak;
 ``per_move_s`` the sum over the families of (step at half the peak - step above the peak on the
 same batch - stalls, which on the CPU include the synchronous copies and on a GPU are the compute
 stream's timed waits) over the storages moved (evictions and fetches alike: one per-move term)
@@ -493,8 +493,10 @@ def _workload(cfg: OverheadConfig, spec: str, source: str, bar: Any,
                **{k: statistics.fmean(r[k] for r in rs) for k in ("gc_s", "gc_full_s", "gc_full", "plain_gc_s",
                                                                     "plain_gc_full", "idle")}}
         # on the CPU copies are synchronous: stall_seconds includes them (copy_seconds is that part)
-        rec["other_s"] = med["managed_s"] - med["plain_s"] - med["stall_s"] - med["policy_s"]
-        rec["overhead_us_per_op"] = (med["managed_s"] - med["plain_s"]) / max(med["ops"], 1) * 1e6
+        # what the manager adds to a step: the median of the pairs' differences (steps seconds apart)
+        rec["extra_s"] = statistics.median(r["managed_s"] - r["plain_s"] for r in rs)
+        rec["other_s"] = rec["extra_s"] - med["stall_s"] - med["policy_s"]
+        rec["overhead_us_per_op"] = rec["extra_s"] / max(med["ops"], 1) * 1e6
         base = rows.get(("lru", "above"))
         if where == "half" and base:  # paired by step (the same batch): what the decision points added
             rec["extra_over_above_s"] = statistics.median(h["managed_s"] - a["managed_s"] - h["stall_s"]
