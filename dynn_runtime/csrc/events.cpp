@@ -101,8 +101,10 @@
 //      source and the trace recorder use, keeps the same rule.
 //  16. An entry's `settled` bit for a label (kLabelGrad, kLabelState) is set once the optimizer
 //      hooks' walk found its record's kind as specific as that label; the walk then passes over it
-//      without reading the record. A record's kind only ever gets more specific, and record and
-//      entry die with their storage (sids are never reused), so a set bit stays true.
+//      without reading the record. kLabelSaved is set once the saved-tensor pack hook found its
+//      record saved. A record's kind only ever gets more specific, its saved flag is never
+//      cleared, and record and entry die with their storage (sids are never reused), so a set
+//      bit stays true.
 
 #include <ATen/ATen.h>
 #include <ATen/Operators.h>
@@ -177,7 +179,7 @@ class Words {
   size_t cap_ = 0;
 };
 
-constexpr uint8_t kLabelGrad = 1, kLabelState = 2;  // Entry::settled (invariant 16)
+constexpr uint8_t kLabelGrad = 1, kLabelState = 2, kLabelSaved = 4;  // Entry::settled (invariant 16)
 
 // log record tags (first word of each record)
 constexpr int64_t kOp = 1;     // kOp, op_id, phase | module << 2, node, used, n_in, n_out, n_write, n_alloc, ids...
@@ -452,6 +454,10 @@ class Observer {
     on_fault_ = py::none();
     on_decide_ = py::none();
     on_oom_ = py::none();
+    saved_st_ = py::dict();
+    saved_pending_ = py::set();
+    saved_types_ = py::tuple();
+    saved_fallback_ = py::none();
   }
 
   // ---- configuration ------------------------------------------------------------------------
@@ -498,6 +504,48 @@ class Observer {
     if (impl == nullptr) return -1;
     Entry** e = table_.find(key(impl));
     return e == nullptr ? -1 : (*e)->sid;
+  }
+
+  // ---- autograd's saved tensors (runtime/storages.py: _pack) -------------------------------------
+  // The pack hook of the manager's saved_tensors_hooks takes the common cases here: a tensor of
+  // exactly one of `types` whose storage the table has, and whose record in `st` is saved already
+  // (nothing to do) or missing (born since the log was read: its sid goes into `pending`, and the
+  // record is labelled saved when its birth is read). Anything else goes to `fallback` (_pack),
+  // whose answer is the hook's. What comes back is a detached alias of the tensor, as _pack's:
+  // no reference cycle through an output's own node. stop() drops the four (`fallback` holds the
+  // manager); a pack after that only detaches.
+  void set_saved(py::dict st, py::set pending, py::tuple types, py::object fallback) {
+    saved_st_ = std::move(st);
+    saved_pending_ = std::move(pending);
+    saved_types_ = std::move(types);
+    saved_fallback_ = std::move(fallback);
+  }
+
+  py::object pack_saved(const py::handle& t) {
+    PyObject* o = t.ptr();
+    if (saved_fallback_.is_none()) return detached(THPVariable_Unpack(o));
+    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(o));
+    bool ours = false;
+    for (const py::handle ty : saved_types_) ours = ours || ty.ptr() == type;
+    if (ours) {
+      const at::Tensor& v = THPVariable_Unpack(o);
+      c10::StorageImpl* impl = managed_impl(v);
+      Entry** e = impl == nullptr ? nullptr : table_.find(key(impl));
+      if (e != nullptr) {
+        Entry& en = **e;
+        if (en.settled & kLabelSaved) return detached(v);
+        PyObject* rec = record_of(saved_st_, en.sid);
+        if (rec == nullptr) {
+          saved_pending_.add(py::int_(en.sid));
+          return detached(v);
+        }
+        if (record_saved(rec)) {
+          en.settled |= kLabelSaved;
+          return detached(v);
+        }
+      }
+    }
+    return saved_fallback_(t);
   }
 
   // ---- the optimizer hooks' labels (runtime/steps.py: _mark_kind_of_grads, _mark_optimizer_state) ----
@@ -1052,6 +1100,18 @@ class Observer {
     if (rec == nullptr && PyErr_Occurred()) throw py::error_already_set();
     return rec;
   }
+  static py::object detached(const at::Tensor& t) {
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(t.detach()));
+  }
+  // The record's `saved` flag.
+  static bool record_saved(PyObject* rec) {
+    static PyObject* const name = PyUnicode_InternFromString("saved");
+    py::object saved = py::reinterpret_steal<py::object>(PyObject_GetAttr(rec, name));
+    if (!saved) throw py::error_already_set();
+    const int yes = PyObject_IsTrue(saved.ptr());
+    if (yes < 0) throw py::error_already_set();
+    return yes != 0;
+  }
   // Whether the record's `kind` is one of `settled` (strings).
   static bool settled_kind(PyObject* rec, const py::tuple& settled) {
     static PyObject* const name = PyUnicode_InternFromString("kind");
@@ -1593,6 +1653,10 @@ class Observer {
   bool started_ = false;
   bool was_included_ = false;  // the key's included state on the starting thread before start()
   py::object on_fault_ = py::none();
+  py::dict saved_st_;  // set_saved
+  py::set saved_pending_;
+  py::tuple saved_types_;
+  py::object saved_fallback_ = py::none();
   py::object on_decide_ = py::none();
   py::object on_oom_ = py::none();
   std::unique_ptr<py::error_already_set> error_;
@@ -1926,7 +1990,7 @@ bool add_operator_parse(PyObject* module);  // operators.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 23;
+  m.attr("ABI") = 24;
   if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
@@ -1965,6 +2029,9 @@ PYBIND11_MODULE(_C, m) {
       .def("set_seen_backward", &Observer::set_seen_backward)
       .def("track", &Observer::track)
       .def("sid_of", &Observer::sid_of)
+      .def("set_saved", &Observer::set_saved, py::arg("st"), py::arg("pending"), py::arg("types"),
+           py::arg("fallback"))
+      .def("pack_saved", &Observer::pack_saved)
       .def("grads_to_label", &Observer::grads_to_label, py::arg("params"), py::arg("st"), py::arg("pending"),
            py::arg("settled"))
       .def("state_to_label", &Observer::state_to_label, py::arg("state"), py::arg("st"), py::arg("types"),

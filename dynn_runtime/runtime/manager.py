@@ -414,6 +414,9 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
             self._handles.append(model.register_forward_pre_hook(lambda *a: self._root_forward()))
         pack = self.provider.wrap_pack(self._pack)  # the patched provider indexes saved tensors by node
         if self._obs is None or pol.reads_saved or pack is not None:
+            if pack is None and self._obs is not None and self.pack_in_c:
+                self._obs.set_saved(self.st, self._saved_pending, (torch.Tensor, nn.Parameter), self._pack)
+                pack = self._obs.pack_saved
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(pack or self._pack, _unpack)
             self._saved_hooks.__enter__()
         if self.hard_cap and self.cuda and self.budget is not None:

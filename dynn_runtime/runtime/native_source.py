@@ -155,6 +155,10 @@ class NativeSource:
     #: a module's post hook tags its forward's autograd nodes in C (``_C.tag_nodes``); off, Python's
     #: walk of ``trace/modules.py`` (the reference)
     tag_nodes_in_c = True
+    #: the ``saved_tensors_hooks`` pack hook takes its common cases in the observer
+    #: (``Observer.pack_saved``: a storage already labelled saved, or whose birth is unread); off,
+    #: every pack runs :meth:`_pack` (the reference)
+    pack_in_c = True
     #: room made ahead of the next operator (its reserve, ``Observer.max_made``) passes over victims
     #: under 1/256 of it (``Residency.make_room``'s ``scale``); off, every victim (the reference)
     reserve_floor = True

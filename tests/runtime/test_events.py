@@ -920,3 +920,65 @@ def test_paused_runs_pytorch_alone_beside_a_managed_run_and_leaves_it_unchanged(
         return losses
 
     assert run(True) == run(False)
+
+
+def _saved_labels(pack_in_c: bool) -> tuple[list[float], list[list[tuple]], int, int]:
+    """Three steps of a model whose operators save inputs, parameters and their own outputs (softmax,
+    layer norm: packed before the observer logged them) under the pilot (a policy that reads the saved
+    labels), with the pack hook's common cases in the observer or every pack in ``_pack``: the losses,
+    the table's labels after each forward and each step, the packs and the calls of ``_pack``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Softmax(-1), nn.Linear(32, 32), nn.Tanh(),
+                          nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mm = dr.MemoryManager(1 << 40, policy="pilot", events="native")
+    mm.pack_in_c = pack_in_c
+    py_packs = [0]
+    real = mm._pack
+
+    def counted(t):
+        py_packs[0] += 1
+        return real(t)
+
+    mm._pack = counted
+    mm.attach(model, opt)
+    packs = [0]
+    hook = mm._saved_hooks.pack_hook
+    mm._saved_hooks.__exit__(None, None, None)
+
+    def pack(t):
+        packs[0] += 1
+        return hook(t)
+
+    mm._saved_hooks = torch.autograd.graph.saved_tensors_hooks(pack, mm._saved_hooks.unpack_hook)
+    mm._saved_hooks.__enter__()
+    seen, losses = [], []
+    order: dict[int, int] = {}
+
+    def table() -> list[tuple]:
+        mm._native_parse(in_step=True)
+        return [(order.setdefault(sid, len(order)), s.kind, s.saved, s.nbytes) for sid, s in mm.st.items()]
+
+    try:
+        for step in range(3):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            with mm.step():
+                loss = model(x).square().mean()
+                seen.append(table())
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.item())
+            seen.append([(order.setdefault(sid, len(order)), s.kind, s.saved, s.nbytes) for sid, s in mm.st.items()])
+    finally:
+        mm.detach()
+    return losses, seen, packs[0], py_packs[0]
+
+
+def test_the_observers_pack_hook_labels_what_the_python_hook_labels():
+    ref = _saved_labels(False)
+    got = _saved_labels(True)
+    assert got[0] == ref[0] and got[1] == ref[1]
+    assert sum(saved for _, _, saved, _ in got[1][0]) >= 6  # the forward's saved storages are labelled
+    assert ref[3] == ref[2] > 0  # the reference packs in Python only
+    assert got[2] == ref[2] and 0 < got[3] < got[2]  # _pack takes the outputs not yet logged, the observer the rest
