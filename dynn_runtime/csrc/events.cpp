@@ -458,6 +458,10 @@ class Observer {
     saved_pending_ = py::set();
     saved_types_ = py::tuple();
     saved_fallback_ = py::none();
+    grad_st_ = py::dict();
+    grad_pending_ = py::set();
+    grad_settled_ = py::tuple();
+    grad_fallback_ = py::none();
   }
 
   // ---- configuration ------------------------------------------------------------------------
@@ -546,6 +550,35 @@ class Observer {
       }
     }
     return saved_fallback_(t);
+  }
+
+  // The post-accumulate-grad hook of each parameter, for a policy that reads labels (_grad_ready):
+  // in a step, the parameter's gradient is labelled "grad". Taken here where its storage's record
+  // has a kind as specific (`settled`; then the entry's bit is set, invariant 16) or is missing
+  // (born since the log was read: its sid goes into `pending`, and the record is labelled when its
+  // birth is read; a plain tensor's only); otherwise `fallback` (_label_grad) labels it. stop()
+  // drops the four.
+  void set_grad_labels(py::dict st, py::set pending, py::tuple settled, py::object fallback) {
+    grad_st_ = std::move(st);
+    grad_pending_ = std::move(pending);
+    grad_settled_ = std::move(settled);
+    grad_fallback_ = std::move(fallback);
+  }
+
+  void grad_ready(const at::Tensor& p) {
+    if (!in_step_ || grad_fallback_.is_none()) return;
+    const at::Tensor& g = p.grad();
+    if (!g.defined()) return;
+    c10::StorageImpl* impl = managed_impl(g);
+    Entry** e = impl == nullptr ? nullptr : table_.find(key(impl));
+    const Label what = e == nullptr ? Label::kChange : label_of(**e, grad_st_, grad_settled_, kLabelGrad);
+    if (what == Label::kNothing) return;
+    py::object w = py::reinterpret_steal<py::object>(THPVariable_Wrap(g));
+    if (what == Label::kNoRecord && Py_TYPE(w.ptr()) == reinterpret_cast<PyTypeObject*>(THPVariableClass)) {
+      grad_pending_.add(py::int_((*e)->sid));  // (a subclass's: _label_grad's _track)
+      return;
+    }
+    grad_fallback_(w);
   }
 
   // ---- the optimizer hooks' labels (runtime/steps.py: _mark_kind_of_grads, _mark_optimizer_state) ----
@@ -1657,6 +1690,10 @@ class Observer {
   py::set saved_pending_;
   py::tuple saved_types_;
   py::object saved_fallback_ = py::none();
+  py::dict grad_st_;  // set_grad_labels
+  py::set grad_pending_;
+  py::tuple grad_settled_;
+  py::object grad_fallback_ = py::none();
   py::object on_decide_ = py::none();
   py::object on_oom_ = py::none();
   std::unique_ptr<py::error_already_set> error_;
@@ -1990,7 +2027,7 @@ bool add_operator_parse(PyObject* module);  // operators.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 24;
+  m.attr("ABI") = 25;
   if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;
@@ -2032,6 +2069,9 @@ PYBIND11_MODULE(_C, m) {
       .def("set_saved", &Observer::set_saved, py::arg("st"), py::arg("pending"), py::arg("types"),
            py::arg("fallback"))
       .def("pack_saved", &Observer::pack_saved)
+      .def("set_grad_labels", &Observer::set_grad_labels, py::arg("st"), py::arg("pending"), py::arg("settled"),
+           py::arg("fallback"))
+      .def("grad_ready", &Observer::grad_ready)
       .def("grads_to_label", &Observer::grads_to_label, py::arg("params"), py::arg("st"), py::arg("pending"),
            py::arg("settled"))
       .def("state_to_label", &Observer::state_to_label, py::arg("state"), py::arg("st"), py::arg("types"),

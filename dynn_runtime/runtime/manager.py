@@ -87,7 +87,7 @@ from .oracle import OracleAlignment
 from .providers import HOOK_CHOICES, ProviderClient, select_provider
 from .python_source import PythonSource, _Mode, _unpack
 from .state import StateTransfer
-from .steps import Steps, StepStats
+from .steps import _SETTLED_GRAD, Steps, StepStats
 from .storages import _S, StorageTable
 
 __all__ = ["MemoryManager", "StepStats", "checkpoint_modules", "repeated_blocks"]
@@ -378,9 +378,13 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         # accumulates it (else gradients are labelled when the optimizer starts)
         self._tell_labels = type(self.policy).reads_labels
         if self._tell_labels:
+            ready = self._grad_ready
+            if self._obs is not None and self.grads_in_c:  # the common cases in the observer, the rest in _label_grad
+                self._obs.set_grad_labels(self.st, self._grad_pending, _SETTLED_GRAD, self._label_grad)
+                ready = self._obs.grad_ready
             for p in self._grad_params:
                 if p.requires_grad:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+                    self._handles.append(p.register_post_accumulate_grad_hook(ready))
         for name, p in model.named_parameters():
             sid = self._track(p, "param", fresh=False)
             if sid is not None:

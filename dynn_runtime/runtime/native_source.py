@@ -159,6 +159,10 @@ class NativeSource:
     #: (``Observer.pack_saved``: a storage already labelled saved, or whose birth is unread); off,
     #: every pack runs :meth:`_pack` (the reference)
     pack_in_c = True
+    #: a policy that reads labels hears each gradient's from the observer's post-accumulate-grad hook
+    #: (``Observer.grad_ready``: a record already labelled, or a birth unread, costs no Python); off,
+    #: :meth:`_grad_ready` on every parameter (the reference)
+    grads_in_c = True
     #: room made ahead of the next operator (its reserve, ``Observer.max_made``) passes over victims
     #: under 1/256 of it (``Residency.make_room``'s ``scale``); off, every victim (the reference)
     reserve_floor = True

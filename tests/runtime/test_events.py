@@ -922,25 +922,28 @@ def test_paused_runs_pytorch_alone_beside_a_managed_run_and_leaves_it_unchanged(
     assert run(True) == run(False)
 
 
-def _saved_labels(pack_in_c: bool) -> tuple[list[float], list[list[tuple]], int, int]:
+def _labels(pack_in_c: bool = True, grads_in_c: bool = True) -> tuple[list[float], list[list[tuple]], int, int, int]:
     """Three steps of a model whose operators save inputs, parameters and their own outputs (softmax,
-    layer norm: packed before the observer logged them) under the pilot (a policy that reads the saved
-    labels), with the pack hook's common cases in the observer or every pack in ``_pack``: the losses,
-    the table's labels after each forward and each step, the packs and the calls of ``_pack``."""
+    layer norm: packed before the observer logged them), one of whose parameters is frozen, under the
+    pilot (a policy that reads labels), with the pack hook's and the gradient hook's common cases in
+    the observer or all of them in Python: the losses, the table's labels after each forward, each
+    backward and each step, the packs, and the calls of ``_pack`` and of ``_label_grad``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Softmax(-1), nn.Linear(32, 32), nn.Tanh(),
                           nn.Linear(32, 4))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model[3].bias.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     mm = dr.MemoryManager(1 << 40, policy="pilot", events="native")
-    mm.pack_in_c = pack_in_c
-    py_packs = [0]
-    real = mm._pack
+    mm.pack_in_c, mm.grads_in_c = pack_in_c, grads_in_c
+    calls = {"_pack": 0, "_label_grad": 0}
+    for name in calls:
+        real = getattr(mm, name)
 
-    def counted(t):
-        py_packs[0] += 1
-        return real(t)
+        def counted(t, name=name, real=real):
+            calls[name] += 1
+            return real(t)
 
-    mm._pack = counted
+        setattr(mm, name, counted)
     mm.attach(model, opt)
     packs = [0]
     hook = mm._saved_hooks.pack_hook
@@ -955,8 +958,9 @@ def _saved_labels(pack_in_c: bool) -> tuple[list[float], list[list[tuple]], int,
     seen, losses = [], []
     order: dict[int, int] = {}
 
-    def table() -> list[tuple]:
-        mm._native_parse(in_step=True)
+    def table(parse: bool = True) -> list[tuple]:
+        if parse:
+            mm._native_parse(in_step=True)
         return [(order.setdefault(sid, len(order)), s.kind, s.saved, s.nbytes) for sid, s in mm.st.items()]
 
     try:
@@ -966,19 +970,29 @@ def _saved_labels(pack_in_c: bool) -> tuple[list[float], list[list[tuple]], int,
                 loss = model(x).square().mean()
                 seen.append(table())
                 loss.backward()
+                seen.append(table())
                 opt.step()
                 opt.zero_grad()
             losses.append(loss.item())
-            seen.append([(order.setdefault(sid, len(order)), s.kind, s.saved, s.nbytes) for sid, s in mm.st.items()])
+            seen.append(table(parse=False))
     finally:
         mm.detach()
-    return losses, seen, packs[0], py_packs[0]
+    return losses, seen, packs[0], calls["_pack"], calls["_label_grad"]
 
 
 def test_the_observers_pack_hook_labels_what_the_python_hook_labels():
-    ref = _saved_labels(False)
-    got = _saved_labels(True)
+    ref = _labels(pack_in_c=False)
+    got = _labels(pack_in_c=True)
     assert got[0] == ref[0] and got[1] == ref[1]
     assert sum(saved for _, _, saved, _ in got[1][0]) >= 6  # the forward's saved storages are labelled
     assert ref[3] == ref[2] > 0  # the reference packs in Python only
     assert got[2] == ref[2] and 0 < got[3] < got[2]  # _pack takes the outputs not yet logged, the observer the rest
+
+
+def test_the_observers_gradient_hook_labels_what_the_python_hook_labels():
+    ref = _labels(grads_in_c=False)
+    got = _labels(grads_in_c=True)
+    assert got[0] == ref[0] and got[1] == ref[1]
+    assert sum(kind == "grad" for _, kind, _, _ in got[1][1]) == 7  # after backward: every trainable one's
+    assert ref[4] == 3 * 7  # the reference: a call per trainable parameter and step (none for the frozen bias)
+    assert got[4] < ref[4]  # the observer takes the gradients whose birth is unread or whose record is labelled
