@@ -528,10 +528,7 @@ class Observer {
   py::object pack_saved(const py::handle& t) {
     PyObject* o = t.ptr();
     if (saved_fallback_.is_none()) return detached(THPVariable_Unpack(o));
-    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(o));
-    bool ours = false;
-    for (const py::handle ty : saved_types_) ours = ours || ty.ptr() == type;
-    if (ours) {
+    if (exact_type_in(o, saved_types_)) {
       const at::Tensor& v = THPVariable_Unpack(o);
       c10::StorageImpl* impl = managed_impl(v);
       Entry** e = impl == nullptr ? nullptr : table_.find(key(impl));
@@ -553,11 +550,9 @@ class Observer {
   }
 
   // The post-accumulate-grad hook of each parameter, for a policy that reads labels (_grad_ready):
-  // in a step, the parameter's gradient is labelled "grad". Taken here where its storage's record
-  // has a kind as specific (`settled`; then the entry's bit is set, invariant 16) or is missing
-  // (born since the log was read: its sid goes into `pending`, and the record is labelled when its
-  // birth is read; a plain tensor's only); otherwise `fallback` (_label_grad) labels it. stop()
-  // drops the four.
+  // in a step, the parameter's gradient is labelled "grad" as the optimizer hooks' walk labels one
+  // (label_grad); where the label would change its record, `fallback` (_label_grad) labels it.
+  // stop() drops the four.
   void set_grad_labels(py::dict st, py::set pending, py::tuple settled, py::object fallback) {
     grad_st_ = std::move(st);
     grad_pending_ = std::move(pending);
@@ -568,17 +563,8 @@ class Observer {
   void grad_ready(const at::Tensor& p) {
     if (!in_step_ || grad_fallback_.is_none()) return;
     const at::Tensor& g = p.grad();
-    if (!g.defined()) return;
-    c10::StorageImpl* impl = managed_impl(g);
-    Entry** e = impl == nullptr ? nullptr : table_.find(key(impl));
-    const Label what = e == nullptr ? Label::kChange : label_of(**e, grad_st_, grad_settled_, kLabelGrad);
-    if (what == Label::kNothing) return;
-    py::object w = py::reinterpret_steal<py::object>(THPVariable_Wrap(g));
-    if (what == Label::kNoRecord && Py_TYPE(w.ptr()) == reinterpret_cast<PyTypeObject*>(THPVariableClass)) {
-      grad_pending_.add(py::int_((*e)->sid));  // (a subclass's: _label_grad's _track)
-      return;
-    }
-    grad_fallback_(w);
+    if (label_grad(g, grad_st_, grad_pending_, grad_settled_))
+      grad_fallback_(py::reinterpret_steal<py::object>(THPVariable_Wrap(g)));
   }
 
   // ---- the optimizer hooks' labels (runtime/steps.py: _mark_kind_of_grads, _mark_optimizer_state) ----
@@ -596,18 +582,22 @@ class Observer {
     py::list out;
     for (const at::Tensor& p : params) {
       const at::Tensor& g = p.grad();
-      c10::StorageImpl* impl = managed_impl(g);  // (undefined: none)
-      if (impl == nullptr) continue;  // no gradient, or not the manager's: the label would leave it alone
-      Entry** e = table_.find(key(impl));
-      const Label what = e == nullptr ? Label::kChange : label_of(**e, st, settled, kLabelGrad);
-      if (what == Label::kNothing) continue;
-      if (what == Label::kNoRecord) {
-        pending.add(py::int_((*e)->sid));
-        continue;
-      }
-      out.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(g)));
+      if (label_grad(g, st, pending, settled)) out.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(g)));
     }
     return out;
+  }
+
+  // Labels gradient `g` "grad" where that needs no Python: returns true where Python's labelling
+  // must (the table has no entry for it, or its record's kind is not settled). Nothing for an
+  // undefined gradient or one not the manager's (the label would leave it alone); one whose record
+  // is not in `st` yet goes into `pending`.
+  bool label_grad(const at::Tensor& g, const py::dict& st, py::set& pending, const py::tuple& settled) {
+    c10::StorageImpl* impl = managed_impl(g);  // (undefined: none)
+    if (impl == nullptr) return false;
+    Entry** e = table_.find(key(impl));
+    const Label what = e == nullptr ? Label::kChange : label_of(**e, st, settled, kLabelGrad);
+    if (what == Label::kNoRecord) pending.add(py::int_((*e)->sid));
+    return what == Label::kChange;
   }
 
   // The optimizer's state tensors to label "opt_state": of the values of each per-parameter dict of
@@ -618,10 +608,7 @@ class Observer {
                           const py::tuple& settled) {
     py::list out;
     auto look = [&](PyObject* v) {
-      PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(v));
-      bool ours = false;
-      for (const py::handle t : types) ours = ours || t.ptr() == type;
-      if (!ours) return;
+      if (!exact_type_in(v, types)) return;
       c10::StorageImpl* impl = managed_impl(THPVariable_Unpack(v));
       if (impl == nullptr) return;  // not the manager's (Adam's step counters on the host of a CUDA manager)
       Entry** e = table_.find(key(impl));
@@ -1132,6 +1119,13 @@ class Observer {
     PyObject* rec = PyDict_GetItemWithError(st.ptr(), k.ptr());
     if (rec == nullptr && PyErr_Occurred()) throw py::error_already_set();
     return rec;
+  }
+  // Whether `o`'s type is exactly one of `types`.
+  static bool exact_type_in(PyObject* o, const py::tuple& types) {
+    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(o));
+    for (const py::handle t : types)
+      if (t.ptr() == type) return true;
+    return false;
   }
   static py::object detached(const at::Tensor& t) {
     return py::reinterpret_steal<py::object>(THPVariable_Wrap(t.detach()));

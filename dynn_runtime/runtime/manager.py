@@ -87,7 +87,7 @@ from .oracle import OracleAlignment
 from .providers import HOOK_CHOICES, ProviderClient, select_provider
 from .python_source import PythonSource, _Mode, _unpack
 from .state import StateTransfer
-from .steps import _SETTLED_GRAD, Steps, StepStats
+from .steps import _LABELLED_TYPES, _SETTLED_GRAD, Steps, StepStats
 from .storages import _S, StorageTable
 
 __all__ = ["MemoryManager", "StepStats", "checkpoint_modules", "repeated_blocks"]
@@ -419,7 +419,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         pack = self.provider.wrap_pack(self._pack)  # the patched provider indexes saved tensors by node
         if self._obs is None or pol.reads_saved or pack is not None:
             if pack is None and self._obs is not None and self.pack_in_c:
-                self._obs.set_saved(self.st, self._saved_pending, (torch.Tensor, nn.Parameter), self._pack)
+                self._obs.set_saved(self.st, self._saved_pending, _LABELLED_TYPES, self._pack)
                 pack = self._obs.pack_saved
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(pack or self._pack, _unpack)
             self._saved_hooks.__enter__()
