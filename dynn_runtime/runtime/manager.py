@@ -311,6 +311,10 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._warned_streaming = False
         self._modules: ModuleTracker | None = None
         self._saved_hooks: Any = None
+        #: the saved-tensor hooks serve the policy's labels alone, and are pushed for each step it does
+        #: not sit out (Steps._begin_step); else pushed at attach
+        self._saved_per_step = False
+        self._saved_entered = False
         self._in_optimizer = False
         self._seen_backward = False
         self._t0 = time.perf_counter()
@@ -418,11 +422,16 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
             self._handles.append(model.register_forward_pre_hook(lambda *a: self._root_forward()))
         pack = self.provider.wrap_pack(self._pack)  # the patched provider indexes saved tensors by node
         if self._obs is None or pol.reads_saved or pack is not None:
-            if pack is None and self._obs is not None and self.pack_in_c:
+            # On the native source without a provider's pack the hooks only label saved storages for
+            # the policy: a step it sits out does without them (each saved tensor costs autograd a
+            # Python call to pack and one to unpack, whatever the hook does)
+            self._saved_per_step = pack is None and self._obs is not None
+            if self._saved_per_step and self.pack_in_c:
                 self._obs.set_saved(self.st, self._saved_pending, _LABELLED_TYPES, self._pack)
                 pack = self._obs.pack_saved
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(pack or self._pack, _unpack)
-            self._saved_hooks.__enter__()
+            if not self._saved_per_step:
+                self._enter_saved(True)
         if self.hard_cap and self.cuda and self.budget is not None:
             self._apply_hard_cap()
         if self.pool.pin and self.pool.budget is not None:
@@ -495,14 +504,15 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
             yield
             return
         internal_assert(not self._in_step, "runtime: _paused() between steps only")
-        obs, mods, saved, lists = self._obs, self._modules, self._saved_hooks, self._lists
+        obs, mods, lists = self._obs, self._modules, self._lists
+        saved = self._saved_entered
         hooked = mods is not None and mods.installed
         if obs is not None:
             obs.suspend()
         if hooked:
             mods.remove()
-        if saved is not None:
-            saved.__exit__(None, None, None)
+        if saved:
+            self._enter_saved(False)
         if lists is not None:
             lists.remove()
         try:
@@ -514,12 +524,23 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         finally:
             if lists is not None:
                 lists.install()
-            if saved is not None:
-                saved.__enter__()
+            if saved:
+                self._enter_saved(True)
             if hooked:
                 mods.install()
             if obs is not None:
                 obs.resume()
+
+    def _enter_saved(self, on: bool) -> None:
+        """Push (``on``) or pop the manager's saved-tensor hooks, if they are not so already. They are
+        popped only where they were pushed last: attach and detach, or a step's start and end (a
+        user's own hooks inside a step are pushed and popped within it)."""
+        if on != self._saved_entered and self._saved_hooks is not None:
+            if on:
+                self._saved_hooks.__enter__()
+            else:
+                self._saved_hooks.__exit__(None, None, None)
+            self._saved_entered = on
 
     def _teardown(self) -> None:
         if self.provider is not None:
@@ -531,9 +552,8 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
             self._obs.stop()
             if self._obs in QUIET:
                 QUIET.remove(self._obs)
-        if self._saved_hooks is not None:
-            self._saved_hooks.__exit__(None, None, None)
-            self._saved_hooks = None
+        self._enter_saved(False)
+        self._saved_hooks = None
         if self._modules is not None:
             self._modules.remove()
         for h in self._handles:

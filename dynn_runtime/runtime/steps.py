@@ -265,6 +265,11 @@ class Steps:
                 self._held_at_start = list(self.st) if listens else None
             elif listens:
                 self._announce()
+            if self._saved_per_step:
+                # A step the policy sits out with the last step's peak within the budget labels nothing
+                # saved, even if it wakes (then the policy decides this step without those labels)
+                roomy = self._idle_step and bool(self.steps) and self.steps[-1].peak_device_bytes <= self.budget
+                self._enter_saved(not roomy)
             self._map_oracle_persistent()
             if not self._measure_step and self.used > self.budget:
                 # what the program holds between steps may exceed the budget (after the measuring
@@ -328,6 +333,8 @@ class Steps:
 
     def _end_step(self, ok: bool) -> None:
         hints._stop(self)
+        if self._saved_per_step:
+            self._enter_saved(False)
         obs = self._obs
         error = None
         if obs is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import warnings
 
@@ -904,6 +905,7 @@ def test_paused_runs_pytorch_alone_beside_a_managed_run_and_leaves_it_unchanged(
                     obs = QUIET[-1] if QUIET else None
                     before = obs.position if obs is not None else None
                     modules_before = len(mm._modules.paths)
+                    hooks_before = torch._C._autograd._top_saved_tensors_default_hooks(False)
                     with mm._paused():
                         assert torch._C._len_torch_dispatch_stack() == 0 and not ListSplitter._active
                         assert not mm._modules.installed
@@ -912,7 +914,8 @@ def test_paused_runs_pytorch_alone_beside_a_managed_run_and_leaves_it_unchanged(
                     assert obs is None or obs.position == before  # nothing observed
                     assert len(mm._modules.paths) == modules_before  # no module hook ran
                     assert mm._modules.installed and ListSplitter._active
-                    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+                    assert torch._C._autograd._top_saved_tensors_default_hooks(False) == hooks_before
+                    assert (hooks_before is not None) == (events == "python")  # native: pushed per step
             with mm.step(), pytest.raises(AssertionError, match="between steps"), mm._paused():
                 pass
         finally:
@@ -920,6 +923,21 @@ def test_paused_runs_pytorch_alone_beside_a_managed_run_and_leaves_it_unchanged(
         return losses
 
     assert run(True) == run(False)
+
+
+def _count_packs(mm: dr.MemoryManager) -> list[int]:
+    """Count the packs of ``mm``'s saved-tensor hooks (attached on the native source, where it pushes
+    them per step): ``[count]``, kept up to date."""
+    assert not mm._saved_entered
+    packs = [0]
+    hook = mm._saved_hooks.pack_hook
+
+    def pack(t):
+        packs[0] += 1
+        return hook(t)
+
+    mm._saved_hooks = torch.autograd.graph.saved_tensors_hooks(pack, mm._saved_hooks.unpack_hook)
+    return packs
 
 
 def _labels(pack_in_c: bool = True, grads_in_c: bool = True) -> tuple[list[float], list[list[tuple]], int, int, int]:
@@ -933,7 +951,10 @@ def _labels(pack_in_c: bool = True, grads_in_c: bool = True) -> tuple[list[float
                           nn.Linear(32, 4))
     model[3].bias.requires_grad_(False)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    mm = dr.MemoryManager(1 << 40, policy="pilot", events="native")
+    from dynn_runtime.pilot.policy import PilotPolicy
+
+    # every step told (defer_idle=False): none is sat out, so each pushes the saved-tensor hooks
+    mm = dr.MemoryManager(1 << 40, policy=PilotPolicy(defer_idle=False), events="native")
     mm.pack_in_c, mm.grads_in_c = pack_in_c, grads_in_c
     calls = {"_pack": 0, "_label_grad": 0}
     for name in calls:
@@ -945,16 +966,7 @@ def _labels(pack_in_c: bool = True, grads_in_c: bool = True) -> tuple[list[float
 
         setattr(mm, name, counted)
     mm.attach(model, opt)
-    packs = [0]
-    hook = mm._saved_hooks.pack_hook
-    mm._saved_hooks.__exit__(None, None, None)
-
-    def pack(t):
-        packs[0] += 1
-        return hook(t)
-
-    mm._saved_hooks = torch.autograd.graph.saved_tensors_hooks(pack, mm._saved_hooks.unpack_hook)
-    mm._saved_hooks.__enter__()
+    packs = _count_packs(mm)
     seen, losses = [], []
     order: dict[int, int] = {}
 
@@ -996,3 +1008,43 @@ def test_the_observers_gradient_hook_labels_what_the_python_hook_labels():
     assert sum(kind == "grad" for _, kind, _, _ in got[1][1]) == 7  # after backward: every trainable one's
     assert ref[4] == 3 * 7  # the reference: a call per trainable parameter and step (none for the frozen bias)
     assert got[4] < ref[4]  # the observer takes the gradients whose birth is unread or whose record is labelled
+
+
+def test_a_step_the_policy_sits_out_with_room_pushes_no_saved_tensor_hooks():
+    """The pilot (it reads the saved labels) pushes its saved-tensor hooks for each step it is told and
+    pops them at the step's end; a step it sits out while the last step's peak was within the budget
+    runs without them (autograd calls no Python per saved tensor), and the first step after the
+    measuring step under a budget below its peak has them though it starts idle. Training is the
+    same bit for bit, and the hooks' stack between steps is as it was."""
+    def run(budget) -> tuple[list[float], list[int], list[bool]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        mm = None if budget is None else dr.MemoryManager(budget, policy="pilot", events="native").attach(model, opt)
+        packs = [0] if mm is None else _count_packs(mm)
+        losses, per_step, idle = [], [], []
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        try:
+            for step in range(4):
+                x = torch.randn(32, 16, generator=torch.Generator().manual_seed(step))
+                before = packs[0]
+                with mm.step() if mm is not None else contextlib.nullcontext():
+                    loss = model(x).square().mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                assert torch._C._autograd._top_saved_tensors_default_hooks(False) == top
+                losses.append(loss.item())
+                per_step.append(packs[0] - before)
+                idle.append(mm is not None and mm.steps[-1].idle)
+        finally:
+            if mm is not None:
+                mm.detach()
+        return losses, per_step, idle
+
+    roomy = run(1 << 40)
+    assert roomy[2] == [False, True, True, True]  # told once, then sat out
+    assert roomy[1][0] > 0 and roomy[1][1:] == [0, 0, 0]
+    tight = run("1/2")  # step 0 measures the peak; the next starts idle and runs short
+    assert tight[1][1] > 0 and not tight[2][1]  # it woke, with the hooks pushed from its start
+    assert roomy[0] == tight[0] == run(None)[0]
