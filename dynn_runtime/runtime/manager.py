@@ -315,6 +315,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         #: not sit out (Steps._begin_step); else pushed at attach
         self._saved_per_step = False
         self._saved_entered = False
+        self._modules_per_step = False  # the module hooks serve the policy alone (native source)
         self._in_optimizer = False
         self._seen_backward = False
         self._t0 = time.perf_counter()
@@ -414,12 +415,17 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         # the native source reads node tags from node_modules only: its walk need not tag node metadata
         native_walk = self._obs is not None and self.tag_nodes_in_c
         self._modules = ModuleTracker(model, tagger=native_module().tag_nodes if native_walk else None)
-        self._modules.on_root_forward = self._root_forward
         pol = type(self.policy)
-        if self._obs is None or pol.reads_modules:
+        # On the native source modules are tracked only for a policy that reads them, and not in a
+        # step it sits out with room (Steps._begin_step); the phase needs the root's forward always
+        self._modules_per_step = self._obs is not None and pol.reads_modules
+        if self._obs is None:
+            self._modules.on_root_forward = self._root_forward
             self._modules.install()
-        else:  # the native path tracks modules only for a policy that reads them; the phase needs the root
+        else:
             self._handles.append(model.register_forward_pre_hook(lambda *a: self._root_forward()))
+            if self._modules_per_step:
+                self._modules.install()
         pack = self.provider.wrap_pack(self._pack)  # the patched provider indexes saved tensors by node
         if self._obs is None or pol.reads_saved or pack is not None:
             # On the native source without a provider's pack the hooks only label saved storages for

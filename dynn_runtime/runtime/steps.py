@@ -265,11 +265,11 @@ class Steps:
                 self._held_at_start = list(self.st) if listens else None
             elif listens:
                 self._announce()
-            if self._saved_per_step:
-                # A step the policy sits out with the last step's peak within the budget labels nothing
-                # saved, even if it wakes (then the policy decides this step without those labels)
-                roomy = self._idle_step and bool(self.steps) and self.steps[-1].peak_device_bytes <= self.budget
-                self._enter_saved(not roomy)
+            # A step the policy sits out with the last step's peak within the budget runs without the
+            # hooks that only feed it (saved-tensor labels, module ids), even if it wakes: then the
+            # policy decides this step without them
+            self._policy_hooks(not (self._idle_step and bool(self.steps)
+                                    and self.steps[-1].peak_device_bytes <= self.budget))
             self._map_oracle_persistent()
             if not self._measure_step and self.used > self.budget:
                 # what the program holds between steps may exceed the budget (after the measuring
@@ -281,6 +281,19 @@ class Steps:
                 self._decisions0 = obs.decisions
         if not self._idle_step:
             self._listen_hints()
+
+    def _policy_hooks(self, on: bool) -> None:
+        """The saved-tensor hooks and the module hooks where they serve the policy alone (the native
+        source): pushed and installed (``on``), or not, for the step that starts."""
+        if self._saved_per_step:
+            self._enter_saved(on)
+        mods = self._modules
+        if self._modules_per_step and mods.installed != on:
+            if on:
+                mods.install()
+            else:
+                mods.remove()
+                self._obs.set_module(0)
 
     def _listen_hints(self) -> None:
         # A hint costs the workload a storage lookup per tensor here; only a policy that reads hints

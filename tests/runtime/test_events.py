@@ -891,7 +891,10 @@ def test_paused_runs_pytorch_alone_beside_a_managed_run_and_leaves_it_unchanged(
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         alone = nn.Sequential(nn.Linear(16, 16), nn.Sigmoid())
         xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
-        mm = dr.MemoryManager(1 << 40, policy="pilot", events=events).attach(model, opt)
+        from dynn_runtime.pilot.policy import PilotPolicy
+
+        # every step told: the pilot's module hooks stay installed between steps on either source
+        mm = dr.MemoryManager(1 << 40, policy=PilotPolicy(defer_idle=False), events=events).attach(model, opt)
         losses = []
         try:
             for x in xs:
@@ -1010,19 +1013,20 @@ def test_the_observers_gradient_hook_labels_what_the_python_hook_labels():
     assert got[4] < ref[4]  # the observer takes the gradients whose birth is unread or whose record is labelled
 
 
-def test_a_step_the_policy_sits_out_with_room_pushes_no_saved_tensor_hooks():
-    """The pilot (it reads the saved labels) pushes its saved-tensor hooks for each step it is told and
-    pops them at the step's end; a step it sits out while the last step's peak was within the budget
-    runs without them (autograd calls no Python per saved tensor), and the first step after the
-    measuring step under a budget below its peak has them though it starts idle. Training is the
-    same bit for bit, and the hooks' stack between steps is as it was."""
+def test_a_step_the_policy_sits_out_with_room_runs_without_its_hooks():
+    """The pilot (it reads the saved labels and the modules) pushes its saved-tensor hooks for each
+    step it is told and pops them at the step's end, and has its module hooks installed; a step it
+    sits out while the last step's peak was within the budget runs without either (autograd calls no
+    Python per saved tensor, nor a module's call per module), and the first step after the measuring
+    step under a budget below its peak has them though it starts idle. Training is the same bit for
+    bit, and the hooks' stack between steps is as it was."""
     def run(budget) -> tuple[list[float], list[int], list[bool]]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         mm = None if budget is None else dr.MemoryManager(budget, policy="pilot", events="native").attach(model, opt)
         packs = [0] if mm is None else _count_packs(mm)
-        losses, per_step, idle = [], [], []
+        losses, per_step, idle, modules = [], [], [], []
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         try:
             for step in range(4):
@@ -1030,6 +1034,7 @@ def test_a_step_the_policy_sits_out_with_room_pushes_no_saved_tensor_hooks():
                 before = packs[0]
                 with mm.step() if mm is not None else contextlib.nullcontext():
                     loss = model(x).square().mean()
+                    modules.append(mm is not None and mm._modules.installed)
                     loss.backward()
                     opt.step()
                     opt.zero_grad()
@@ -1040,11 +1045,13 @@ def test_a_step_the_policy_sits_out_with_room_pushes_no_saved_tensor_hooks():
         finally:
             if mm is not None:
                 mm.detach()
-        return losses, per_step, idle
+        return losses, per_step, idle, modules
 
     roomy = run(1 << 40)
     assert roomy[2] == [False, True, True, True]  # told once, then sat out
     assert roomy[1][0] > 0 and roomy[1][1:] == [0, 0, 0]
+    assert roomy[3] == [True, False, False, False]
     tight = run("1/2")  # step 0 measures the peak; the next starts idle and runs short
     assert tight[1][1] > 0 and not tight[2][1]  # it woke, with the hooks pushed from its start
+    assert tight[3][1]
     assert roomy[0] == tight[0] == run(None)[0]
