@@ -110,7 +110,7 @@ def main() -> None:
         runs = [(mode, n) for mode in ("alone", "managed") for n in (lo, hi)]
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as ex:
             futs = {r: ex.submit(_run, family, args.preset, r[0], args.policy, args.budget, args.copies, 1, r[1],
-                                 os.path.join(work, f"cg.{family}.{r[0]}.{r[1]}")) for r in runs}
+                                 os.path.join(work, f"cg.{re.sub(r'[^A-Za-z0-9_.-]', '_', family)}.{r[0]}.{r[1]}")) for r in runs}
             got = {r: f.result() for r, f in futs.items()}
         per = {mode: (got[(mode, hi)][0] - got[(mode, lo)][0]) / (hi - lo) for mode in ("alone", "managed")}
         ops, moves = got[("managed", hi)][1:]

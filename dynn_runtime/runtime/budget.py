@@ -57,6 +57,10 @@ class Budget:
             return None
         return max(1, self.budget // 2)
 
+    def _measuring_now(self) -> bool:
+        """Whether a step that measures the peak runs (the list wrappers keep its largest entry)."""
+        return self._in_step and self._measuring
+
     def _apply_hard_cap(self) -> None:
         """Cap the caching allocator: the budget is this manager's share of the device, on top of what
         the process held outside the managed storages when the cap was set. The storages get the

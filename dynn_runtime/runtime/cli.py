@@ -25,6 +25,9 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budget", default=None, metavar="B",
                    help="train under the memory manager within B: a fraction of the unmanaged peak (1/8, 0.125; "
                         "the first step runs unmanaged to measure it), bytes, or a size (6GiB, 512MB)")
+    g.add_argument("--measure-steps", type=int, default=1, metavar="K",
+                   help="a fractional budget's peak is measured over the first K steps (default 1); a dynamic "
+                        "network's first step need not reach its peak")
     g.add_argument("--policy", default="lru",
                    help="what to move and when: none, lru, save_on_cpu, replay, oracle (records a trace of the "
                         "same run first), pilot (default lru)")
@@ -63,15 +66,16 @@ def run_train(args: argparse.Namespace, overrides: dict) -> int:
     # both sides of the comparison run deterministic kernels (on CUDA some reproduce themselves only so)
     with deterministic() if args.compare else contextlib.nullcontext():
         res = train_managed(args.workload, budget, args.policy, host_budget=args.host_budget,
-                            async_copies=not args.sync_copies, on_step=_printer(budget, args.budget), **common)
+                            async_copies=not args.sync_copies, on_step=_printer(budget, args.budget),
+                            measure_steps=args.measure_steps, **common)
         managed_s = time.perf_counter() - t0
         cmp = compare_unmanaged(res) if args.compare else None
     st = res.stats or {}
     b = res.budget_bytes or 0
     peak = res.max_managed_peak()
     print()
-    how = f"{args.budget} of the measured peak {format_bytes(res.peak_bytes[0])}" if not res.managed_steps[0] \
-        else str(args.budget)
+    measured = st.get("measured_peak_bytes")
+    how = str(args.budget) if measured is None else f"{args.budget} of the measured peak {format_bytes(measured)}"
     print(f"done: {res.steps} step(s) of {res.workload} ({res.preset}) on {res.device}, policy {res.policy}, "
           f"budget {format_bytes(b)} ({how})")
     n_managed = sum(res.managed_steps)
@@ -81,7 +85,8 @@ def run_train(args: argparse.Namespace, overrides: dict) -> int:
             verdict += f" (the largest overshoot: {st['budget_overshoot_at']})"
         print(f"  peak managed bytes   {format_bytes(peak)} over {n_managed} managed step(s): {verdict}")
     else:
-        print("  no managed step: the first step of a fractional budget only measures the peak; add --steps")
+        print("  no managed step: the first steps of a fractional budget only measure the peak (--measure-steps); "
+              "add --steps")
     print(f"  moved                offloaded {format_bytes(st.get('bytes_offloaded', 0))}, prefetched "
           f"{format_bytes(st.get('bytes_prefetched', 0))} (hits {st.get('prefetch_hits', 0)}), fetched on demand "
           f"{format_bytes(st.get('bytes_fetched_on_demand', 0))} (misses {st.get('prefetch_misses', 0)}), "
@@ -130,16 +135,13 @@ def run_train(args: argparse.Namespace, overrides: dict) -> int:
 
 
 def _printer(budget: Any, text: str) -> Any:
-    """Per-step printer; a fractional budget is shown in bytes once the first step has measured it."""
+    """Per-step printer; a fractional budget is shown in bytes once its measuring steps are done."""
     shown = {"text": str(text)}
 
     def on_step(step: int, loss: float, st: dict[str, Any] | None) -> None:
         st = st or {}
         if not st.get("managed", True) and isinstance(budget, (float, str)):
             print(_step_line(step, loss, st, shown["text"]), flush=True)
-            frac = budget if isinstance(budget, float) else _frac(budget)
-            if frac is not None:
-                shown["text"] = format_bytes(int(st["peak_device_bytes"] * frac))
             return
         if st.get("budget_bytes") is not None:  # the manager's own figure (it counts late state too)
             shown["text"] = format_bytes(st["budget_bytes"])
@@ -148,14 +150,6 @@ def _printer(budget: Any, text: str) -> Any:
         print(_step_line(step, loss, st, shown["text"]), flush=True)
 
     return on_step
-
-
-def _frac(text: str) -> float | None:
-    num, sep, den = text.partition("/")
-    try:
-        return float(num) / float(den) if sep else None
-    except (ValueError, ZeroDivisionError):
-        return None
 
 
 def _strict(x: Any) -> Any:

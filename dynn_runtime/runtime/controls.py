@@ -66,6 +66,15 @@ class OpTimeline:
             for a in (self._step, self._pos, self._used, self._phase):
                 del a[:k]
 
+    def of_step(self, step: int) -> Iterator[tuple[int, int]]:
+        """(position, device bytes) of step ``step``'s entries, where they are the last ones kept."""
+        steps, k = self._step, len(self._step)
+        first = max(0, k - self.maxlen)
+        i = k
+        while i > first and steps[i - 1] == step:
+            i -= 1
+        return zip(self._pos[i:k], self._used[i:k])
+
     def __len__(self) -> int:
         return min(len(self._pos), self.maxlen)
 

@@ -12,6 +12,12 @@ namespace replaced (where optimizers, ``clip_grad_norm_`` and ``GradScaler`` loo
 wrappers that pass a call through unchanged when its tensors fit ``limit()`` bytes, and otherwise
 run it slice by slice, each slice an ordinary operator to the event source. Calls through
 ``torch.ops.aten`` are not seen (the operator then has to fit whole).
+
+A manager's measuring step runs every call whole (there is no budget yet) and asks whether the
+budget it is about to set can hold each operator. A list operator need not fit whole, only its
+largest entry (a slice is at least one): while ``measuring()`` says so, the wrappers keep that in
+``largest_entry``, and the manager leaves list operators out of its own largest-operator check
+(:func:`is_list_operator`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 
 from .events import native_module
 
-__all__ = ["ListSplitter", "list_function_names"]
+__all__ = ["ListSplitter", "is_list_operator", "list_function_names"]
 
 #: one-dimensional tensor arguments that carry one scalar per list entry (``scalars: Tensor``)
 _TENSOR_SCALARS = ("_foreach_addcdiv", "_foreach_addcmul")
@@ -34,6 +40,13 @@ def list_function_names() -> list[str]:
                   or n == "_amp_foreach_non_finite_check_and_unscale_")
 
 
+def is_list_operator(name: str) -> bool:
+    """Whether the ATen operator ``name`` (``aten::_foreach_add_.List``) is one the wrappers split,
+    when it is called through the ``torch`` namespace."""
+    base = name.split("::", 1)[-1]
+    return base.startswith(("_foreach_", "_fused_")) or base.startswith("_amp_foreach_non_finite_check_and_unscale_")
+
+
 def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
@@ -41,14 +54,18 @@ def _nbytes(t: Any) -> int:
 class ListSplitter:
     """The wrappers, installed while at least one splitter is active: ``limit()`` gives the most
     bytes one call may touch (None: never split), the smallest of the active limits applies.
-    ``calls_split`` counts the calls this splitter's limit split."""
+    ``calls_split`` counts the calls this splitter's limit split. While ``measuring()`` (and no
+    limit applies), ``largest_entry`` keeps the most bytes one entry of a call touched, and the
+    call's function name."""
 
     _active: list[ListSplitter] = []
     _saved: dict[str, Any] = {}
 
-    def __init__(self, limit: Callable[[], int | None]) -> None:
+    def __init__(self, limit: Callable[[], int | None], measuring: Callable[[], bool] | None = None) -> None:
         self.limit = limit
+        self.measuring = measuring
         self.calls_split = 0
+        self.largest_entry: tuple[int, str] = (0, "")
 
     def install(self) -> None:
         cls = type(self)
@@ -77,6 +94,41 @@ class ListSplitter:
                 best = (lim, sp)
         return best
 
+    @classmethod
+    def _measure(cls, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A call that runs whole: the splitters that measure keep its largest entry."""
+        measuring = [sp for sp in cls._active if sp.measuring is not None and sp.measuring()]
+        if not measuring:
+            return
+        n = _list_length(args, kwargs)
+        if n < 1:
+            return
+        top = max(_per_entry(name, n, args, kwargs))
+        for sp in measuring:
+            if top > sp.largest_entry[0]:
+                sp.largest_entry = (top, name)
+
+
+def _list_length(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The length of the call's tensor lists (0: none)."""
+    return next((len(a) for a in (*args, *kwargs.values())
+                 if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)), 0)
+
+
+def _per_entry(name: str, n: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+    """The bytes each of the ``n`` entries of a call touches: its tensor in every list argument,
+    and, for an out-of-place function, its result (as large as its tensor in the first list)."""
+    per = [0] * n
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)) and len(a) == n:
+            for i, t in enumerate(a):
+                per[i] += _nbytes(t)
+    if not name.endswith("_"):
+        first = next(a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) and len(a) == n)
+        for i, t in enumerate(first):
+            per[i] += _nbytes(t)
+    return per
+
 
 def _wrap(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
     tensor_scalars = name.startswith(_TENSOR_SCALARS)
@@ -84,23 +136,15 @@ def _wrap(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
         limit, owner = ListSplitter._limit()
         if limit is None:
+            ListSplitter._measure(name, args, kwargs)
             return orig(*args, **kwargs)
-        n = next((len(a) for a in (*args, *kwargs.values())
-                  if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)), 0)
+        n = _list_length(args, kwargs)
         if n < 2:
             return orig(*args, **kwargs)
         total = _total_nbytes(name, n, (*args, *kwargs.values()))
         if total is not None and total <= limit:  # the sum of `per` below, summed natively
             return orig(*args, **kwargs)
-        per = [0] * n
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, (list, tuple)) and len(a) == n:
-                for i, t in enumerate(a):
-                    per[i] += _nbytes(t)
-        if not name.endswith("_"):  # out of place: the results are as large as the first list
-            first = next(a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) and len(a) == n)
-            for i, t in enumerate(first):
-                per[i] += _nbytes(t)
+        per = _per_entry(name, n, args, kwargs)
         if sum(per) <= limit:
             return orig(*args, **kwargs)
         owner.calls_split += 1

@@ -109,9 +109,12 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
     """Keep a training loop's device memory within ``budget`` by moving tensors as ``policy`` says.
 
     ``budget``: bytes (int), a size string (``"6GiB"``), or a float in (0, 1]: that fraction of the
-    workload's unmanaged peak, which the manager measures during the first :meth:`step` (that step
-    runs unmanaged, so it must fit on the device); left out, :func:`default_budget` (on CUDA the
-    device's free memory less a headroom). ``policy``: a registered policy name (``none``,
+    workload's unmanaged peak, which the manager measures during the first ``measure_steps``
+    :meth:`step` calls (default 1; those steps run unmanaged, so they must fit on the device: on
+    CUDA they run under its free memory); left out, :func:`default_budget` (on CUDA the device's
+    free memory less a headroom). A dynamic network's first step need not reach its peak (a
+    dynamic-depth model's first batch may run few layers, and Adam makes state only for the
+    parameters that had a gradient): measure over more steps, or give bytes. ``policy``: a registered policy name (``none``,
     ``save_on_cpu``, ``lru``, ``replay``, ``oracle``, ``pilot``, ``checkpoint``, ``dtr``) or a
     :class:`~dynn_runtime.policies.base.Policy`. ``device``: where the model trains (default: CUDA
     if available, else the CPU, where the budget is logical).
@@ -157,6 +160,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         copies: Any = None,
         record_every_op: bool = False,
         hooks: Any = "auto",
+        measure_steps: int = 1,
     ) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -176,6 +180,11 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         if budget is None:
             budget = default_budget(self.device)
         self.budget: int | None = self._parse_budget(budget)
+        if isinstance(measure_steps, bool) or not isinstance(measure_steps, int) or measure_steps < 1:
+            raise ConfigError(f"runtime: measure_steps must be a whole number of steps, at least 1; got {measure_steps!r}.")
+        #: steps a fractional budget's peak is measured over, and the largest peak they measured so far
+        self.measure_steps = measure_steps
+        self._measured: list[int] = []
         provides = {"history", "pilot"} | ({"gpu"} if self.device.type == "cuda" else set())
         self._trace: Trace | None = None
         if trace is not None:
@@ -442,7 +451,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
             self._apply_hard_cap()
         if self.pool.pin and self.pool.budget is not None:
             self.pool.reserve(self.pool.budget)  # pinned at attach, not during a step
-        self._lists = ListSplitter(self._list_limit)
+        self._lists = ListSplitter(self._list_limit, self._measuring_now)
         self._lists.install()
         self.policy.attach(self)
         # the observer keeps the policy's order where the policy hands it over (lru): no

@@ -24,6 +24,7 @@ from ..memory import format_bytes
 from ..residency import Status
 from ..trace.format import Op
 from ..trace.recorder import IGNORED_OPS
+from .lists import is_list_operator
 from .oom import retryable
 from .storages import _storage_key
 
@@ -184,7 +185,8 @@ class PythonSource:
         collective = name.startswith("c10d::")
         est = 0 if collective else self._estimate_out(func, args, kwargs) or 0  # collectives work in place
         touched = sum(self.st[x].nbytes for x in ins) + est
-        if self._measuring and touched > self._largest_op[0]:
+        if (self._measuring and touched > self._largest_op[0]
+                and not (self._lists is not None and is_list_operator(name))):  # (split: lists.py)
             self._largest_op = (touched, where)
         if not self._measure_step and self.budget is not None and touched > self.budget:
             raise BudgetError(

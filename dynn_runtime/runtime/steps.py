@@ -16,7 +16,9 @@ State: ``_in_step``, ``_step_index``, ``_cur``, ``steps``, ``history``, ``_measu
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import time
 import weakref
 from collections.abc import Iterator
@@ -149,7 +151,7 @@ class Steps:
                     raise
                 raise error from exc
             raise BudgetError(
-                f"runtime: a fractional budget ({self._budget_spec!r}) measures the peak in the first step, run "
+                f"runtime: a fractional budget ({self._budget_spec!r}) measures the peak in its first steps, run "
                 + ("unmanaged" if first_budget is None else f"under the device's free memory ({format_bytes(first_budget)})")
                 + ", and that step ran out of device memory. Give the budget in bytes (budget='20GiB'), or leave it "
                 "out (the device's free memory less a headroom)."
@@ -421,17 +423,22 @@ class Steps:
         self._ops = []
         if self._measuring and not ok:
             self.budget = None  # the next step measures again
+        elif self._measuring and len(self._measured) + 1 < self.measure_steps:
+            self._measured.append(self._later_peak(cur))  # measuring goes on next step
+            self.measured_peak = max(self._measured)
+            self.budget = None
+            cur.managed = False
         elif self._measuring:
             frac = self.budget_fraction
-            # State the step created after its peak and keeps (the optimizer's first moments) is
-            # there at every later step's peak: count it, or "1/8" would really mean less.
-            late = sum(x.nbytes for x in self.st.values()
-                       if x.born_step == self._step_index and x.born_pos > self._live_pos and x.kind in _PERSISTENT)
-            self.measured_peak = max(self._live_peak, cur.peak_device_bytes) + late
+            self.measured_peak = max(self._measured + [self._later_peak(cur)])
+            self._measured = []
             self.budget = max(1, int(self.measured_peak * frac))
             cur.managed = False
-            if self._largest_op[0] > self.budget:
-                need, where = self._largest_op
+            need, where = self._largest_op
+            entry, fn = self._lists.largest_entry if self._lists is not None else (0, "")
+            if entry > need:  # a list operator runs in slices of at least one entry (lists.py)
+                need, where = entry, f"one entry of torch.{fn}'s lists (the least a slice of the call holds)"
+            if need > self.budget:
                 self._budget_problem = (
                     f"runtime: a budget of {frac:g} of the measured peak ({format_bytes(self.budget)}) is smaller "
                     f"than what one operator needs: {where} touches {format_bytes(need)} at once. Raise the "
@@ -449,6 +456,28 @@ class Steps:
             raise BudgetError(msg)
         if error is not None:
             raise error
+
+    def _later_peak(self, cur: StepStats) -> int:
+        """The peak the steps after this measuring one reach, from what it held at each operator.
+        State it created and keeps (the optimizer's moments, made in its first ``step()``) is there
+        from the start of every later step, so each point of this step counts with the state born
+        after it: the forward's activations meet the moments next step. Left out, "1/2" of a model
+        whose moments are made after its activations' peak would really be a smaller share."""
+        step = self._step_index
+        born = sorted((x.born_pos, x.nbytes) for x in self.st.values()
+                      if x.born_step == step and x.kind in _PERSISTENT)
+        at = [b[0] for b in born]
+        after = list(itertools.accumulate(reversed([b[1] for b in born])))[::-1] + [0]  # bytes born from i on
+
+        def late(pos: int) -> int:  # bytes of the state born after operator ``pos``
+            return after[bisect.bisect_right(at, pos)]
+
+        best = max(self._live_peak + late(self._live_pos), cur.peak_device_bytes + late(self._peak_pos))
+        if born:
+            for pos, used in self._timeline.of_step(step):
+                if used + late(pos) > best:
+                    best = used + late(pos)
+        return best
 
     def _fetch_back(self, s: Any) -> bool:
         """End of a step: bring ``s``, which the program holds, back on the device; within the budget
@@ -522,7 +551,14 @@ class Steps:
             return
         obs, st = self._obs, self.st
         if obs is not None:
-            for v in obs.state_to_label(self.optimizer.state, st, _LABELLED_TYPES, _SETTLED_STATE):
+            new = obs.state_to_label(self.optimizer.state, st, _LABELLED_TYPES, _SETTLED_STATE)
+            if new and self._in_step and any(obs.sid_of(v) not in st for v in new):
+                # born since the log was read (the first step's state): read it first, so that
+                # each record has its birth's position (the measured peak counts state born after
+                # the peak as late), not this hook's
+                with no_mode():
+                    self._native_parse(in_step=True)
+            for v in new:
                 self._track(v, "opt_state", fresh=False)
             return
         seen, tensor = self._opt_marked, torch.Tensor

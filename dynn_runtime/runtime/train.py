@@ -260,9 +260,11 @@ def train_managed(
     on_step: StepCallback | None = None,
     record_every_op: bool = False,
     policy_options: dict | None = None,
+    measure_steps: int = 1,
 ) -> RunResult:
     """Train ``workload`` for ``steps`` steps under a :class:`MemoryManager` with ``budget`` and ``policy``
-    (built with ``policy_options``, e.g. ``{"online": True}`` for the pilot).
+    (built with ``policy_options``, e.g. ``{"online": True}`` for the pilot; a fractional budget
+    measured over the first ``measure_steps`` steps).
 
     ``workload`` is a zoo name or ``path/to/file.py:function`` (a workload object works too, except
     with ``oracle`` and no ``trace``). ``budget`` is what the manager takes (bytes, ``"6GiB"``,
@@ -285,7 +287,7 @@ def train_managed(
             trace_path = stack.enter_context(_recorded_trace(workload, steps, preset, seed, dev, overrides))
         mm = MemoryManager(budget, policy=policy, device=dev, host_budget=host_budget, async_copies=async_copies,
                            hard_cap=hard_cap, trace=trace_path, record_every_op=record_every_op,
-                           policy_options=policy_options)
+                           policy_options=policy_options, measure_steps=measure_steps)
         wl, model, opt = _setup(workload, preset, seed, dev, overrides)
         res = RunResult(workload=_name(workload), spec=_spec(workload), preset=preset, seed=seed, steps=steps,
                         device=str(dev), policy=mm.policy.name, budget=budget, overrides=dict(overrides or {}),

@@ -82,6 +82,33 @@ def test_list_operators_split_to_fit_and_keep_the_bits(opt_name, scaler, events)
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("events", _sources())
+@pytest.mark.parametrize("opt_name", ["adam-foreach", "adamw-fused"])
+def test_a_fraction_is_checked_against_a_list_operators_largest_entry_not_the_whole_call(opt_name, events):
+    # At 1/4 of the peak the optimizer's list operators touch more than the budget at once (the
+    # measuring step runs them whole), but each entry fits: they run in slices
+    want_losses, want, _ = _train(opt_name, None)
+    losses, got, split = _train(opt_name, dict(budget=0.25, policy="lru", device="cpu", events=events))
+    assert split > 0
+    assert losses == want_losses
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("events", _sources())
+def test_a_fraction_below_a_list_operators_largest_entry_names_it(events):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 4))  # one 1 MiB weight
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    mm = MemoryManager(0.25, policy="lru", device="cpu", events=events).attach(model, opt)
+    try:
+        with pytest.raises(BudgetError, match=r"one entry of torch\._fused_adamw_'s lists .* touches 4\.0 MiB"):
+            with mm.step():
+                model(torch.randn(8, 512)).sum().backward()
+                opt.step()
+    finally:
+        mm.detach()
+
+
 def test_without_splitting_the_same_budget_is_refused(monkeypatch):
     monkeypatch.setattr(lists.ListSplitter, "install", lambda self: None)
     with pytest.raises(BudgetError, match="_foreach_"):
