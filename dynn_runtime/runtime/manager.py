@@ -114,10 +114,10 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
     CUDA they run under its free memory); left out, :func:`default_budget` (on CUDA the device's
     free memory less a headroom). A dynamic network's first step need not reach its peak (a
     dynamic-depth model's first batch may run few layers, and Adam makes state only for the
-    parameters that had a gradient): measure over more steps, or give bytes. ``policy``: a registered policy name (``none``,
-    ``save_on_cpu``, ``lru``, ``replay``, ``oracle``, ``pilot``, ``checkpoint``, ``dtr``) or a
-    :class:`~dynn_runtime.policies.base.Policy`. ``device``: where the model trains (default: CUDA
-    if available, else the CPU, where the budget is logical).
+    parameters that had a gradient): measure over more steps, or give bytes. ``policy``: a
+    registered policy name (``none``, ``save_on_cpu``, ``lru``, ``replay``, ``oracle``, ``pilot``,
+    ``checkpoint``, ``dtr``) or a :class:`~dynn_runtime.policies.base.Policy`. ``device``: where
+    the model trains (default: CUDA if available, else the CPU, where the budget is logical).
 
     Options: ``host_budget`` (bytes or size string; the most host memory offloaded tensors may use;
     default unlimited), ``async_copies`` (False: every copy on the compute stream, synchronous),
