@@ -32,8 +32,8 @@ OPTIMIZERS = {
 }
 
 
-def _train(opt_name: str, mm_kwargs: dict | None, steps: int = 3, scaler: bool = False):
-    model = _model()
+def _train(opt_name: str, mm_kwargs: dict | None, steps: int = 3, scaler: bool = False, device: str = "cpu"):
+    model = _model().to(device)
     opt = OPTIMIZERS[opt_name](model.parameters())
     mm = MemoryManager(**mm_kwargs).attach(model, opt) if mm_kwargs else None
     amp = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaler else None
@@ -41,7 +41,7 @@ def _train(opt_name: str, mm_kwargs: dict | None, steps: int = 3, scaler: bool =
     try:
         for step in range(steps):
             g = torch.Generator().manual_seed(step)
-            x = torch.randn(64, 128, generator=g)
+            x = torch.randn(64, 128, generator=g).to(device)
             ctx = mm.step() if mm is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
             with ctx:
                 loss = model(x).pow(2).mean()
@@ -89,6 +89,19 @@ def test_a_fraction_is_checked_against_a_list_operators_largest_entry_not_the_wh
     # measuring step runs them whole), but each entry fits: they run in slices
     want_losses, want, _ = _train(opt_name, None)
     losses, got, split = _train(opt_name, dict(budget=0.25, policy="lru", device="cpu", events=events))
+    assert split > 0
+    assert losses == want_losses
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opt_name", ["adam-foreach", "adamw-fused"])
+def test_a_fraction_below_the_whole_list_call_trains_on_cuda_bit_identically(opt_name):
+    from dynn_runtime.runtime.train import deterministic
+
+    with deterministic():  # both sides (cuBLAS reproduces itself only so)
+        want_losses, want, _ = _train(opt_name, None, device="cuda")
+        losses, got, split = _train(opt_name, dict(budget=0.25, policy="lru", device="cuda"), device="cuda")
     assert split > 0
     assert losses == want_losses
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
