@@ -75,6 +75,9 @@ def _run(family: str, preset: str, mode: str, policy: str, budget: str, engine: 
     # directory would shadow a package installed elsewhere, as when a build is compared with another)
     env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
                MKL_NUM_THREADS="1")
+    path, sep, fn = family.rpartition(":")
+    if sep and path.endswith(".py"):  # a workload file: the child runs in another directory
+        family = f"{os.path.abspath(path)}:{fn}"
     cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-c", _CHILD,
            family, preset, mode, policy, str(warm), str(steps), budget, engine]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=os.path.dirname(out))
