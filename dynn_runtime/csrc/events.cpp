@@ -1238,6 +1238,9 @@ class Observer {
         random = true;
       }
     }
+    for (int i : undeclared_writes(op.schema().name()))  // (kept ascending: the walks read it in order)
+      if (i < static_cast<int>(args.size()) && std::find(inf.writes.begin(), inf.writes.end(), i) == inf.writes.end())
+        inf.writes.insert(std::upper_bound(inf.writes.begin(), inf.writes.end(), i), i);
     inf.retry = inf.writes.empty();
     inf.random = random;
     if (!inf.skip) {
@@ -1310,6 +1313,16 @@ class Observer {
       on_oom(twice, name, ctx, true);
       throw;
     }
+  }
+
+  // Schema argument indices an operator writes in place although its schema does not mark them
+  // (the batch norms update the running statistics they are given in training mode): they count as
+  // written, for stale host copies (invariant 5) and for the OOM retry (invariant 11) alike.
+  // runtime/oom.py's UNDECLARED_WRITES says the same.
+  static std::vector<int> undeclared_writes(const std::string& name) {
+    if (name == "aten::native_batch_norm" || name == "aten::cudnn_batch_norm" || name == "aten::miopen_batch_norm")
+      return {3, 4};  // running_mean, running_var
+    return {};
   }
 
   // Operators that draw from the default generator without a Generator argument.
@@ -2021,7 +2034,7 @@ bool add_operator_parse(PyObject* module);  // operators.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 25;
+  m.attr("ABI") = 26;
   if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;

@@ -949,11 +949,15 @@ class NativeSource:
 
     def _drop_stale_hosts(self, sids: Iterable[int]) -> None:
         """Storages written since their host copy was made (the observer clears ``host_valid`` on a
-        write): the copy no longer equals the device bytes, so it is dropped, never used to evict."""
+        write): the copy no longer equals the device bytes, so it is dropped, never used to evict.
+        Only a resident one's: the observer clears the flag when it sees an operator that writes a
+        storage away, before that operator's fault brings it back, and the copy is then the
+        storage's only bytes (what the fault fetches; the kernel writes after it). A later eviction
+        asks the observer again (:meth:`~.moves.Moves._evict`)."""
         st, obs = self.st, self._obs
         for sid in sids:
             x = st.get(sid)
-            if x is not None and x.host is not None and not obs.host_valid(sid):
+            if x is not None and x.host is not None and x.status is RESIDENT and not obs.host_valid(sid):
                 self._drop_host(x)
 
     def _record_born(self, born: dict[int, list[int]], now: float) -> None:

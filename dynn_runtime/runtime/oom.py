@@ -33,7 +33,7 @@ import torch
 from ..errors import BudgetError
 from ..memory import format_bytes
 
-__all__ = ["OutOfMemory", "RANDOM_BY_NAME", "cap_shortfall", "draws", "fragmented", "oom_request", "retryable"]
+__all__ = ["OutOfMemory", "RANDOM_BY_NAME", "UNDECLARED_WRITES", "cap_shortfall", "draws", "fragmented", "oom_request", "retryable"]
 
 #: operators that draw from the default generator without a ``Generator`` argument (events.cpp's
 #: ``random_by_name`` lists the same; a test checks it)
@@ -83,12 +83,20 @@ def fragmented(message: str, request: int) -> bool:
     return unallocated is not None and unallocated >= request > 0
 
 
+#: schema argument indices an operator writes in place although its schema does not mark them: the
+#: batch norms update the running statistics they are given in training mode (csrc/events.cpp's
+#: ``undeclared_writes`` says the same)
+UNDECLARED_WRITES = {name: (3, 4) for name in ("aten::native_batch_norm", "aten::cudnn_batch_norm",
+                                               "aten::miopen_batch_norm")}
+
+
 @functools.lru_cache(maxsize=4096)
 def retryable(func: Any) -> bool:
     """Whether an out-of-memory error of operator ``func`` may be retried: it writes none of its
-    arguments (in place, out=; events.cpp, invariant 11). A random one is retried with its
-    generator's state restored (:func:`draws`)."""
-    return not any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+    arguments (in place, out=, or :data:`UNDECLARED_WRITES`; events.cpp, invariant 11). A random one
+    is retried with its generator's state restored (:func:`draws`)."""
+    return (func._schema.name not in UNDECLARED_WRITES
+            and not any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -25,7 +25,7 @@ from ..residency import Status
 from ..trace.format import Op
 from ..trace.recorder import IGNORED_OPS
 from .lists import is_list_operator
-from .oom import retryable
+from .oom import UNDECLARED_WRITES, retryable
 from .storages import _storage_key
 
 RESIDENT = Status.RESIDENT
@@ -278,8 +278,9 @@ class PythonSource:
     def _note_writes(self, func: Any, args: tuple, kwargs: dict) -> list[int]:
         """Managed storages ``func`` wrote: their host copies are stale now (invariant 5)."""
         writes = []
+        extra = UNDECLARED_WRITES.get(func._schema.name, ())
         for i, a in enumerate(func._schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
+            if (a.alias_info is not None and a.alias_info.is_write) or i in extra:
                 v = args[i] if i < len(args) else kwargs.get(a.name)
                 for t in (v if isinstance(v, (list, tuple)) else (v,)):
                     if isinstance(t, torch.Tensor):

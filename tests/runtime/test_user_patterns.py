@@ -1,0 +1,111 @@
+"""Training loops as users write them, under a fractional budget that moves tensors, against
+PyTorch alone bit for bit: tied weights, BatchNorm's running statistics, gradient accumulation,
+``clip_grad_norm_``, ``zero_grad`` with and without ``set_to_none``, an LR scheduler, parameter
+groups, fused and foreach optimizers, bf16 autocast."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import dynn_runtime as dr
+from dynn_runtime.runtime.events import native_module
+
+SOURCES = ["python", "native"] if native_module() is not None else ["python"]
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 64)
+        self.bn = nn.BatchNorm1d(64)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.LayerNorm(64)) for _ in range(4))
+        self.head = nn.Linear(64, 100, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, idx: torch.Tensor, depth: int) -> torch.Tensor:
+        h = self.bn(self.emb(idx).transpose(1, 2)).transpose(1, 2)
+        for block in self.blocks[:depth]:  # dynamic depth
+            h = h + block(h)
+        return self.head(h)
+
+
+OPTIMIZERS = {
+    "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
+    "adam-fused": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, fused=True),
+    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+    "adamw-groups": lambda m: torch.optim.AdamW([
+        {"params": m.blocks.parameters(), "lr": 1e-3},
+        {"params": [*m.emb.parameters(), *m.bn.parameters()], "lr": 1e-4, "weight_decay": 0.0}]),
+}
+
+
+def _train(opt_name: str, budget, events: str, amp: bool, steps: int = 5, accum: int = 2):
+    torch.manual_seed(0)
+    model = _Net()
+    opt = OPTIMIZERS[opt_name](model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    mm = dr.MemoryManager(budget, policy="lru", device="cpu", events=events).attach(model, opt) if budget else None
+    losses = []
+    try:
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            with mm.step() if mm is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                for k in range(accum):
+                    idx = torch.randint(0, 100, (16, 12), generator=g)
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                        out = model(idx, 1 + (step + k) % 4)
+                        loss = nn.functional.cross_entropy(out.float().reshape(-1, 100), idx.reshape(-1)) / accum
+                    loss.backward()
+                    losses.append(loss.item())
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=step % 2 == 0)
+            sched.step()
+        moved = mm.stats()["evictions"] if mm is not None else 0
+    finally:
+        if mm is not None:
+            mm.detach()
+    state = [t.clone() for t in model.state_dict().values()]
+    state += [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return losses, state, moved
+
+
+@pytest.mark.parametrize("events", SOURCES)
+@pytest.mark.parametrize("opt_name,amp", [(n, False) for n in OPTIMIZERS] + [("adam", True), ("sgd", True)])
+def test_a_users_training_loop_keeps_its_bits_under_a_budget_that_moves(opt_name, amp, events):
+    want_losses, want, _ = _train(opt_name, None, events, amp)
+    losses, got, moved = _train(opt_name, 0.3, events, amp)
+    assert moved > 0
+    assert losses == want_losses
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("events", SOURCES)
+def test_batch_norms_running_statistics_written_in_place_survive_the_next_eviction(events):
+    # native_batch_norm updates running_mean and running_var in place without its schema saying
+    # so: the host copy the first offload made is stale after the forward, and the second offload
+    # must copy again rather than keep it
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16))
+    ref = copy.deepcopy(model)
+    bn = model[1]
+    mm = dr.MemoryManager(1 << 30, policy="lru", device="cpu", events=events).attach(model)
+    try:
+        for step in range(3):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            assert mm.offload(bn.running_mean, bn.running_var) > 0
+            with mm.step():
+                model(x).sum().backward()  # fetches them back and updates them
+            ref(x).sum().backward()
+        assert mm.offload(bn.running_mean, bn.running_var) > 0
+        assert torch.equal(bn.running_mean, ref[1].running_mean)
+        assert torch.equal(bn.running_var, ref[1].running_var)
+    finally:
+        mm.detach()
