@@ -109,6 +109,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Operators.h>
 #include <ATen/SequenceNumber.h>
+#include <ATen/SparseCsrTensorImpl.h>
+#include <ATen/SparseTensorImpl.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -1511,7 +1513,10 @@ class Observer {
   // One tensor among the operator's arguments (`written`: the schema marks its argument written).
   void see_input(const at::Tensor& t, bool written, int64_t stream, Ctx& ctx) {
     c10::StorageImpl* impl = managed_impl(t);
-    if (impl == nullptr) return;
+    if (impl == nullptr) {
+      if (t.defined() && t.layout() != c10::kStrided) see_sparse_input(t, written, stream, ctx);
+      return;
+    }
     Entry* e = lookup_or_add(impl, t, /*fresh=*/false, stream).first;
     const size_t n_ins = ctx.ins.size();
     add_unique(ctx.ins, e->sid);
@@ -1521,6 +1526,29 @@ class Observer {
       add_unique(ctx.writes, e->sid);
       if (e->host_valid && recency_live_) ctx.stale.push_back(e->sid);
       e->host_valid = false;
+    }
+  }
+
+  // A sparse argument: its kernel reads the dense tensors it is made of (a COO tensor's indices and
+  // values, a compressed one's two index tensors and values), whose storages are tracked like any
+  // other once an operator shows them (`_values()`, or a sparse gradient made in backward), and so
+  // may be away: each is an input, faulted back before the kernel (invariant 12).
+  C10_NOINLINE void see_sparse_input(const at::Tensor& t, bool written, int64_t stream, Ctx& ctx) {
+    // a wrapper's (fake, functional, a Python subclass) implementation is not the sparse one the
+    // layout names; for every other tensor the layout says which it is
+    static const c10::DispatchKeySet wrappers({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
+    if (t.unsafeGetTensorImpl()->key_set().has_any(wrappers)) return;
+    const c10::Layout layout = t.layout();
+    if (layout == c10::kSparse) {
+      auto* impl = static_cast<at::SparseTensorImpl*>(t.unsafeGetTensorImpl());
+      see_input(impl->indices(), written, stream, ctx);
+      see_input(impl->values(), written, stream, ctx);
+    } else if (layout == c10::kSparseCsr || layout == c10::kSparseCsc || layout == c10::kSparseBsr ||
+               layout == c10::kSparseBsc) {
+      auto* impl = static_cast<at::SparseCsrTensorImpl*>(t.unsafeGetTensorImpl());
+      see_input(impl->compressed_indices(), written, stream, ctx);
+      see_input(impl->plain_indices(), written, stream, ctx);
+      see_input(impl->values(), written, stream, ctx);
     }
   }
 
@@ -2034,7 +2062,7 @@ bool add_operator_parse(PyObject* module);  // operators.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dynn-runtime's native event source (see dynn_runtime/runtime/events.py)";
-  m.attr("ABI") = 26;
+  m.attr("ABI") = 27;
   if (!dynn::add_operator_parse(m.ptr())) throw py::error_already_set();
   m.attr("LOG_OP") = dynn::kOp;
   m.attr("LOG_ALLOC") = dynn::kAlloc;

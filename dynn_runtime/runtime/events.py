@@ -38,7 +38,7 @@ __all__ = ["EVENT_SOURCES", "QUIET", "native_module", "native_reason", "no_mode"
 EVENT_SOURCES = ("auto", "native", "python")
 
 #: the interface version of dynn_runtime._C this package speaks (``ABI`` in csrc/events.cpp)
-NATIVE_ABI = 26
+NATIVE_ABI = 27
 
 _module: Any = None
 _reason = ""

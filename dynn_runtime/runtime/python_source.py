@@ -49,14 +49,35 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+#: a compressed sparse layout's two index tensors, by the names of their accessors
+_COMPRESSED = {torch.sparse_csr: ("crow_indices", "col_indices"), torch.sparse_csc: ("ccol_indices", "row_indices"),
+               torch.sparse_bsr: ("crow_indices", "col_indices"), torch.sparse_bsc: ("ccol_indices", "row_indices")}
+
+
+def _parts(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``t``, or for a sparse tensor the dense tensors its kernels read (a COO tensor's indices and
+    values, a compressed one's index tensors and values): their storages may be away, as any other's
+    (csrc/events.cpp's ``see_sparse_input`` does the same)."""
+    layout = t.layout
+    if layout is torch.strided:
+        yield t
+    elif layout is torch.sparse_coo:
+        yield t._indices()
+        yield t._values()
+    elif layout in _COMPRESSED:
+        for name in _COMPRESSED[layout]:
+            yield getattr(t, name)()
+        yield t.values()
+
+
 def _tensors(args: Any, kwargs: Any) -> Iterator[torch.Tensor]:
     for a in itertools.chain(args, kwargs.values()):
         if isinstance(a, torch.Tensor):
-            yield a
+            yield from _parts(a)
         elif isinstance(a, (list, tuple)):
             for b in a:
                 if isinstance(b, torch.Tensor):
-                    yield b
+                    yield from _parts(b)
 
 
 def _tensors_out(out: Any) -> Iterator[torch.Tensor]:
@@ -82,6 +103,8 @@ def _works(out: Any) -> list[Any]:
 
 def _signature(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
+        if obj.layout is not torch.strided:  # (no strides; its meta run fails, and its output is bounded)
+            return (tuple(obj.shape), str(obj.layout), obj.dtype, obj.device.type)
         return (tuple(obj.shape), tuple(obj.stride()), obj.dtype, obj.storage_offset(), obj.device.type)
     if isinstance(obj, (list, tuple)):
         return tuple(_signature(o) for o in obj)
@@ -147,6 +170,8 @@ def _meta_out_bytes(func: Any, args: tuple, kwargs: dict) -> int | None:
         in_keys = {_storage_key(t.untyped_storage()) for t in _tensors(margs, mkwargs)}
         seen, est = set(), 0
         for t in _tensors_out(mout):
+            if t.layout is not torch.strided:  # (a sparse result's parts are tracked where they are read)
+                continue
             k = _storage_key(t.untyped_storage())
             if k in in_keys or k in seen:
                 continue
@@ -282,18 +307,17 @@ class PythonSource:
         for i, a in enumerate(func._schema.arguments):
             if (a.alias_info is not None and a.alias_info.is_write) or i in extra:
                 v = args[i] if i < len(args) else kwargs.get(a.name)
-                for t in (v if isinstance(v, (list, tuple)) else (v,)):
-                    if isinstance(t, torch.Tensor):
-                        sid = self._sid(t)
-                        if sid is not None:
-                            writes.append(sid)
-                            s = self.st[sid]
-                            if s.host is not None:
-                                self._drop_host(s)
-                            st = t.untyped_storage()
-                            if st.nbytes() != s.nbytes:  # out= resized it
-                                self.used += st.nbytes() - s.nbytes
-                                s.nbytes = st.nbytes()
+                for t in _tensors(v if isinstance(v, (list, tuple)) else (v,), {}):
+                    sid = self._sid(t)
+                    if sid is not None:
+                        writes.append(sid)
+                        s = self.st[sid]
+                        if s.host is not None:
+                            self._drop_host(s)
+                        st = t.untyped_storage()
+                        if st.nbytes() != s.nbytes:  # out= resized it
+                            self.used += st.nbytes() - s.nbytes
+                            s.nbytes = st.nbytes()
         return writes
 
     def _dispatch_between_steps(self, func: Any, args: tuple, kwargs: dict, name: str) -> Any:

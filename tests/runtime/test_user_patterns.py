@@ -109,3 +109,75 @@ def test_batch_norms_running_statistics_written_in_place_survive_the_next_evicti
         assert torch.equal(bn.running_var, ref[1].running_var)
     finally:
         mm.detach()
+
+
+class _ConvWithSparseEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.Conv2d(64, 64, 3, padding=1, groups=4), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+        self.emb = nn.Embedding(1000, 32, sparse=True)  # a sparse gradient, and SparseAdam's sparse updates
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.features(x) + self.emb(ids).sum(1)[:, :10]
+
+
+def _train_conv(budget, events: str, steps: int = 5):
+    torch.manual_seed(0)
+    model = _ConvWithSparseEmbedding().to(memory_format=torch.channels_last)
+    dense = [p for n, p in model.named_parameters() if not n.startswith("emb")]
+    opt = torch.optim.SGD(dense, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    sparse_opt = torch.optim.SparseAdam(model.emb.parameters(), lr=1e-2)  # not attached: its state stays put
+    mm = dr.MemoryManager(budget, policy="lru", device="cpu", events=events).attach(model, opt) if budget else None
+    losses = []
+    try:
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(16, 3, 32, 32, generator=g).to(memory_format=torch.channels_last)
+            ids = torch.randint(0, 1000, (16, 5), generator=g)
+            y = torch.randint(0, 10, (16,), generator=g)
+            with mm.step() if mm is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                loss = nn.functional.cross_entropy(model(x, ids), y)
+                loss.backward()
+                opt.step()
+                sparse_opt.step()
+                opt.zero_grad()
+                sparse_opt.zero_grad()
+            losses.append(loss.item())
+        moved = mm.stats()["evictions"] if mm is not None else 0
+    finally:
+        if mm is not None:
+            mm.detach()
+    return losses, [t.clone() for t in model.state_dict().values()], moved
+
+
+@pytest.mark.parametrize("events", SOURCES)
+def test_sparse_gradients_and_a_channels_last_cnn_keep_their_bits(events):
+    # a sparse tensor's kernels read its indices and values, which the manager may have moved: each
+    # is faulted back as an input of the operator that reads the sparse tensor
+    want_losses, want, _ = _train_conv(None, events)
+    losses, got, moved = _train_conv(0.6, events)
+    assert moved > 0
+    assert losses == want_losses
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("events", SOURCES)
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_an_operator_on_a_sparse_tensor_brings_its_moved_parts_back(events, layout):
+    model = nn.Linear(4, 4)
+    mm = dr.MemoryManager(1 << 30, policy="lru", device="cpu", events=events).attach(model)
+    try:
+        with mm.step():
+            dense = torch.randn(16, 16) * (torch.rand(16, 16) > 0.7)
+            sp = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+            parts = [sp._indices(), sp._values()] if layout == "coo" else [sp.crow_indices(), sp.col_indices(),
+                                                                           sp.values()]
+            assert mm.offload(*parts) > 0  # the sparse tensor's own storages leave the device
+            assert torch.equal(sp.to_dense(), dense)  # its operator has them as inputs: fetched first
+            assert torch.equal((sp * 2).to_dense(), dense * 2)
+    finally:
+        mm.detach()
