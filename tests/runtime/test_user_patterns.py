@@ -181,3 +181,58 @@ def test_an_operator_on_a_sparse_tensor_brings_its_moved_parts_back(events, layo
             assert torch.equal((sp * 2).to_dense(), dense * 2)
     finally:
         mm.detach()
+
+
+class _WithHooksAndTarget(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.utils.parametrizations.weight_norm(nn.Linear(32, 128))
+        self.b = nn.Linear(128, 128)
+        self.c = nn.Linear(128, 8)
+        self.frozen = nn.Linear(32, 32).requires_grad_(False)
+        self.register_buffer("ema", torch.zeros(128))
+        self.b.weight.register_hook(lambda g: g * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.relu(self.a(self.frozen(x)), inplace=True)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(h.mean(0), alpha=0.1)  # a buffer updated in the forward
+        return self.c(nn.functional.relu_(self.b(h)))
+
+
+@pytest.mark.filterwarnings("ignore:dynn-runtime. the state does not fit")  # (state_dict's CPU copies)
+@pytest.mark.parametrize("events", SOURCES)
+def test_parametrizations_gradient_hooks_data_clipping_and_a_target_network_keep_their_bits(events):
+    def train(budget):
+        torch.manual_seed(0)
+        online = _WithHooksAndTarget()
+        target = copy.deepcopy(online)  # not attached: a DQN-style target network, synced between steps
+        opt = torch.optim.RMSprop([p for p in online.parameters() if p.requires_grad], lr=1e-3)
+        mm = dr.MemoryManager(budget, policy="lru", device="cpu", events=events).attach(online, opt) if budget else None
+        losses = []
+        try:
+            for step in range(8):
+                x = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
+                with mm.step() if mm is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                    with torch.no_grad():
+                        y = target(x) + 1
+                    loss = nn.functional.mse_loss(online(x), y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    for p in online.c.parameters():
+                        p.data.clamp_(-0.05, 0.05)  # WGAN-style clipping through .data
+                losses.append(loss.item())
+                if step % 3 == 2:
+                    target.load_state_dict(online.state_dict())
+            moved = mm.stats()["evictions"] if mm is not None else 0
+        finally:
+            if mm is not None:
+                mm.detach()
+        return losses, [t.clone() for m in (online, target) for t in m.state_dict().values()], moved
+
+    want_losses, want, _ = train(None)
+    losses, got, moved = train(0.6)
+    assert moved > 0
+    assert losses == want_losses
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
