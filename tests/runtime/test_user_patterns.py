@@ -44,20 +44,20 @@ OPTIMIZERS = {
 }
 
 
-def _train(opt_name: str, budget, events: str, amp: bool, steps: int = 5, accum: int = 2):
+def _train(opt_name: str, budget, events: str, amp: bool, steps: int = 5, accum: int = 2, device: str = "cpu"):
     torch.manual_seed(0)
-    model = _Net()
+    model = _Net().to(device)
     opt = OPTIMIZERS[opt_name](model)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
-    mm = dr.MemoryManager(budget, policy="lru", device="cpu", events=events).attach(model, opt) if budget else None
+    mm = dr.MemoryManager(budget, policy="lru", device=device, events=events).attach(model, opt) if budget else None
     losses = []
     try:
         for step in range(steps):
             g = torch.Generator().manual_seed(step)
             with mm.step() if mm is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 for k in range(accum):
-                    idx = torch.randint(0, 100, (16, 12), generator=g)
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    idx = torch.randint(0, 100, (16, 12), generator=g).to(device)
+                    with torch.autocast(device, dtype=torch.bfloat16, enabled=amp):
                         out = model(idx, 1 + (step + k) % 4)
                         loss = nn.functional.cross_entropy(out.float().reshape(-1, 100), idx.reshape(-1)) / accum
                     loss.backward()
@@ -85,6 +85,20 @@ def test_a_users_training_loop_keeps_its_bits_under_a_budget_that_moves(opt_name
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("events", SOURCES)
+@pytest.mark.parametrize("opt_name,amp", [("adam", False), ("adam-fused", True), ("sgd", True)])
+def test_a_users_training_loop_keeps_its_bits_on_cuda(opt_name, amp, events):
+    from dynn_runtime.runtime.train import deterministic
+
+    with deterministic():  # both sides: the embedding's backward and cuBLAS reproduce themselves only so
+        want_losses, want, _ = _train(opt_name, None, events, amp, device="cuda")
+        losses, got, moved = _train(opt_name, 0.3, events, amp, device="cuda")
+    assert moved > 0
+    assert losses == want_losses
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize("events", SOURCES)
