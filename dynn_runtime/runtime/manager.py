@@ -104,6 +104,20 @@ class _Count:
         self.used = used
 
 
+def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """``attach``'s optimizer argument as a list: none, one, or a sequence of them."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    if isinstance(optimizer, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in optimizer):
+        if len({id(o) for o in optimizer}) != len(optimizer):
+            raise ConfigError("runtime: attach() was given the same optimizer twice; give each once.")
+        return list(optimizer)
+    raise ConfigError(f"runtime: attach()'s optimizer must be a torch.optim.Optimizer, a list of them or None; "
+                      f"got {type(optimizer).__name__}.")
+
+
 class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, OutOfMemory, OracleAlignment,
                     StorageTable, Moves, Budget, ProviderClient):
     """Keep a training loop's device memory within ``budget`` by moving tensors as ``policy`` says.
@@ -185,6 +199,7 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         #: steps a fractional budget's peak is measured over, and the largest peak they measured so far
         self.measure_steps = measure_steps
         self._measured: list[int] = []
+        self.optimizers: list[torch.optim.Optimizer] = []  # attach()'s, whose state is managed
         provides = {"history", "pilot"} | ({"gpu"} if self.device.type == "cuda" else set())
         self._trace: Trace | None = None
         if trace is not None:
@@ -348,11 +363,15 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
         self._timeline = OpTimeline(self.TIMELINE_ENTRIES)
 
     # ---- attach / detach --------------------------------------------------------------------
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryManager:
+    def attach(self, model: nn.Module,
+               optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None) -> MemoryManager:
         """Bring ``model``'s parameters and buffers, its gradients and ``optimizer``'s state, and every
-        activation created while attached under management. Returns ``self``."""
+        activation created while attached under management. Returns ``self``. ``optimizer`` may be
+        several (a GAN's generator and discriminator, each with its own; ``model`` then holds both
+        networks, an ``nn.ModuleDict`` say): the state of one left out is not moved."""
         if self._attached:
             raise ConfigError("runtime: this MemoryManager is already attached; detach() it first.")
+        optimizers = _optimizers(optimizer)
         if _is_compiled(model):
             warnings.warn(
                 "dynn-runtime: the model (or a submodule) is compiled with torch.compile; the memory manager "
@@ -360,9 +379,9 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
                 "operator hooks. Attach the uncompiled module to manage it.", RuntimeWarning, stacklevel=2)
             self._passthrough = True
             self._attached = True
-            self.model, self.optimizer = model, optimizer
+            self.model, self.optimizer, self.optimizers = model, optimizer, optimizers
             return self
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizer, self.optimizers = model, optimizer, optimizers
         self._opt_marked = {}  # storage ids restart with each attach's observer
         from .events import native_module, resolve
 
@@ -407,12 +426,13 @@ class MemoryManager(Controls, Steps, StateTransfer, PythonSource, NativeSource, 
             sid = self._track(b, "buffer", fresh=False)
             if sid is not None:
                 self.st[sid].name = name
-        if optimizer is not None:
+        if optimizers:
             self._mark_optimizer_state()
-            self._handles.append(optimizer.register_step_pre_hook(self._opt_pre))
-            self._handles.append(optimizer.register_step_post_hook(self._opt_post))
-            self._handles.append(optimizer.register_state_dict_pre_hook(lambda *a: self._state_dict_pre()))
-            self._handles.append(optimizer.register_state_dict_post_hook(
+        for opt in optimizers:
+            self._handles.append(opt.register_step_pre_hook(self._opt_pre))
+            self._handles.append(opt.register_step_post_hook(self._opt_post))
+            self._handles.append(opt.register_state_dict_pre_hook(lambda *a: self._state_dict_pre()))
+            self._handles.append(opt.register_state_dict_post_hook(
                 lambda opt, sd: self._state_dict_post(sd.get("state", {}))))
         self._handles.append(model.register_state_dict_pre_hook(lambda *a, **k: self._state_dict_pre()))
         self._handles.append(model.register_state_dict_post_hook(

@@ -72,8 +72,8 @@ class StateTransfer:
             for name, b in m._buffers.items():
                 if b is not None:
                     out.append((b, functools.partial(m._buffers.__setitem__, name)))
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
+        for opt in self.optimizers:
+            for state in opt.state.values():
                 for k, v in state.items():
                     if isinstance(v, torch.Tensor):
                         out.append((v, functools.partial(state.__setitem__, k)))

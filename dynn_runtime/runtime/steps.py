@@ -541,17 +541,18 @@ class Steps:
             track(g, "grad", fresh=False)
 
     def _mark_optimizer_state(self) -> None:
-        """Label the optimizer's state tensors "opt_state". On the native source the observer walks
+        """Label the attached optimizers' state tensors "opt_state". On the native source the observer walks
         the state (``state_to_label``) and hands back only what the label would change (optimizers
         update their state in place, so after the first step: nothing). A tensor the manager does
         not manage (Adam's step counters on the host of a CUDA manager) stays where it is. On the
         Python source one already labelled is skipped while the same tensor object is there and its
         storage tracked, so that a step costs a dictionary lookup per state tensor."""
-        if self.optimizer is None:
+        if not self.optimizers:
             return
         obs, st = self._obs, self.st
         if obs is not None:
-            new = obs.state_to_label(self.optimizer.state, st, _LABELLED_TYPES, _SETTLED_STATE)
+            new = [v for opt in self.optimizers
+                   for v in obs.state_to_label(opt.state, st, _LABELLED_TYPES, _SETTLED_STATE)]
             if new and self._in_step and any(obs.sid_of(v) not in st for v in new):
                 # born since the log was read (the first step's state): read it first, so that
                 # each record has its birth's position (the measured peak counts state born after
@@ -563,7 +564,7 @@ class Steps:
             return
         seen, tensor = self._opt_marked, torch.Tensor
         get = seen.get
-        for state in self.optimizer.state.values():
+        for state in (x for opt in self.optimizers for x in opt.state.values()):
             for v in state.values():
                 if type(v) is not tensor:
                     continue

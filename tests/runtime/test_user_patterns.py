@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import dynn_runtime as dr
+from dynn_runtime.errors import ConfigError
 from dynn_runtime.runtime.events import native_module
 
 SOURCES = ["python", "native"] if native_module() is not None else ["python"]
@@ -336,3 +337,61 @@ def test_double_backward_retained_graphs_sampling_fft_masks_and_torch_func_keep_
     assert moved > 0
     assert losses == want_losses
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("events", SOURCES)
+def test_a_gan_with_both_optimizers_attached_keeps_its_bits_and_moves_both_states(events):
+    def train(budget):
+        torch.manual_seed(0)
+        gen = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 64))
+        disc = nn.Sequential(nn.Linear(64, 128), nn.LeakyReLU(0.2), nn.Linear(128, 128), nn.LeakyReLU(0.2),
+                             nn.Linear(128, 1))
+        both = nn.ModuleDict({"gen": gen, "disc": disc})
+        opt_g = torch.optim.Adam(gen.parameters(), lr=2e-4, betas=(0.5, 0.999))
+        opt_d = torch.optim.Adam(disc.parameters(), lr=2e-4, betas=(0.5, 0.999))
+        mm = dr.MemoryManager(budget, policy="lru", device="cpu", events=events).attach(both, [opt_g, opt_d]) \
+            if budget else None
+        bce = nn.functional.binary_cross_entropy_with_logits
+        losses, kinds = [], set()
+        try:
+            for step in range(6):
+                g = torch.Generator().manual_seed(step)
+                real, z = torch.randn(64, 64, generator=g), torch.randn(64, 16, generator=g)
+                with mm.step() if mm is not None else contextlib.nullcontext():
+                    fake = gen(z)
+                    loss_d = bce(disc(real), torch.ones(64, 1)) + bce(disc(fake.detach()), torch.zeros(64, 1))
+                    opt_d.zero_grad()
+                    loss_d.backward()
+                    opt_d.step()
+                    loss_g = bce(disc(fake), torch.ones(64, 1))
+                    opt_g.zero_grad()
+                    loss_g.backward()
+                    opt_g.step()
+                losses += [loss_d.item(), loss_g.item()]
+            if mm is not None:
+                kinds = {mm.st[mm._sid(v)].kind for opt in (opt_g, opt_d) for s in opt.state.values()
+                         for k, v in s.items() if k != "step" and mm._sid(v) is not None}
+            moved = mm.stats()["evictions"] if mm is not None else 0
+        finally:
+            if mm is not None:
+                mm.detach()
+        state = [t.clone() for t in both.state_dict().values()]
+        state += [v.clone() for opt in (opt_g, opt_d) for s in opt.state.values() for v in s.values()]
+        return losses, state, moved, kinds
+
+    want_losses, want, _, _ = train(None)
+    losses, got, moved, kinds = train(0.3)
+    assert moved > 0
+    assert kinds == {"opt_state"}  # the discriminator's moments too: movable, not the program's own
+    assert losses == want_losses
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_attach_refuses_what_is_not_an_optimizer_and_one_given_twice():
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for bad, match in ((["sgd"], "must be a torch.optim.Optimizer"), ([opt, opt], "same optimizer twice")):
+        mm = dr.MemoryManager(1 << 30, device="cpu", events="python")
+        with pytest.raises(ConfigError, match=match):
+            mm.attach(model, bad)
+        assert not mm.attached
