@@ -7,6 +7,7 @@ import json
 import pytest
 
 from dynn_runtime.cli import main
+from dynn_runtime.memory import format_bytes
 from dynn_runtime.runtime.train import (
     compare_unmanaged,
     parse_budget,
@@ -54,6 +55,21 @@ def test_train_budget_lru_is_bit_identical_and_within_budget(tmp_path, capsys):
     assert res["stats"]["bytes_offloaded"] > 0 and res["stats"]["bytes_fetched_on_demand"] > 0
     assert cmp["losses_identical"] and cmp["params_identical"] and cmp["differing"] == []
     assert res["losses"] == cmp["unmanaged"]["losses"]
+
+
+def test_train_measures_a_fraction_over_the_steps_it_is_told(tmp_path, capsys):
+    out_json = tmp_path / "run.json"
+    rc = main(["train", "examples/my_workload.py:build", "--preset", "tiny", "--steps", "4", "--budget", "1/2",
+               "--measure-steps", "3", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.count("(measuring the peak for budget 1/2)") == 3
+    res = json.loads(out_json.read_text())["result"]
+    assert res["managed_steps"] == [False, False, False, True]
+    measured = res["stats"]["measured_peak_bytes"]
+    assert measured >= max(res["peak_bytes"][:3])  # the largest of the three (and the state they made)
+    assert f"1/2 of the measured peak {format_bytes(measured)}" in out
+    assert res["budget_bytes"] == int(measured * 0.5)
 
 
 _BAD_BUDGET = ("runtime: the budget must be a positive number of bytes, a size like '6GiB', or a fraction of the "
