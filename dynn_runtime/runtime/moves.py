@@ -28,6 +28,7 @@ import torch
 
 from ..errors import BudgetError, internal_assert
 from ..memory import format_bytes
+from ..policies.base import Policy
 from ..residency import HOLDS_DEVICE, IN_FLIGHT, Record, Residency, Status
 from .events import native_module
 from .storages import _S, _u8
@@ -339,11 +340,20 @@ class Moves(Residency):
         if self._parse_due:  # a fault put its read of the log off: the message counts every record
             self._native_parse(in_step=self._in_step)
         held = sum(self.st[x].nbytes for x in exclude if x in self.st)
+        # what the program made between steps or kept past a step's end (Steps._end_step) never
+        # moves: named where freeing it would make the room
+        fixed = sum(s.nbytes for s in self.st.values() if s.status is RESIDENT and not s.movable and s.sid not in exclude)
+        fixes = ["Raise the budget"]
+        if type(self.policy).victims is Policy.victims:
+            fixes.append("use a policy that moves tensors (lru, pilot)")
+        if fixed and (fixed >= self.used + need - self.budget or 4 * fixed >= self.budget):
+            fixes.append(f"free what the program keeps from one step to the next or makes between steps "
+                         f"({format_bytes(fixed)} here, never moved: code outside the dispatcher may read it)")
         raise BudgetError(
             f"runtime: out of memory under policy {self.policy.name!r} at {where}: {format_bytes(need)} more needed, "
             f"{format_bytes(self.used)} of {format_bytes(self.budget)} in use ({format_bytes(held)} of it needed by "
-            "this operator) and nothing the policy may move. Raise the budget, or use a policy that moves more "
-            f"(lru, pilot). In use: {self._in_use(exclude)}.")
+            f"this operator) and nothing the policy may move. {', or '.join(fixes)}. "
+            f"In use: {self._in_use(exclude)}.")
 
     def _in_use(self, exclude: set[int]) -> str:
         """The device bytes in use by kind and by why each may not move (what a failed make-room is

@@ -380,3 +380,30 @@ def test_attach_refuses_what_is_not_an_optimizer_and_one_given_twice():
         with pytest.raises(ConfigError, match=match):
             mm.attach(model, bad)
         assert not mm.attached
+
+
+@pytest.mark.parametrize("events", SOURCES)
+def test_activations_kept_past_a_step_that_crowd_the_budget_are_named_in_the_error(events):
+    # what the program still holds when a step ends is its own from then on (never moved): an
+    # early-exit loop that keeps every exit's output into the next step runs out at that step's
+    # start, and the error says which bytes to free rather than to switch from lru
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(8)])
+    mm = dr.MemoryManager(0.3, policy="lru", device="cpu", events=events).attach(model)
+    kept: list[torch.Tensor] = []
+    try:
+        with pytest.raises(dr.BudgetError) as info:
+            for step in range(3):
+                x = torch.randn(128, 256, generator=torch.Generator().manual_seed(step))
+                with mm.step(), torch.no_grad():
+                    kept = []
+                    h = x
+                    for layer in model:
+                        h = layer(h)
+                        kept.append(h)  # every exit's output, still held when the next step starts
+        message = str(info.value)
+        assert "free what the program keeps from one step to the next" in message
+        assert "use a policy that moves tensors" not in message
+    finally:
+        kept.clear()
+        mm.detach()
