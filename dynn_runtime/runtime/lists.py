@@ -35,16 +35,20 @@ __all__ = ["ListSplitter", "is_list_operator", "list_function_names"]
 _TENSOR_SCALARS = ("_foreach_addcdiv", "_foreach_addcmul")
 
 
+#: the ``torch`` functions the wrappers replace: these prefixes, and GradScaler's unscale
+_PREFIXES = ("_foreach_", "_fused_")
+_UNSCALE = "_amp_foreach_non_finite_check_and_unscale_"
+
+
 def list_function_names() -> list[str]:
-    return sorted(n for n in dir(torch) if n.startswith(("_foreach_", "_fused_"))
-                  or n == "_amp_foreach_non_finite_check_and_unscale_")
+    return sorted(n for n in dir(torch) if n.startswith(_PREFIXES) or n == _UNSCALE)
 
 
 def is_list_operator(name: str) -> bool:
     """Whether the ATen operator ``name`` (``aten::_foreach_add_.List``) is one the wrappers split,
     when it is called through the ``torch`` namespace."""
     base = name.split("::", 1)[-1]
-    return base.startswith(("_foreach_", "_fused_")) or base.startswith("_amp_foreach_non_finite_check_and_unscale_")
+    return base.startswith(_PREFIXES) or base.split(".", 1)[0] == _UNSCALE
 
 
 def _nbytes(t: Any) -> int:

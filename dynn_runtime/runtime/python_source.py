@@ -73,11 +73,17 @@ def _parts(t: torch.Tensor) -> Iterator[torch.Tensor]:
 def _tensors(args: Any, kwargs: Any) -> Iterator[torch.Tensor]:
     for a in itertools.chain(args, kwargs.values()):
         if isinstance(a, torch.Tensor):
-            yield from _parts(a)
+            if a.layout is torch.strided:  # (every operator's path: no generator of _parts for it)
+                yield a
+            else:
+                yield from _parts(a)
         elif isinstance(a, (list, tuple)):
             for b in a:
                 if isinstance(b, torch.Tensor):
-                    yield from _parts(b)
+                    if b.layout is torch.strided:
+                        yield b
+                    else:
+                        yield from _parts(b)
 
 
 def _tensors_out(out: Any) -> Iterator[torch.Tensor]:

@@ -29,7 +29,7 @@ from dynn_runtime.policies.base import Action
 from dynn_runtime.policies.basic import LRUPolicy
 from dynn_runtime.runtime.events import native_module, no_mode
 from dynn_runtime.runtime.manager import MemoryManager
-from dynn_runtime.runtime.oom import RANDOM_BY_NAME, cap_shortfall, oom_request
+from dynn_runtime.runtime.oom import RANDOM_BY_NAME, UNDECLARED_WRITES, cap_shortfall, oom_request
 from dynn_runtime.runtime.steps import Steps
 
 _native = native_module()
@@ -376,6 +376,16 @@ def test_the_random_operator_lists_agree():
     body = src[src.index("static bool random_by_name"):]
     body = body[:body.index("}")]
     assert set(re.findall(r'"(aten::\w+)"', body)) == set(RANDOM_BY_NAME)
+
+
+def test_the_undeclared_write_lists_agree():
+    """oom.py's UNDECLARED_WRITES and events.cpp's undeclared_writes name the same operators and
+    argument indices."""
+    src = (Path(__file__).parents[2] / "dynn_runtime" / "csrc" / "events.cpp").read_text()
+    body = src[src.index("static std::vector<int> undeclared_writes"):]
+    body = body[:body.index("return {};")]
+    indices = tuple(int(i) for i in re.search(r"return \{([\d, ]+)\};", body).group(1).split(","))
+    assert {name: indices for name in re.findall(r'"(aten::\w+)"', body)} == UNDECLARED_WRITES
 
 
 # ---- the manager's own allocations: prefetches and the end of a step ------------------------------
